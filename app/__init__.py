@@ -1,0 +1,23 @@
+"""Turnstile: GRPO training of unmodified coding agents.
+
+`create_app()` builds the REST API's Flask app.  There is deliberately no
+module-level object named `app` or `celery` here: `celery -A app` looks for
+those names first and must find the Celery instance in `app/celery.py`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Flask
+
+
+def create_app(overrides: dict[str, Any] | None = None) -> Flask:
+    """Build the API + dashboard Flask app (served by gunicorn on :8000)."""
+    from app.api import register_api
+
+    flask_app = Flask(__name__)
+    flask_app.config.update(JSON_SORT_KEYS=False, MAX_CONTENT_LENGTH=4 * 1024 * 1024)
+    if overrides:
+        flask_app.config.update(overrides)
+    register_api(flask_app)
+    return flask_app

@@ -1,0 +1,65 @@
+"""The Celery instance (`celery -A app worker` finds it here under the name `app`).
+
+Queues, one per resource: `control` (scheduling, cheap), `prepare` (runtimes),
+`rollout` (harness episodes, minutes), `grade` (test runs), `gpu` (GRPO steps,
+one process that keeps the model resident).  Settings follow
+../shared/research/aesthetics.md §5: late ack + reject on worker loss for the
+idempotent episode stages, prefetch 1, a visibility timeout above the longest
+task, soft and hard time limits, JSON only, explicit task names.
+"""
+from __future__ import annotations
+
+from celery import Celery
+from celery.signals import worker_process_init
+from kombu import Queue
+
+from app.config import get_settings
+
+QUEUES = ("control", "prepare", "rollout", "grade", "gpu")
+
+_settings = get_settings()
+
+app = Celery(
+    "turnstile",
+    broker=_settings.broker_url,
+    backend=_settings.result_backend,
+    include=["app.tasks.control", "app.tasks.episodes", "app.tasks.training"],
+)
+
+app.conf.update(
+    task_queues=[Queue(name) for name in QUEUES],
+    task_default_queue="control",
+    task_routes={
+        "control.*": {"queue": "control"},
+        "prepare.*": {"queue": "prepare"},
+        "rollout.*": {"queue": "rollout"},
+        "grade.*": {"queue": "grade"},
+        "gpu.*": {"queue": "gpu"},
+    },
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    task_track_started=True,
+    task_ignore_result=True,
+    result_expires=24 * 3600,
+    worker_prefetch_multiplier=1,
+    worker_send_task_events=True,
+    task_send_sent_event=True,
+    task_soft_time_limit=_settings.task_soft_time_limit,
+    task_time_limit=_settings.task_time_limit,
+    broker_transport_options={"visibility_timeout": _settings.visibility_timeout},
+    result_backend_transport_options={"visibility_timeout": _settings.visibility_timeout},
+    worker_cancel_long_running_tasks_on_connection_loss=True,
+    broker_connection_retry_on_startup=True,
+    timezone="UTC",
+)
+
+
+@worker_process_init.connect
+def _dispose_inherited_pool(**_kwargs) -> None:
+    """Never reuse a pooled DB connection across fork (superset's worker_process_init)."""
+    from app.db import dispose_engine
+
+    dispose_engine()

@@ -1,0 +1,86 @@
+"""Shared fixtures: a real database (SQLite file per test, or PostgreSQL) and a real Redis.
+
+Areas keep their own Redis database number (REDIS_DB_<AREA> below) so suites
+that flush Redis never wipe each other's keys when run side by side.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import redis as redis_lib
+from sqlalchemy import create_engine, text
+
+from app import config, db
+from app.models import Base
+
+PG_ADMIN_URL = os.environ.get("TURNSTILE_TEST_PG_ADMIN", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+REDIS_BASE = os.environ.get("TURNSTILE_TEST_REDIS", "redis://127.0.0.1:6379")
+
+
+def _use_database(monkeypatch, url: str) -> None:
+    monkeypatch.setenv("DATABASE_URL", url)
+    config.reset_settings()
+    db.dispose_engine()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'turnstile.db'}"
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh, empty PostgreSQL database for one test; dropped afterwards."""
+    name = f"turnstile_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        yield url
+    finally:
+        db.dispose_engine()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture
+def database(monkeypatch, sqlite_url):
+    """SQLite database with all tables, bound as the process database."""
+    _use_database(monkeypatch, sqlite_url)
+    Base.metadata.create_all(db.get_engine())
+    yield sqlite_url
+    db.dispose_engine()
+    config.reset_settings()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_database(request, monkeypatch, tmp_path):
+    """Run a test on both SQLite and PostgreSQL (tables created from the models)."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'turnstile.db'}"
+    else:
+        url = request.getfixturevalue("pg_url")
+    _use_database(monkeypatch, url)
+    Base.metadata.create_all(db.get_engine())
+    yield url
+    db.dispose_engine()
+    config.reset_settings()
+
+
+def redis_url_for(db_number: int) -> str:
+    return f"{REDIS_BASE}/{db_number}"
+
+
+@pytest.fixture
+def redis_db(request):
+    """A flushed real Redis database; the number comes from the test module's REDIS_DB (default 10)."""
+    number = getattr(request.module, "REDIS_DB", 10)
+    client = redis_lib.Redis.from_url(redis_url_for(number))
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
