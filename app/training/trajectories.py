@@ -1,0 +1,321 @@
+"""Trajectory builders: turn an episode's completions into token-exact training sequences.
+
+Two builders, both pure functions over `CompletionRecord`s (no database, no torch):
+
+* `per_request` — every completion is its own sequence: `prompt_ids` (loss mask 0) followed
+  by `sampled_ids` (loss mask 1, recorded rollout logprobs).  Simple, works for any call
+  pattern, but an N-call session re-processes its growing prefix N times.
+* `prefix_merging` — a completion whose `prompt_ids` start with an open chain's full token
+  stream (that chain's last prompt ids + last sampled ids) extends that chain: the tokens in
+  between (tool results, template glue such as an end-of-turn the engine did not sample) get
+  loss mask 0 and logprob 0.0, its sampled ids get mask 1 and their recorded logprobs.  When
+  several chains qualify the longest stream wins (prime-rl PR #2634).  A completion that
+  extends no open chain (context compaction, a sub-agent with its own system prompt, a
+  harness that rewrote or re-tokenized the previous assistant turn, a retry) starts a new
+  chain; the reason is counted.  See ../shared/research/polar.md §3.3 for the scheme Polar
+  uses; unlike Polar we compare prompt *and* sampled ids, so every merged sequence is exactly
+  the token stream the engine saw and sampled (DESIGN.md invariant 1): nothing is re-rendered
+  and no canonical end-of-turn is substituted.
+
+Sampled ids are never re-tokenized.  Captures that cannot be trained on are rejected by
+`validate_completion` with a reason, left out of every sequence, and counted in the report.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+BUILDERS = ("prefix_merging", "per_request")
+
+
+@dataclass(frozen=True)
+class CompletionRecord:
+    """The fields of one captured completion that training needs.
+
+    `prompt_ids` int32 [P] as rendered by the engine; `sampled_ids` int32 [S] as sampled;
+    `logprobs` float32 nats [S], one per sampled id.  `completion_id` is `Completion.id`
+    (None for records built by hand); `seq` is the arrival order within the episode.
+    """
+
+    seq: int
+    prompt_ids: Sequence[int] | None
+    sampled_ids: Sequence[int] | None
+    logprobs: Sequence[float] | None
+    finish_reason: str | None = None
+    completion_id: int | None = None
+    policy_version: int | None = None
+
+
+@dataclass
+class TrainingSequence:
+    """One training sequence (a chain, or a single completion for `per_request`).
+
+    `token_ids` int [T], `loss_mask` int 0/1 [T] (1 = sampled by the policy), `logprobs`
+    float nats [T] (rollout logprob where the mask is 1, 0.0 elsewhere).  `completions` lists
+    the `completion_id`s (or `seq`s when ids are absent) merged into it, in order;
+    `spans` holds one `[start, end)` token range of sampled ids per merged completion.
+    """
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    completions: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    policy_versions: list[int | None] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+
+    @property
+    def trainable_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class BuildResult:
+    """The sequences of one episode plus the per-episode report (a JSON-able dict)."""
+
+    sequences: list[TrainingSequence]
+    report: dict
+    rejected: dict[int, str]  # record index -> reason text
+
+
+# --- validation (ingestion checks) ------------------------------------------------------
+
+
+def validate_completion(record: CompletionRecord, vocab_size: int | None = None) -> str | None:
+    """Return why `record` cannot be trained on, or None when it can.
+
+    The reason starts with a short kind (`missing_prompt_ids`, `missing_sampled_ids`,
+    `empty_sampled_ids`, `missing_logprobs`, `logprobs_length_mismatch`,
+    `token_id_out_of_vocab`, `invalid_logprob`), then a colon and details, so reports can
+    count kinds.  `vocab_size` is the number of rows of the model's embedding; ids must lie
+    in `[0, vocab_size)`.
+    """
+    if not record.prompt_ids:
+        return "missing_prompt_ids: the capture has no prompt token ids"
+    if record.sampled_ids is None:
+        return "missing_sampled_ids: the capture has no sampled token ids"
+    if len(record.sampled_ids) == 0:
+        return "empty_sampled_ids: the engine sampled no tokens"
+    if record.logprobs is None:
+        return "missing_logprobs: the capture has no rollout logprobs"
+    if len(record.logprobs) != len(record.sampled_ids):
+        return (
+            f"logprobs_length_mismatch: len(logprobs)={len(record.logprobs)} "
+            f"!= len(sampled_ids)={len(record.sampled_ids)}"
+        )
+    if vocab_size is not None:
+        for where, ids in (("prompt_ids", record.prompt_ids), ("sampled_ids", record.sampled_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                return f"token_id_out_of_vocab: {where} holds id {bad}, vocab_size={vocab_size}"
+    for i, lp in enumerate(record.logprobs):
+        # A logprob is log p with p in (0, 1]; allow float32 rounding just above 0.
+        if not math.isfinite(lp) or lp > 1e-4:
+            return f"invalid_logprob: logprobs[{i}]={lp!r} is not a finite value <= 0"
+    return None
+
+
+def reason_kind(reason: str) -> str:
+    """The short kind of a rejection reason (the text before the first colon)."""
+    return reason.split(":", 1)[0]
+
+
+def _accept(records: Iterable[CompletionRecord], vocab_size: int | None):
+    ordered = sorted(enumerate(records), key=lambda pair: pair[1].seq)
+    accepted: list[CompletionRecord] = []
+    rejected: dict[int, str] = {}
+    for index, record in ordered:
+        reason = validate_completion(record, vocab_size)
+        if reason is None:
+            accepted.append(record)
+        else:
+            rejected[index] = reason
+    return accepted, rejected, len(ordered)
+
+
+def _base_report(builder: str, total: int, rejected: dict[int, str]) -> dict:
+    return {
+        "builder": builder,
+        "completions": total,
+        "accepted": total - len(rejected),
+        "rejected": len(rejected),
+        "rejected_reasons": dict(Counter(reason_kind(r) for r in rejected.values())),
+    }
+
+
+def _finish_report(report: dict, sequences: list[TrainingSequence]) -> dict:
+    report["chains"] = len(sequences)
+    report["tokens"] = sum(len(s.token_ids) for s in sequences)
+    report["trainable_tokens"] = sum(s.trainable_tokens for s in sequences)
+    return report
+
+
+def _label(record: CompletionRecord) -> int:
+    return record.completion_id if record.completion_id is not None else record.seq
+
+
+# --- per_request -------------------------------------------------------------------------
+
+
+def per_request(records: Iterable[CompletionRecord], vocab_size: int | None = None) -> BuildResult:
+    """One sequence per valid completion: prompt (mask 0) + sampled ids (mask 1).
+
+    Returns a `BuildResult` whose report has `completions`, `accepted`, `rejected`,
+    `rejected_reasons`, `chains` (= sequences), `completions_merged` (always 0),
+    `chains_cut` (always 0), `tokens` and `trainable_tokens`.
+    """
+    accepted, rejected, total = _accept(records, vocab_size)
+    sequences = []
+    for record in accepted:
+        prompt, sampled = list(record.prompt_ids), list(record.sampled_ids)
+        sequences.append(
+            TrainingSequence(
+                token_ids=prompt + sampled,
+                loss_mask=[0] * len(prompt) + [1] * len(sampled),
+                logprobs=[0.0] * len(prompt) + [float(x) for x in record.logprobs],
+                completions=[_label(record)],
+                spans=[(len(prompt), len(prompt) + len(sampled))],
+                policy_versions=[record.policy_version],
+                finish_reasons=[record.finish_reason],
+            )
+        )
+    report = _base_report("per_request", total, rejected)
+    report.update(completions_merged=0, chains_cut=0, cut_reasons={})
+    return BuildResult(sequences, _finish_report(report, sequences), rejected)
+
+
+# --- prefix_merging ----------------------------------------------------------------------
+
+# Why a completion started a new chain instead of extending its closest open chain.
+CUT_REASONS = {
+    "context_diverged": "the prompt departs from the chain inside its earlier context "
+    "(context compaction, a sub-agent or parallel agent, an edited system prompt or tool list)",
+    "assistant_turn_rerendered": "the prompt holds the chain's last prompt but not its sampled ids "
+    "verbatim (re-tokenized text, reformatted tool call, stripped thinking)",
+    "branched": "the prompt ends inside the chain (a retry or parallel call from an earlier point)",
+}
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    # Compare in blocks first: chains are long and usually agree for thousands of tokens.
+    step = 256
+    while i + step <= n and list(a[i : i + step]) == list(b[i : i + step]):
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class _Chain:
+    sequence: TrainingSequence
+    prompt_len: int  # length of the last merged completion's prompt
+
+    @property
+    def stream(self) -> list[int]:
+        return self.sequence.token_ids
+
+
+def _start_chain(record: CompletionRecord) -> _Chain:
+    prompt, sampled = list(record.prompt_ids), list(record.sampled_ids)
+    seq = TrainingSequence(
+        token_ids=prompt + sampled,
+        loss_mask=[0] * len(prompt) + [1] * len(sampled),
+        logprobs=[0.0] * len(prompt) + [float(x) for x in record.logprobs],
+        completions=[_label(record)],
+        spans=[(len(prompt), len(prompt) + len(sampled))],
+        policy_versions=[record.policy_version],
+        finish_reasons=[record.finish_reason],
+    )
+    return _Chain(seq, len(prompt))
+
+
+def _extend_chain(chain: _Chain, record: CompletionRecord) -> None:
+    seq = chain.sequence
+    prompt, sampled = record.prompt_ids, list(record.sampled_ids)
+    between = list(prompt[len(seq.token_ids) :])  # tool results, template glue: context only
+    seq.token_ids.extend(between)
+    seq.loss_mask.extend([0] * len(between))
+    seq.logprobs.extend([0.0] * len(between))
+    start = len(seq.token_ids)
+    seq.token_ids.extend(sampled)
+    seq.loss_mask.extend([1] * len(sampled))
+    seq.logprobs.extend(float(x) for x in record.logprobs)
+    seq.completions.append(_label(record))
+    seq.spans.append((start, start + len(sampled)))
+    seq.policy_versions.append(record.policy_version)
+    seq.finish_reasons.append(record.finish_reason)
+    chain.prompt_len = len(prompt)
+
+
+def _cut_reason(chains: list[_Chain], prompt: Sequence[int]) -> tuple[str, int, int]:
+    """Classify why `prompt` extends none of `chains`: (reason, closest chain, diverged_at)."""
+    best, best_lcp = 0, -1
+    for index, chain in enumerate(chains):
+        lcp = _common_prefix(chain.stream, prompt)
+        if lcp > best_lcp:
+            best, best_lcp = index, lcp
+    chain = chains[best]
+    if best_lcp == len(prompt):
+        return "branched", best, best_lcp
+    if best_lcp < chain.prompt_len:
+        return "context_diverged", best, best_lcp
+    return "assistant_turn_rerendered", best, best_lcp
+
+
+def prefix_merging(records: Iterable[CompletionRecord], vocab_size: int | None = None) -> BuildResult:
+    """Merge an episode's completions into chains of exact token continuity.
+
+    Completions are taken in `seq` order.  A completion extends the open chain whose whole
+    token stream (last prompt ids + last sampled ids) is a prefix of its `prompt_ids`, the
+    longest such stream winning; otherwise it starts a new chain and the closest chain's
+    divergence is classified with `CUT_REASONS`.  Chains stay open after a cut, so a parent
+    agent resumes its chain after a sub-agent's calls.  A rejected completion is skipped; if
+    the next prompt still extends the chain, its tokens become mask-0 context.
+
+    Report keys: those of `per_request` plus `completions_merged` (completions appended to
+    an existing chain), `chains_cut` (chains started because a prompt did not extend any
+    open chain) and `cut_reasons` (counts per `CUT_REASONS` key), `new_chains` (one entry
+    per cut: completion, reason, closest chain index, token offset where it diverged).
+    """
+    accepted, rejected, total = _accept(records, vocab_size)
+    chains: list[_Chain] = []
+    merged = 0
+    cuts: list[dict] = []
+    for record in accepted:
+        prompt = record.prompt_ids
+        target, target_len = None, -1
+        for chain in chains:
+            n = len(chain.stream)
+            if n <= len(prompt) and n > target_len and _common_prefix(chain.stream, prompt) == n:
+                target, target_len = chain, n
+        if target is not None:
+            _extend_chain(target, record)
+            merged += 1
+            continue
+        if chains:
+            reason, closest, at = _cut_reason(chains, prompt)
+            cuts.append({"completion": _label(record), "reason": reason, "closest_chain": closest, "diverged_at": at})
+        chains.append(_start_chain(record))
+    sequences = [chain.sequence for chain in chains]
+    report = _base_report("prefix_merging", total, rejected)
+    report.update(
+        completions_merged=merged,
+        chains_cut=len(cuts),
+        cut_reasons=dict(Counter(cut["reason"] for cut in cuts)),
+        new_chains=cuts,
+    )
+    return BuildResult(sequences, _finish_report(report, sequences), rejected)
+
+
+def build(builder: str, records: Iterable[CompletionRecord], vocab_size: int | None = None) -> BuildResult:
+    """Run the builder named `builder` (one of `BUILDERS`); raises ValueError for others."""
+    if builder == "prefix_merging":
+        return prefix_merging(records, vocab_size)
+    if builder == "per_request":
+        return per_request(records, vocab_size)
+    raise ValueError(f"unknown trajectory builder {builder!r}; choose one of {', '.join(BUILDERS)}")
