@@ -84,6 +84,38 @@ class TaskInstance(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+# --- groups -------------------------------------------------------------------------
+
+GROUP_STATES = (
+    "open",      # episodes still running
+    "complete",  # every episode terminal; not yet judged
+    "accepted",  # usable and fresh enough; waiting for a training step
+    "trained",   # consumed by training step `step`
+    "rejected",  # too few usable episodes (reason says why)
+    "dropped",   # too stale for the current policy (reason says why)
+    "done",      # eval/collect group finished
+)
+
+
+class Group(Base):
+    """GRPO's group: `group_size` episodes of one task instance, judged together."""
+
+    __tablename__ = "groups"
+    __table_args__ = (UniqueConstraint("run_id", "group_index", name="uq_group_index"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    group_index: Mapped[int] = mapped_column(Integer)
+    instance_id: Mapped[int] = mapped_column(ForeignKey("task_instances.id"))
+    status: Mapped[str] = mapped_column(String(16), default="open")
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)  # training step that consumed it
+    weight: Mapped[float] = mapped_column(Float, default=1.0)  # < 1 when down-weighted for staleness
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)  # policy version when created
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    completed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
 # --- episodes -----------------------------------------------------------------------
 
 EPISODE_STATES = (

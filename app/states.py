@@ -26,7 +26,7 @@ RUN_TRANSITIONS: dict[str, tuple[str, ...]] = {
 EPISODE_TRANSITIONS: dict[str, tuple[str, ...]] = {
     "preparing": ("queued", "preparing"),  # preparing->preparing: a redelivered prepare retries
     "ready": ("preparing",),
-    "running": ("ready",),
+    "running": ("ready", "running"),  # running->running: takeover of a dead worker's attempt
     "grading": ("running", "grading"),
     "completed": ("grading",),
     "failed": ("queued", "preparing", "ready", "running", "grading"),
@@ -53,11 +53,13 @@ def transition(
     to: str,
     *,
     expect: Iterable[str] | None = None,
+    where: dict[str, Any] | None = None,
     **values: Any,
 ) -> bool:
     """Move row `row_id` of `model` to status `to` if its status is an allowed predecessor.
 
-    `expect` narrows the allowed predecessors further.  Extra keyword `values` are
+    `expect` narrows the allowed predecessors further; `where` adds equality
+    conditions (e.g. `{"attempts": 2}` so only the current attempt may finish).  Extra keyword `values` are
     written in the same UPDATE.  Returns True when this call made the change.
     The caller commits.  Raises `InvalidTransition` for an unknown target state.
     """
@@ -71,9 +73,12 @@ def transition(
         return False
     if "updated_at" in model.__table__.c:
         values.setdefault("updated_at", utcnow())
+    conditions = [model.id == row_id, model.status.in_(sorted(allowed))]
+    for column, value in (where or {}).items():
+        conditions.append(getattr(model, column) == value)
     result = session.execute(
         update(model)
-        .where(model.id == row_id, model.status.in_(sorted(allowed)))
+        .where(*conditions)
         .values(status=to, **values)
         .execution_options(synchronize_session=False)
     )

@@ -6,7 +6,16 @@ that flush Redis never wipe each other's keys when run side by side.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
+from pathlib import Path
+
+# Before any app module reads settings: the broker and app data live in Redis DB 10
+# during tests, never in the DB 0 a developer's running deployment uses.
+os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/10")
 
 import pytest
 import redis as redis_lib
@@ -14,6 +23,7 @@ from sqlalchemy import create_engine, text
 
 from app import config, db
 from app.models import Base
+from support import Proc
 
 PG_ADMIN_URL = os.environ.get("TURNSTILE_TEST_PG_ADMIN", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 REDIS_BASE = os.environ.get("TURNSTILE_TEST_REDIS", "redis://127.0.0.1:6379")
@@ -84,3 +94,19 @@ def redis_db(request):
     yield client
     client.flushdb()
     client.close()
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """Start real subprocesses (celery workers, servers); all are killed at teardown."""
+    procs: list[Proc] = []
+
+    def _spawn(args: list[str], env_overrides: dict | None = None, name: str = "proc") -> Proc:
+        env = {**os.environ, **(env_overrides or {})}
+        proc = Proc(args, env, tmp_path / f"{name}-{len(procs)}.log")
+        procs.append(proc)
+        return proc
+
+    yield _spawn
+    for proc in procs:
+        proc.kill(signal.SIGTERM)

@@ -1,0 +1,54 @@
+# Turnstile. Two commands matter:  `make demo` (set up everything, train, show results)
+# and `make test` (the test suite). Everything else here is a step of those two.
+SHELL := /bin/bash
+BIN := .venv/bin
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test setup venv system redis migrate harnesses harness-demo model up down ci-deps clean
+
+## demo: set up from nothing, start all processes, run a train run end to end, print the summary
+demo: setup harness-demo model
+	bash scripts/demo.sh
+
+## test: run the whole test suite (needs `make ci-deps` once; .ci/run does that)
+test:
+	$(BIN)/pytest -q
+
+## setup: system packages, virtualenv, Redis, database schema
+setup: system venv redis migrate
+
+system:
+	bash scripts/system_deps.sh
+
+venv: .venv/.installed
+.venv/.installed: requirements.txt requirements-dev.txt requirements-model.txt scripts/install.sh
+	bash scripts/install.sh
+	touch $@
+
+redis:
+	bash scripts/ensure_redis.sh
+
+migrate: venv
+	mkdir -p var
+	$(BIN)/alembic upgrade head
+
+## harnesses: install all seven harness CLIs into var/tools (npm prefix / own venvs)
+harnesses: venv
+	$(BIN)/python -m app harness install all
+
+harness-demo: venv
+	$(BIN)/python -m app harness install mini-swe-agent
+
+## model: build the SmolLM2 safetensors cache from the packaged GGUF (once)
+model: venv
+	$(BIN)/python -m app.engines.modeling --warm smollm2
+
+## up: start every process of the Procfile in the foreground (Ctrl-C stops them)
+up: setup
+	$(BIN)/honcho start
+
+## ci-deps: what the tests need beyond `setup` (harness CLIs, model cache)
+ci-deps: setup harnesses model
+
+clean:
+	rm -rf var/runs var/runtimes

@@ -1,0 +1,32 @@
+"""JSON errors for the REST API: `{"error": {"message", "field"?, "details"?}}`."""
+from __future__ import annotations
+
+from flask import Flask, jsonify
+from werkzeug.exceptions import HTTPException
+
+
+class ApiError(Exception):
+    """An error answered to the client with `status` and a message (and the field at fault)."""
+
+    def __init__(self, status: int, message: str, field: str | None = None, details: list | None = None):
+        super().__init__(message)
+        self.status, self.message, self.field, self.details = status, message, field, details
+
+
+def error_body(message: str, field: str | None = None, details: list | None = None) -> dict:
+    err: dict = {"message": message}
+    if field is not None:
+        err["field"] = field
+    if details:
+        err["details"] = details
+    return {"error": err}
+
+
+def register_error_handlers(flask_app: Flask) -> None:
+    @flask_app.errorhandler(ApiError)
+    def _api_error(exc: ApiError):
+        return jsonify(error_body(exc.message, exc.field, exc.details)), exc.status
+
+    @flask_app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        return jsonify(error_body(exc.description or exc.name)), exc.code

@@ -1,0 +1,217 @@
+"""REST endpoints for runs, episodes and exports (documented in app/api/openapi.py).
+
+Creating a run commits the row first and enqueues the `control.start_run` task
+after (Celery's commit-before-enqueue rule), then answers 202 with a Location.
+Status always comes from SQL, never from Celery results.
+"""
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+from flask import Blueprint, Response, jsonify, request, url_for
+from pydantic import ValidationError
+from sqlalchemy import func, select
+
+from app.api.errors import ApiError
+from app.api.openapi import openapi_spec
+from app.api.serialize import completion_to_dict, episode_to_dict, run_to_dict, step_to_dict
+from app.db import new_session, session_scope
+from app.models import Completion, Episode, Run, TrainingStep, Trajectory
+from app.runconfig import RunConfig
+from app.states import transition
+
+bp = Blueprint("api", __name__)
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    details = []
+    for err in exc.errors(include_url=False, include_input=False):
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"]
+        if not loc and msg.startswith("Value error, "):
+            # model-level checks carry their field as "field: message"
+            msg = msg.removeprefix("Value error, ")
+            loc, _, msg = msg.partition(": ") if ": " in msg else ("", "", msg)
+        details.append({"field": loc or None, "message": msg})
+    first = details[0]
+    where = f"{first['field']}: " if first["field"] else ""
+    return ApiError(400, f"invalid run config: {where}{first['message']}", first["field"], details)
+
+
+def _status_counts(session, run_id: int) -> dict[str, int]:
+    rows = session.execute(
+        select(Episode.status, func.count()).where(Episode.run_id == run_id).group_by(Episode.status)
+    ).all()
+    return {status: n for status, n in rows}
+
+
+def _live_stats(session, run_id: int) -> dict:
+    """Cheap aggregates for progress displays: captures, sampled tokens, graded reward."""
+    n, sampled_bytes = session.execute(
+        select(func.count(Completion.id), func.coalesce(func.sum(func.length(Completion.sampled_ids)), 0))
+        .join(Episode, Episode.id == Completion.episode_id).where(Episode.run_id == run_id)
+    ).one()
+    graded, reward = session.execute(
+        select(func.count(Episode.id), func.avg(Episode.reward))
+        .where(Episode.run_id == run_id, Episode.status == "completed")
+    ).one()
+    return {"completions": n, "sampled_tokens": int(sampled_bytes) // 4, "graded": graded,
+            "reward_mean": float(reward) if reward is not None else None}
+
+
+def _get_run(session, run_id: int) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise ApiError(404, f"run {run_id} not found")
+    return run
+
+
+@bp.get("/openapi.json")
+def get_openapi():
+    return jsonify(openapi_spec())
+
+
+@bp.get("/health")
+def health():
+    return jsonify({"status": "ok"})
+
+
+@bp.post("/runs")
+def create_run():
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        cfg = RunConfig.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    from app.preflight import check_run_config  # validates choices against this installation
+
+    problem = check_run_config(cfg)
+    if problem is not None:
+        raise ApiError(400, problem[1], problem[0])
+    priority = cfg.priority or (5 if cfg.kind == "eval" else 0)
+    with session_scope() as session:
+        run = Run(kind=cfg.kind, config=cfg.model_dump(mode="json"), priority=priority)
+        session.add(run)
+        session.flush()
+        run_id = run.id
+    from app.tasks.control import start_run
+
+    start_run.apply_async(args=[run_id], priority=priority)
+    with session_scope() as session:
+        payload = run_to_dict(session.get(Run, run_id))
+    resp = jsonify(payload)
+    resp.status_code = 202
+    resp.headers["Location"] = url_for("api.get_run", run_id=run_id)
+    return resp
+
+
+@bp.get("/runs")
+def list_runs():
+    limit = min(int(request.args.get("limit", 50)), 500)
+    with session_scope() as session:
+        runs = session.scalars(select(Run).order_by(Run.id.desc()).limit(limit)).all()
+        return jsonify({"runs": [run_to_dict(r, _status_counts(session, r.id)) for r in runs]})
+
+
+@bp.get("/runs/<int:run_id>")
+def get_run(run_id: int):
+    with session_scope() as session:
+        run = _get_run(session, run_id)
+        out = run_to_dict(run, _status_counts(session, run_id))
+        out["live"] = _live_stats(session, run_id)
+        steps = session.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id).order_by(TrainingStep.step))
+        out["steps"] = [step_to_dict(s) for s in steps]
+        return jsonify(out)
+
+
+@bp.post("/runs/<int:run_id>/cancel")
+def cancel_run(run_id: int):
+    with session_scope() as session:
+        run = _get_run(session, run_id)
+        if run.status in ("completed", "failed", "cancelled"):
+            raise ApiError(409, f"run {run_id} is already {run.status}")
+        transition(session, Run, run_id, "cancelling")
+    from app.tasks.control import cancel_run as cancel_task
+
+    cancel_task.apply_async(args=[run_id], priority=9)
+    with session_scope() as session:
+        return jsonify(run_to_dict(session.get(Run, run_id))), 202
+
+
+@bp.get("/runs/<int:run_id>/episodes")
+def list_episodes(run_id: int):
+    status = request.args.get("status")
+    with session_scope() as session:
+        _get_run(session, run_id)
+        q = select(Episode).where(Episode.run_id == run_id).order_by(Episode.id)
+        if status:
+            q = q.where(Episode.status == status)
+        return jsonify({"episodes": [episode_to_dict(e) for e in session.scalars(q)]})
+
+
+@bp.get("/episodes/<int:episode_id>")
+def get_episode(episode_id: int):
+    with session_scope() as session:
+        ep = session.get(Episode, episode_id)
+        if ep is None:
+            raise ApiError(404, f"episode {episode_id} not found")
+        out = episode_to_dict(ep)
+        out["completions"] = [completion_to_dict(c) for c in ep.completions]
+        return jsonify(out)
+
+
+def _export_lines(run_id: int) -> Iterator[str]:
+    """One JSON line per episode: messages of its last call, completions with token ids, trajectories."""
+    session = new_session()
+    try:
+        ids = session.scalars(select(Episode.id).where(Episode.run_id == run_id).order_by(Episode.id)).all()
+        for episode_id in ids:
+            ep = session.get(Episode, episode_id)
+            comps = [completion_to_dict(c) for c in ep.completions]
+            trajs = session.scalars(
+                select(Trajectory).where(Trajectory.episode_id == episode_id).order_by(Trajectory.chain_index)
+            ).all()
+            record = episode_to_dict(ep)
+            last = ep.completions[-1] if ep.completions else None
+            record["messages"] = _messages_of(last)
+            record["completions"] = comps
+            record["trajectories"] = [
+                {
+                    "builder": t.builder,
+                    "chain_index": t.chain_index,
+                    "token_ids": t.token_ids,
+                    "loss_mask": t.loss_mask,
+                    "logprobs": t.logprobs,
+                    "completion_ids": t.completion_ids,
+                }
+                for t in trajs
+            ]
+            yield json.dumps(record) + "\n"
+            session.expunge_all()
+    finally:
+        session.close()
+
+
+def _messages_of(completion: Completion | None) -> list | None:
+    """The full conversation of the episode's last call: its normalized messages + the answer."""
+    if completion is None or not completion.normalized_request:
+        return None
+    messages = list(completion.normalized_request.get("messages", []))
+    answer = (completion.response or {}).get("_normalized_message")
+    if answer:
+        messages.append(answer)
+    return messages
+
+
+@bp.get("/runs/<int:run_id>/export")
+def export_run(run_id: int):
+    with session_scope() as session:
+        _get_run(session, run_id)
+    return Response(
+        _export_lines(run_id),
+        mimetype="application/x-ndjson",
+        headers={"Content-Disposition": f"attachment; filename=run-{run_id}.jsonl"},
+    )

@@ -1,0 +1,97 @@
+"""Row -> JSON dicts for the REST API (ids and timestamps as strings where needed)."""
+from __future__ import annotations
+
+import datetime as dt
+
+from app.models import Completion, Episode, Run, TrainingStep
+
+
+def _ts(value: dt.datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def run_to_dict(run: Run, counts: dict[str, int] | None = None) -> dict:
+    return {
+        "id": run.id,
+        "kind": run.kind,
+        "status": run.status,
+        "policy_version": run.policy_version,
+        "priority": run.priority,
+        "config": run.config,
+        "error": run.error,
+        "summary": run.summary,
+        "episodes_by_status": counts or {},
+        "created_at": _ts(run.created_at),
+        "started_at": _ts(run.started_at),
+        "finished_at": _ts(run.finished_at),
+    }
+
+
+def episode_to_dict(ep: Episode) -> dict:
+    return {
+        "id": ep.id,
+        "run_id": ep.run_id,
+        "instance_id": ep.instance.instance_id if ep.instance is not None else None,
+        "step": ep.step,
+        "group_index": ep.group_index,
+        "sample_index": ep.sample_index,
+        "status": ep.status,
+        "attempts": ep.attempts,
+        "policy_version": ep.policy_version,
+        "exit_status": ep.exit_status,
+        "timed_out": ep.timed_out,
+        "reward": ep.reward,
+        "resolved": ep.resolved,
+        "patch": ep.patch,
+        "grading_report": ep.grading_report,
+        "merge_stats": ep.merge_stats,
+        "error": ep.error,
+        "created_at": _ts(ep.created_at),
+        "started_at": _ts(ep.started_at),
+        "finished_at": _ts(ep.finished_at),
+    }
+
+
+def completion_to_dict(c: Completion, with_tokens: bool = True) -> dict:
+    out = {
+        "id": c.id,
+        "seq": c.seq,
+        "api": c.api,
+        "model": c.model,
+        "stream": c.stream,
+        "finish_reason": c.finish_reason,
+        "engine_id": c.engine_id,
+        "policy_version": c.policy_version,
+        "queue_ms": c.queue_ms,
+        "first_token_ms": c.first_token_ms,
+        "total_ms": c.total_ms,
+        "partial": c.partial,
+        "error": c.error,
+        "rejected_reason": c.rejected_reason,
+        "prompt_tokens": len(c.prompt_ids or []),
+        "sampled_tokens": len(c.sampled_ids or []),
+        "created_at": _ts(c.created_at),
+    }
+    if with_tokens:
+        out.update(
+            normalized_request=c.normalized_request,
+            response=c.response,
+            prompt_ids=c.prompt_ids,
+            sampled_ids=c.sampled_ids,
+            logprobs=c.logprobs,
+        )
+    return out
+
+
+def step_to_dict(s: TrainingStep) -> dict:
+    return {
+        "step": s.step,
+        "status": s.status,
+        "policy_version": s.policy_version,
+        "episode_ids": s.episode_ids,
+        "metrics": s.metrics,
+        "checkpoint_path": s.checkpoint_path,
+        "error": s.error,
+        "started_at": _ts(s.started_at),
+        "finished_at": _ts(s.finished_at),
+    }

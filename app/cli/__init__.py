@@ -1,0 +1,35 @@
+"""Command line: submit and follow runs, list them, export them, and the demo.
+
+Talks to the REST API (TURNSTILE_API_URL), so it works against a remote
+deployment as well as the local one.  Sub-command modules register themselves
+in `COMMANDS` (name -> (add_arguments, handler)).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from app.cli import runs as runs_cmds
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m app", description="Turnstile: GRPO for unmodified coding agents")
+    sub = parser.add_subparsers(dest="command", required=True)
+    runs_cmds.register(sub)
+    try:
+        from app.cli import harness as harness_cmds
+    except ImportError:  # pragma: no cover - harness presets not installed in this checkout
+        harness_cmds = None
+    if harness_cmds is not None:
+        harness_cmds.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

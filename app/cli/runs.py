@@ -1,0 +1,177 @@
+"""Run commands: submit (and follow), follow, runs, export."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from app.config import get_settings
+
+TERMINAL = ("completed", "failed", "cancelled")
+STATES = ("queued", "preparing", "ready", "running", "grading", "completed", "failed", "cancelled")
+
+
+def _client() -> httpx.Client:
+    return httpx.Client(base_url=get_settings().api_url, timeout=30)
+
+
+def _set(config: dict, dotted: str, raw: str) -> None:
+    """Apply `a.b=value` to a nested dict; the value is parsed as JSON when it can be."""
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    keys = dotted.split(".")
+    node = config
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = value
+
+
+def submit_run(config: dict) -> dict:
+    """POST the config; returns the created run, or raises SystemExit with the API's error message."""
+    with _client() as client:
+        resp = client.post("/api/runs", json=config)
+    if resp.status_code != 202:
+        err = resp.json().get("error", {}) if resp.headers.get("content-type", "").startswith("application/json") else {}
+        raise SystemExit(f"run rejected ({resp.status_code}): {err.get('message', resp.text)}")
+    return resp.json()
+
+
+def _progress_table(run: dict, started: float) -> Table:
+    table = Table(title=f"run {run['id']} ({run['kind']}) — {run['status']}", expand=False)
+    for col in ("state", "episodes"):
+        table.add_column(col)
+    counts = run.get("episodes_by_status", {})
+    for state in STATES:
+        if counts.get(state):
+            table.add_row(state, str(counts[state]))
+    live = run.get("live") or {}
+    steps = run.get("steps") or []
+    done = [s for s in steps if s["status"] == "completed"]
+    table.add_section()
+    table.add_row("policy version", str(run.get("policy_version")))
+    table.add_row("steps done", f"{len(done)}/{run['config'].get('steps')}" if run["kind"] == "train" else "-")
+    if done and done[-1].get("metrics"):
+        m = done[-1]["metrics"]
+        if m.get("reward_mean") is not None:
+            table.add_row("last step reward", f"{m['reward_mean']:.3f}")
+    if live.get("reward_mean") is not None:
+        table.add_row("reward (graded)", f"{live['reward_mean']:.3f} over {live['graded']}")
+    table.add_row("completions", str(live.get("completions", 0)))
+    elapsed = max(1e-6, time.monotonic() - started)
+    table.add_row("sampled tokens/s", f"{live.get('sampled_tokens', 0) / elapsed:.1f}")
+    table.add_row("elapsed", f"{elapsed:.0f} s")
+    return table
+
+
+def follow_run(run_id: int, poll_s: float = 1.0, timeout_s: float | None = None, console: Console | None = None) -> dict:
+    """Poll the run and show live progress until it ends; returns the final run dict."""
+    console = console or Console()
+    started = time.monotonic()
+    with _client() as client, Live(console=console, refresh_per_second=2, transient=False) as live:
+        while True:
+            run = client.get(f"/api/runs/{run_id}").raise_for_status().json()
+            live.update(_progress_table(run, started))
+            if run["status"] in TERMINAL:
+                return run
+            if timeout_s is not None and time.monotonic() - started > timeout_s:
+                raise SystemExit(f"run {run_id} still {run['status']} after {timeout_s:.0f} s")
+            time.sleep(poll_s)
+
+
+def print_summary(run: dict, console: Console | None = None) -> None:
+    from app.cli.report import render_summary
+
+    render_summary(run, console or Console())
+
+
+def cmd_submit(args) -> int:
+    config: dict = json.loads(Path(args.config).read_text()) if args.config else {}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        _set(config, key, value)
+    run = submit_run(config)
+    print(f"run {run['id']} created ({run['kind']}, {run['config']['harness']}, task set {run['config']['task_set']})")
+    if not args.follow:
+        return 0
+    final = follow_run(run["id"], timeout_s=args.timeout)
+    print_summary(final)
+    return 0 if final["status"] == "completed" else 1
+
+
+def cmd_follow(args) -> int:
+    final = follow_run(args.run_id, timeout_s=args.timeout)
+    print_summary(final)
+    return 0 if final["status"] == "completed" else 1
+
+
+def cmd_runs(args) -> int:
+    with _client() as client:
+        runs = client.get("/api/runs", params={"limit": args.limit}).raise_for_status().json()["runs"]
+    table = Table(title="runs")
+    for col in ("id", "kind", "status", "harness", "task set", "version", "episodes", "created"):
+        table.add_column(col)
+    for r in runs:
+        eps = ", ".join(f"{k}:{v}" for k, v in sorted(r["episodes_by_status"].items()))
+        table.add_row(str(r["id"]), r["kind"], r["status"], r["config"].get("harness", ""), r["config"].get("task_set", ""),
+                      str(r["policy_version"]), eps, (r["created_at"] or "")[:19])
+    Console().print(table)
+    return 0
+
+
+def cmd_export(args) -> int:
+    out = open(args.output, "w") if args.output else sys.stdout
+    n = 0
+    with _client() as client, client.stream("GET", f"/api/runs/{args.run_id}/export") as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise SystemExit(f"export failed ({resp.status_code}): {resp.text}")
+        for line in resp.iter_lines():
+            if line:
+                out.write(line + "\n")
+                n += 1
+    if args.output:
+        out.close()
+        print(f"wrote {n} episodes to {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    with _client() as client:
+        resp = client.post(f"/api/runs/{args.run_id}/cancel")
+    print(resp.json())
+    return 0 if resp.status_code == 202 else 1
+
+
+def register(sub) -> None:
+    p = sub.add_parser("submit", help="create a run (train/eval/collect) and optionally follow it")
+    p.add_argument("--config", help="JSON file with the run config (see /api/openapi.json)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. --set group_size=4")
+    p.add_argument("--follow", action="store_true", help="show live progress until the run ends")
+    p.add_argument("--timeout", type=float, default=None, help="give up following after this many seconds")
+    p.set_defaults(handler=cmd_submit)
+
+    p = sub.add_parser("follow", help="show live progress of a run until it ends, then its summary")
+    p.add_argument("run_id", type=int)
+    p.add_argument("--timeout", type=float, default=None)
+    p.set_defaults(handler=cmd_follow)
+
+    p = sub.add_parser("runs", help="list runs")
+    p.add_argument("--limit", type=int, default=20)
+    p.set_defaults(handler=cmd_runs)
+
+    p = sub.add_parser("export", help="export a run's episodes, completions and trajectories as JSONL")
+    p.add_argument("run_id", type=int)
+    p.add_argument("-o", "--output", help="file to write (default: stdout)")
+    p.set_defaults(handler=cmd_export)
+
+    p = sub.add_parser("cancel", help="cancel a run")
+    p.add_argument("run_id", type=int)
+    p.set_defaults(handler=cmd_cancel)

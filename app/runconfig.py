@@ -1,0 +1,108 @@
+"""The validated configuration of a run (the body of `POST /api/runs`).
+
+pydantic does the validation; `RunConfig.model_validate(body)` raises
+`pydantic.ValidationError` whose entries name the offending field, which the API
+turns into a 400.  Unknown top-level fields are rejected (a typo such as
+`group_sise` must not silently fall back to a default).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+HARNESSES = ("mini-swe-agent", "codex", "claude-code", "qwen-code", "gemini-cli", "opencode", "pi")
+
+
+class Timeouts(BaseModel):
+    """Per-stage time budgets in seconds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prepare_s: int = Field(900, ge=1, le=24 * 3600)
+    agent_s: int = Field(600, ge=1, le=24 * 3600, description="harness wall-clock budget per episode")
+    grade_s: int = Field(600, ge=1, le=24 * 3600)
+
+
+class ModelChoice(BaseModel):
+    """Which policy serves the episodes: the embedded CPU engine or external (vLLM) engines."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("smollm2", min_length=1, description="'smollm2', 'tiny', or a served model name")
+    engine: Literal["embedded", "vllm"] = "embedded"
+    engine_urls: list[str] = Field(default_factory=list, description="override TURNSTILE_ENGINE_URLS")
+
+
+class Budget(BaseModel):
+    """Per-episode agent budget (passed to the harness preset)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_turns: int = Field(8, ge=1, le=1000)
+    max_tokens: int = Field(256, ge=1, le=131072, description="max sampled tokens per model call")
+
+
+class Simulation(BaseModel):
+    """Simulated stages (no harness, no grader, no trainer): the scheduler bench and spine tests.
+
+    Episode durations are lognormal: median `episode_median_s`, log-sigma `episode_sigma`
+    (sigma 1.0 gives p99 ≈ 10x the median).  Rewards are Bernoulli(`reward_p`).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    episode_median_s: float = Field(1.0, ge=0, le=3600)
+    episode_sigma: float = Field(0.0, ge=0, le=5)
+    max_episode_s: float | None = Field(None, ge=0)
+    prepare_s: float = Field(0.0, ge=0, le=3600)
+    train_s: float = Field(0.0, ge=0, le=3600)
+    reward_p: float = Field(0.5, ge=0, le=1)
+    seed: int = 0
+
+
+class Scheduling(BaseModel):
+    """Asynchronous rollout settings (see README: asynchronous mode)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_async_level: int = Field(1, ge=0, le=16, description="steps of groups kept in flight beyond the current one")
+    max_staleness: int = Field(2, ge=0, le=64, description="versions a group may lag the policy")
+    stale_policy: Literal["drop", "downweight"] = "drop"
+    min_usable: int | None = Field(None, ge=1, description="graded episodes after which a group's stragglers may be cancelled")
+    cancel_stragglers: bool = False
+    min_accept_fraction: float = Field(0.5, ge=0, le=1)
+    rollout_slots: int = Field(4, ge=1, le=1024, description="episodes running at once for this run")
+    ready_depth: int = Field(2, ge=0, le=1024, description="prepared runtimes kept waiting in the READY buffer")
+
+
+class RunConfig(BaseModel):
+    """Everything a run needs; stored verbatim (after defaults) in `runs.config`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["train", "eval", "collect"] = "train"
+    task_set: str = Field("synthetic", min_length=1)
+    instances: list[str] | None = Field(None, description="subset of instance ids (default: all)")
+    harness: str = "mini-swe-agent"
+    model: ModelChoice = Field(default_factory=ModelChoice)
+    group_size: int = Field(4, ge=1, le=1024)
+    tasks_per_step: int = Field(2, ge=1, le=1024)
+    steps: int = Field(2, ge=0, le=100000)
+    mode: Literal["sync", "async"] = "async"
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    budget: Budget = Field(default_factory=Budget)
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+    training: dict = Field(default_factory=dict, description="GRPO/trainer options (app.training.config)")
+    simulate: Simulation | None = None
+    priority: int = Field(0, ge=0, le=9, description="higher runs first on shared queues (eval runs default to 5)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        if self.harness not in HARNESSES:
+            raise ValueError(f"harness: unknown harness {self.harness!r}; choose one of {', '.join(HARNESSES)}")
+        if self.kind == "train" and self.group_size < 2:
+            raise ValueError("group_size: GRPO needs at least 2 episodes per group for a train run")
+        if self.model.engine == "vllm" and not self.model.engine_urls:
+            raise ValueError("model.engine_urls: a vllm model needs at least one engine URL")
+        return self

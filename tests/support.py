@@ -1,0 +1,56 @@
+"""Helpers for tests: wait_for, subprocess handling, celery worker command lines."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
+    """Poll `predicate()` until it returns a truthy value; raise AssertionError after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class Proc:
+    """A child process started in its own process group, with its output in a log file."""
+
+    def __init__(self, args: list[str], env: dict, log_path: Path):
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.popen = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(timeout=5)
+        self.log.close()
+
+
+def celery_worker_args(queues: str, concurrency: int = 2, name: str = "w") -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", "app", "worker", "-Q", queues, "-c", str(concurrency),
+            "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h", "--without-heartbeat", "--without-mingle",
+            "--without-gossip", "-O", "fair", "--loglevel", "INFO"]
