@@ -1,0 +1,159 @@
+"""GRPO: group advantages and the clipped, importance-corrected policy loss.
+
+The objective implemented here, per trainable token t of a sequence from episode i:
+
+    r_t    = exp(logp_t - old_t)                       PPO ratio against the trainer's
+                                                       pre-update logprobs (detached)
+    pg_t   = -min(r_t * A_i, clip(r_t, 1 - eps_low, 1 + eps_high) * A_i)
+    w_t    = min(exp(old_t - rollout_t), C)            truncated importance weight (TIS)
+    kl_t   = exp(ref_t - logp_t) - (ref_t - logp_t) - 1  (k3 estimator, optional)
+    loss_t = w_t * pg_t + beta * kl_t
+
+* Group advantage A_i = (R_i - mean_g R) / std_g R: DeepSeekMath, Shao et al. 2024,
+  "Pushing the Limits of Mathematical Reasoning in Open Language Models", arXiv:2402.03300,
+  §4.1.2 (outcome supervision).  Leave-one-out baseline: Ahmadian et al. 2024 (RLOO,
+  arXiv:2402.14740); Polar's default (../shared/research/polar.md §4.2).  Every sequence
+  (chain) of episode i carries A_i.
+* Separate clip ranges ("clip-higher") and token-level aggregation: DAPO, Yu et al. 2025,
+  arXiv:2503.14476, eq. 8–10.
+* TIS: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+  Training" (fengyao.notion.site/off-policy-rl): the engine that sampled (rollout logprobs,
+  recorded by the gateway) and the trainer differ numerically and, with asynchronous
+  rollouts, in weights; the token gradient is re-weighted by the truncated ratio
+  trainer/rollout.
+* k3 KL estimator: Schulman 2020, "Approximating KL divergence"; DeepSeekMath eq. 4.
+
+All tensors are 1-D over the trainable tokens of a micro-batch, shape [N], float32.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+ADVANTAGE_MODES = ("mean", "leave_one_out")
+LOSS_AGGREGATIONS = ("token", "sequence")
+
+
+def group_advantages(
+    rewards: Sequence[float | None], mode: str = "mean", normalize_std: bool = True, eps: float = 1e-6
+) -> list[float]:
+    """Advantages of the episodes of one GRPO group.
+
+    `rewards` [G] floats; None or NaN marks an episode that failed to produce a reward: it
+    gets advantage 0.0 and is left out of the baseline (Polar §4.2 step 5).  `mode` is
+    `"mean"` (A_i = R_i - mean R, DeepSeekMath) or `"leave_one_out"` (A_i = R_i - mean of the
+    other rewards).  With `normalize_std`, advantages are divided by the group's sample
+    standard deviation (+`eps`).  A group whose valid rewards are all equal, or that has
+    fewer than two valid rewards, gets exactly 0.0 everywhere: it carries no signal, and
+    dividing by a zero std would only amplify float noise.  Returns [G] floats.
+    Raises ValueError for an unknown `mode`.
+    """
+    if mode not in ADVANTAGE_MODES:
+        raise ValueError(f"unknown advantage mode {mode!r}; choose one of {', '.join(ADVANTAGE_MODES)}")
+    valid = [i for i, r in enumerate(rewards) if r is not None and math.isfinite(r)]
+    out = [0.0] * len(rewards)
+    values = [float(rewards[i]) for i in valid]
+    if len(values) < 2 or max(values) == min(values):
+        return out
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    for i, v in zip(valid, values):
+        adv = v - mean if mode == "mean" else v - (mean * n - v) / (n - 1)
+        out[i] = adv / (std + eps) if normalize_std else adv
+    return out
+
+
+@dataclass
+class LossStats:
+    """Sums over the micro-batch's trainable tokens (divide by the token count for means)."""
+
+    tokens: int
+    clipped: float
+    kl: float
+    tis_weight: float
+    tis_truncated: float
+    ratio: float
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    tis_cap: float | None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, LossStats]:
+    """The GRPO loss of one micro-batch (see the module docstring for the formula).
+
+    Inputs, all [N] float32 over trainable tokens: `logprobs` (trainer, with grad),
+    `old_logprobs` (trainer before this step's update, no grad), `rollout_logprobs`
+    (recorded by the gateway), `advantages` (the episode's advantage on each of its tokens),
+    `weights` (aggregation weight per token: 1/N_step for token-level, 1/(len_seq * S_step)
+    for sequence-level; see `aggregation_weights`), `ref_logprobs` (reference model, only
+    with `kl_coef` > 0).  `tis_cap` None disables importance correction.  Returns the scalar
+    loss `sum(weights * loss_t)`; summing it over the step's micro-batches gives the step's
+    aggregated loss exactly, so gradient accumulation is plain `backward()` per micro-batch.
+    """
+    old = old_logprobs.detach()
+    log_ratio = logprobs - old
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    pg = -torch.minimum(unclipped, clipped)
+    if tis_cap is not None:
+        raw = torch.exp(old - rollout_logprobs.detach())
+        tis = torch.clamp(raw, max=tis_cap)
+        truncated = (raw > tis_cap).float().sum().item()
+    else:
+        tis = torch.ones_like(pg)
+        truncated = 0.0
+    per_token = tis * pg
+    kl_sum = 0.0
+    if ref_logprobs is not None and kl_coef > 0.0:
+        delta = ref_logprobs.detach() - logprobs
+        kl = torch.exp(delta) - delta - 1.0
+        per_token = per_token + kl_coef * kl
+        kl_sum = kl.detach().sum().item()
+    loss = (per_token * weights).sum()
+    with torch.no_grad():
+        is_clipped = ((ratio < 1.0 - clip_low) & (advantages < 0)) | ((ratio > 1.0 + clip_high) & (advantages > 0))
+        stats = LossStats(
+            tokens=int(logprobs.numel()),
+            clipped=is_clipped.float().sum().item(),
+            kl=kl_sum,
+            tis_weight=tis.sum().item(),
+            tis_truncated=truncated,
+            ratio=ratio.sum().item(),
+        )
+    return loss, stats
+
+
+def aggregation_weights(
+    sequence_lengths: Sequence[int], mode: str, step_tokens: int, step_sequences: int
+) -> list[float]:
+    """Per-token loss weights for the trainable tokens of some sequences.
+
+    `sequence_lengths` holds the trainable-token count of each sequence in a micro-batch;
+    the result is a flat list, one weight per trainable token in the same order.
+    `"token"`: every token of the whole step weighs 1/`step_tokens` (DAPO token-level mean,
+    long chains are not down-weighted per token).  `"sequence"`: each token weighs
+    1/(its sequence's length × `step_sequences`) (GRPO's per-sequence mean, then mean over
+    sequences).  Raises ValueError for an unknown `mode`.
+    """
+    if mode == "token":
+        return [1.0 / step_tokens] * sum(sequence_lengths)
+    if mode == "sequence":
+        out: list[float] = []
+        for n in sequence_lengths:
+            out.extend([1.0 / (n * step_sequences)] * n)
+        return out
+    raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(LOSS_AGGREGATIONS)}")

@@ -1,0 +1,188 @@
+"""GRPO math and the trainer's update on the tiny model (real forward/backward, CPU fp32)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from app.engines.modeling import build_tiny_model
+from app.training.batching import StepSequence, make_micro_batches
+from app.training.config import TrainingConfig
+from app.training.grpo import aggregation_weights, group_advantages, policy_loss
+from app.training.trainer import Trainer
+from app.training.trajectories import CompletionRecord, per_request, prefix_merging
+
+
+# --- advantages ------------------------------------------------------------------------
+
+
+def test_group_advantages_mean_and_leave_one_out():
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    std = math.sqrt(1 / 3)  # sample std of [1, 0, 0, 1]
+    assert group_advantages(rewards, "mean", normalize_std=False) == [0.5, -0.5, -0.5, 0.5]
+    assert group_advantages(rewards, "mean") == pytest.approx([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std], rel=1e-5)
+    # Leave-one-out: 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3.
+    assert group_advantages(rewards, "leave_one_out", normalize_std=False) == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+
+
+def test_group_advantages_equal_rewards_and_failed_episodes_give_exact_zero():
+    assert group_advantages([0.3, 0.3, 0.3], "mean") == [0.0, 0.0, 0.0]
+    assert group_advantages([1.0, 1.0, 1.0, 1.0], "leave_one_out") == [0.0, 0.0, 0.0, 0.0]
+    # A failed episode (no reward) gets 0 and stays out of the baseline.
+    assert group_advantages([1.0, None, 0.0], "mean", normalize_std=False) == [0.5, 0.0, -0.5]
+    assert group_advantages([1.0, float("nan")], "mean") == [0.0, 0.0]  # one valid reward: no baseline
+    with pytest.raises(ValueError, match="unknown advantage mode"):
+        group_advantages([1.0, 0.0], "median")
+
+
+# --- loss -------------------------------------------------------------------------------
+
+
+def test_policy_loss_clip_higher_tis_cap_and_k3():
+    logp = torch.tensor([-1.0, -1.0, -1.0, -1.0], requires_grad=True)
+    # ratio = exp(logp - old): 1.5 (above 1+0.28), 0.5 (below 1-0.2), 1.1, 1.0
+    old = logp.detach() - torch.log(torch.tensor([1.5, 0.5, 1.1, 1.0]))
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    rollout = old - torch.log(torch.tensor([1.0, 1.0, 1.0, 3.0]))  # TIS raw weight 3 on the last token
+    weights = torch.full((4,), 0.25)
+    loss, stats = policy_loss(logp, old, rollout, adv, weights, clip_low=0.2, clip_high=0.28, tis_cap=2.0)
+    loss.backward()
+    assert stats.clipped == 2 and stats.tis_truncated == 1
+    # Clipped tokens carry no gradient; the others get -w * tis * A * ratio.
+    assert logp.grad.tolist() == pytest.approx([0.0, 0.0, -0.25 * 1.1, 0.25 * 2.0 * 1.0])
+    # k3 KL is exactly zero where the policy equals the reference, positive elsewhere.
+    ref = torch.tensor([-1.0, -1.0, -2.0, -0.5])
+    _, kl_stats = policy_loss(logp.detach(), old, rollout, adv, weights, clip_low=0.2, clip_high=0.28,
+                              tis_cap=None, ref_logprobs=ref, kl_coef=0.1)
+    expected = sum(math.exp(d) - d - 1 for d in (0.0, 0.0, -1.0, 0.5))
+    assert kl_stats.kl == pytest.approx(expected, rel=1e-6)
+
+
+def test_aggregation_weights_token_and_sequence():
+    assert aggregation_weights([2, 3], "token", step_tokens=10, step_sequences=4) == [0.1] * 5
+    assert aggregation_weights([2, 4], "sequence", step_tokens=10, step_sequences=2) == pytest.approx([0.25] * 2 + [0.125] * 4)
+
+
+def test_micro_batches_respect_budget_and_weights_sum_to_one():
+    seqs = [StepSequence([5] * n, [0] * (n - 2) + [1, 1], [0.0] * (n - 2) + [-1.0, -2.0], 1.0) for n in (40, 30, 20, 10, 5)]
+    batches = make_micro_batches(seqs, micro_batch_tokens=64, aggregation="sequence")
+    assert [mb.input_ids.shape for mb in batches] == [torch.Size([1, 40]), torch.Size([2, 30]), torch.Size([2, 10])]
+    assert all(mb.padded_tokens <= 64 for mb in batches)
+    assert float(sum(mb.weights.sum() for mb in batches)) == pytest.approx(1.0)
+    assert sum(mb.tokens for mb in batches) == 105
+    assert batches[0].targets.tolist() == [5, 5] and batches[0].rollout_logprobs.tolist() == [-1.0, -2.0]
+
+
+# --- the trainer on the tiny model ------------------------------------------------------
+
+
+def rollout(model, prompt: list[int], n: int, seed: int) -> tuple[list[int], list[float]]:
+    """Sample n tokens from `model` and record their logprobs with a plain full forward pass."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
+        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    sampled = ids[len(prompt):]
+    lps = [float(logp[len(prompt) + i - 1, t]) for i, t in enumerate(sampled)]
+    return sampled, lps
+
+
+def make_sequence(model, prompt, n, seed, advantage):
+    sampled, lps = rollout(model, prompt, n, seed)
+    return StepSequence(prompt + sampled, [0] * len(prompt) + [1] * n, [0.0] * len(prompt) + lps, advantage)
+
+
+def sequence_logprob(trainer, seq) -> float:
+    return float(trainer.logprobs([seq])[0].sum())
+
+
+def test_positive_advantage_raises_rewarded_tokens_and_lowers_penalized():
+    model = build_tiny_model(seed=0)
+    prompt = [1, 1000, 2000, 3000, 2, 1]
+    good = make_sequence(model, prompt, 8, seed=1, advantage=0.0)
+    bad = make_sequence(model, prompt, 8, seed=2, advantage=0.0)
+    assert good.token_ids != bad.token_ids
+    adv = group_advantages([1.0, 0.0], "mean")
+    good.advantage, bad.advantage = adv
+    trainer = Trainer(TrainingConfig(learning_rate=1e-3), model)
+    before = sequence_logprob(trainer, good), sequence_logprob(trainer, bad)
+    metrics = trainer.update([good, bad])
+    after = sequence_logprob(trainer, good), sequence_logprob(trainer, bad)
+    assert after[0] > before[0] + 0.05, (before, after)
+    assert after[1] < before[1] - 0.05, (before, after)
+    assert metrics["tokens_trained"] == 16 and metrics["sequences"] == 2 and metrics["optimizer_updates"] == 1
+    # Before the first update the trainer reproduces the recorded rollout logprobs.
+    assert metrics["logprob_gap_max_abs"] < 1e-4 and metrics["logprob_gap_mean_abs"] < 1e-5
+
+
+def test_equal_rewards_leave_weights_unchanged():
+    model = build_tiny_model(seed=0)
+    prompt = [1, 1000, 2000, 2, 1]
+    seqs = [make_sequence(model, prompt, 6, seed=s, advantage=0.0) for s in range(3)]
+    for seq, adv in zip(seqs, group_advantages([1.0, 1.0, 1.0], "mean")):
+        seq.advantage = adv
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(TrainingConfig(learning_rate=1e-2), model)
+    metrics = trainer.update(seqs)
+    drift = max(float((model.state_dict()[k] - v).abs().max()) for k, v in before.items())
+    assert drift < 1e-7 and metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
+
+
+def test_merged_chain_reproduces_per_request_logprobs():
+    """Token-exact merging: a chain's sampled tokens see exactly their per-request context."""
+    model = build_tiny_model(seed=0)
+    trainer = Trainer(TrainingConfig(), model)
+    prompt = [1, 500, 600, 2, 1]
+    records = []
+    for turn in range(4):
+        sampled, lps = rollout(model, prompt, 5, seed=turn)
+        records.append(CompletionRecord(seq=turn, prompt_ids=list(prompt), sampled_ids=sampled, logprobs=lps))
+        prompt = prompt + sampled + [2, 1, 700 + turn, 701, 2, 1]  # tool result between calls
+    merged = prefix_merging(records).sequences
+    singles = per_request(records).sequences
+    assert len(merged) == 1 and len(singles) == 4
+    as_step = lambda s: StepSequence(s.token_ids, s.loss_mask, s.logprobs, 1.0)
+    chain_lp = trainer.logprobs([as_step(merged[0])])[0]
+    single_lp = torch.cat(trainer.logprobs([as_step(s) for s in singles]))
+    assert torch.allclose(chain_lp, single_lp, atol=1e-5)
+    recorded = torch.tensor([lp for r in records for lp in r.logprobs])
+    assert torch.allclose(chain_lp, recorded, atol=1e-4)
+
+
+def test_several_updates_per_step_use_pre_update_logprobs_and_clip():
+    model = build_tiny_model(seed=0)
+    prompt = [1, 42, 43, 2, 1]
+    seqs = [make_sequence(model, prompt, 6, seed=s, advantage=a) for s, a in ((0, 1.0), (1, -1.0), (2, 1.0))]
+    config = TrainingConfig(learning_rate=5e-2, micro_batch_tokens=16, gradient_accumulation_steps=1,
+                            clip_low=0.01, clip_high=0.01)
+    metrics = Trainer(config, model).update(seqs)
+    assert metrics["micro_batches"] == 3 and metrics["optimizer_updates"] == 3
+    # Updates 2 and 3 run on moved weights: ratios leave [0.99, 1.01] and some tokens clip.
+    assert metrics["clip_fraction"] > 0.0
+    assert metrics["logprob_gap_max_abs"] < 1e-4
+
+
+def test_lora_update_moves_only_adapters_and_saved_merged_weights_match(tmp_path):
+    from app.engines.modeling import load_model
+
+    model = build_tiny_model(seed=0)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    prompt = [1, 7, 8, 2, 1]
+    seqs = [make_sequence(model, prompt, 6, seed=s, advantage=a) for s, a in ((0, 1.0), (1, -1.0))]
+    trainer = Trainer(TrainingConfig(learning_rate=1e-2, lora=True, lora_r=4, lora_alpha=8), model)
+    trainer.update(seqs)
+    trainer.update(seqs)  # LoRA B starts at zero: the second update moves the effective weights
+    lora_lp = trainer.logprobs(seqs)
+    trainer.save(tmp_path / "ckpt", {"policy_version": 1})
+    plain, _ = load_model(str(tmp_path / "ckpt" / "model"))
+    inner = {k.replace(".base_layer", ""): v for k, v in trainer.model.get_base_model().state_dict().items()
+             if "lora_" not in k}
+    assert all(torch.equal(inner[k], v) for k, v in base.items())  # only adapters were trained
+    plain_trainer = Trainer(TrainingConfig(), plain)
+    for a, b in zip(lora_lp, plain_trainer.logprobs(seqs)):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert not torch.allclose(lora_lp[0], Trainer(TrainingConfig(), build_tiny_model(0)).logprobs(seqs)[0], atol=1e-4)
