@@ -45,16 +45,19 @@ class _PackedArray(TypeDecorator):
 class Int32Array(_PackedArray):
     """List of int32 token ids (shape [n], dtype int32) stored as 4n bytes."""
 
+    cache_ok = True
     dtype = np.dtype(np.int32)
 
 
 class Float32Array(_PackedArray):
     """List of float32 values (e.g. per-token logprobs in nats, shape [n]) stored as 4n bytes."""
 
+    cache_ok = True
     dtype = np.dtype(np.float32)
 
 
 class UInt8Array(_PackedArray):
     """List of uint8 flags (e.g. a loss mask of 0/1, shape [n]) stored as n bytes."""
 
+    cache_ok = True
     dtype = np.dtype(np.uint8)

@@ -1,0 +1,128 @@
+"""REST API: validation errors name the field and write nothing; runs, episodes, export, OpenAPI."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import func, select
+
+from app import create_app
+from app.db import session_scope
+from app.models import Completion, Episode, Run, TaskInstance
+
+REDIS_DB = 10
+
+
+@pytest.fixture
+def client(database, redis_db):
+    return create_app({"TESTING": True}).test_client()
+
+
+def _runs_in_db() -> int:
+    with session_scope() as s:
+        return s.scalar(select(func.count()).select_from(Run))
+
+
+SIM = {"simulate": {"episode_median_s": 0.1}}
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({**SIM, "group_size": 0}, "group_size"),
+        ({**SIM, "group_size": "four"}, "group_size"),
+        ({**SIM, "tasks_per_step": -1}, "tasks_per_step"),
+        ({**SIM, "steps": None}, "steps"),
+        ({**SIM, "harness": "vim"}, "harness"),
+        ({**SIM, "kind": "finetune"}, "kind"),
+        ({**SIM, "group_sise": 4}, "group_sise"),
+        ({**SIM, "timeouts": {"agent_s": 0}}, "timeouts.agent_s"),
+        ({**SIM, "mode": "turbo"}, "mode"),
+        ({**SIM, "kind": "train", "group_size": 1}, "group_size"),
+        ({**SIM, "model": {"engine": "vllm"}}, "model.engine_urls"),
+    ],
+)
+def test_bad_run_config_is_400_naming_the_field(client, body, field):
+    resp = client.post("/api/runs", json=body)
+    assert resp.status_code == 400, resp.get_json()
+    err = resp.get_json()["error"]
+    assert err["field"] == field
+    assert field.split(".")[-1] in err["message"]
+    assert _runs_in_db() == 0
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", b"null"])
+def test_malformed_body_is_400(client, raw):
+    resp = client.post("/api/runs", data=raw, content_type="application/json")
+    assert resp.status_code == 400
+    assert "JSON object" in resp.get_json()["error"]["message"]
+    assert _runs_in_db() == 0
+
+
+def test_unknown_task_set_is_400(client):
+    resp = client.post("/api/runs", json={"task_set": "/nonexistent/tasks.jsonl", "harness": "mini-swe-agent"})
+    assert resp.status_code == 400
+    assert resp.get_json()["error"]["field"] == "task_set"
+    assert _runs_in_db() == 0
+
+
+def test_create_run_commits_then_enqueues(client, redis_db):
+    resp = client.post("/api/runs", json={**SIM, "kind": "eval", "group_size": 2})
+    assert resp.status_code == 202
+    run = resp.get_json()
+    assert resp.headers["Location"].endswith(f"/api/runs/{run['id']}")
+    assert run["status"] == "queued" and run["priority"] == 5  # eval runs default to a higher priority
+    assert run["config"]["group_size"] == 2 and run["config"]["scheduling"]["rollout_slots"] == 4
+    # The control task is waiting on the real broker (the control queue, priority lists included).
+    queued = [k.decode() for k in redis_db.keys("control*")]
+    payloads = [m for k in queued for m in redis_db.lrange(k, 0, -1)]
+    assert any(json.loads(p)["headers"]["task"] == "control.start_run" for p in payloads), queued
+    got = client.get(f"/api/runs/{run['id']}").get_json()
+    assert got["id"] == run["id"] and got["steps"] == [] and got["live"]["completions"] == 0
+    listed = client.get("/api/runs").get_json()["runs"]
+    assert [r["id"] for r in listed] == [run["id"]]
+
+
+def test_cancel_and_not_found(client):
+    assert client.get("/api/runs/999").status_code == 404
+    assert client.post("/api/runs/999/cancel").status_code == 404
+    run_id = client.post("/api/runs", json=SIM).get_json()["id"]
+    assert client.post(f"/api/runs/{run_id}/cancel").status_code == 202
+    with session_scope() as s:
+        assert s.get(Run, run_id).status == "cancelling"
+
+
+def test_episode_with_completions_and_export(client):
+    with session_scope() as s:
+        run = Run(kind="collect", config={"harness": "mini-swe-agent"})
+        inst = TaskInstance(task_set="t", instance_id="demo-1", repo="r", record={})
+        s.add_all([run, inst])
+        s.flush()
+        ep = Episode(run_id=run.id, instance_id=inst.id, group_index=0, sample_index=0, status="completed", reward=1.0)
+        s.add(ep)
+        s.flush()
+        s.add(Completion(episode_id=ep.id, seq=0, request_key="a", api="chat", raw_request={"messages": []},
+                         normalized_request={"messages": [{"role": "user", "content": "hi"}]},
+                         prompt_ids=[1, 2, 3], sampled_ids=[4, 5], logprobs=[-0.5, -0.25], finish_reason="stop"))
+        run_id, ep_id = run.id, ep.id
+    body = client.get(f"/api/episodes/{ep_id}").get_json()
+    assert body["instance_id"] == "demo-1" and body["reward"] == 1.0
+    assert body["completions"][0]["sampled_ids"] == [4, 5] and body["completions"][0]["logprobs"] == [-0.5, -0.25]
+    assert [e["id"] for e in client.get(f"/api/runs/{run_id}/episodes").get_json()["episodes"]] == [ep_id]
+    lines = client.get(f"/api/runs/{run_id}/export").get_data(as_text=True).splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["completions"][0]["prompt_ids"] == [1, 2, 3]
+    assert record["messages"][0] == {"role": "user", "content": "hi"}
+
+
+def test_openapi_documents_every_route(client):
+    spec = client.get("/api/openapi.json").get_json()
+    assert spec["openapi"].startswith("3.")
+    documented = set(spec["paths"])
+    app = client.application
+    routes = {r.rule.replace("<int:", "{").replace(">", "}") for r in app.url_map.iter_rules() if r.rule.startswith("/api/")}
+    routes = {r.replace("{run_id}", "{run_id}") for r in routes} - {"/api/openapi.json", "/api/health"}
+    assert routes <= documented, routes - documented
+    props = spec["components"]["schemas"]["RunConfig"]["properties"]
+    assert {"task_set", "harness", "model", "group_size", "tasks_per_step", "steps", "timeouts", "mode"} <= set(props)
