@@ -1,0 +1,117 @@
+"""Import swebench 5.0.2's grader without docker, and build its `TestSpec` from a record.
+
+`swebench/harness/__init__.py` imports `docker_utils` and `modal_eval` (docker,
+modal, datasets), and `harness/utils.py` imports `datasets` at module level.  The
+grading code itself (`harness/grading.py`, `harness/log_parsers/`,
+`harness/constants/`) needs none of them.  So before the first import we register
+an empty module object for `swebench.harness` whose `__path__` is the installed
+folder: submodules then import normally and the heavy `__init__` never runs
+(../shared/research/swebench.md section 4).
+
+`record_test_exit_code` and `parse_eval_script` live in `harness/utils.py`, which
+we cannot import; `eval_script_lines` reproduces them line for line (source:
+swebench 5.0.2 `harness/utils.py`).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+
+def _register_harness_stub() -> None:
+    if "swebench.harness" in sys.modules:
+        return
+    spec = importlib.util.find_spec("swebench")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the `swebench` package is not installed (pip install --no-deps swebench==5.0.2 unidiff)")
+    harness_dir = Path(list(spec.submodule_search_locations)[0]) / "harness"
+    stub = types.ModuleType("swebench.harness")
+    stub.__path__ = [str(harness_dir)]  # submodules resolve here; __init__ is never executed
+    stub.__package__ = "swebench.harness"
+    sys.modules["swebench.harness"] = stub
+    importlib.import_module("swebench")
+
+
+@functools.lru_cache(maxsize=1)
+def grading_module() -> types.ModuleType:
+    """`swebench.harness.grading` (get_logs_eval, get_eval_report, get_eval_tests_report)."""
+    _register_harness_stub()
+    return importlib.import_module("swebench.harness.grading")
+
+
+@functools.lru_cache(maxsize=1)
+def constants_module() -> types.ModuleType:
+    _register_harness_stub()
+    return importlib.import_module("swebench.harness.constants")
+
+
+@functools.lru_cache(maxsize=1)
+def parser_names() -> frozenset[str]:
+    """Keys of swebench's `PARSER_REGISTRY` (valid `log_parser` values)."""
+    _register_harness_stub()
+    return frozenset(importlib.import_module("swebench.harness.log_parsers").PARSER_REGISTRY)
+
+
+def eval_script_lines(eval_script: str) -> list[str]:
+    """The record's eval script as swebench's `make_test_spec` stores it.
+
+    Drops the shebang and `set -uxo pipefail` lines (`parse_eval_script`), then
+    stores `$?` of the test command in `SWEBENCH_TEST_EXIT_CODE` right before the
+    `: '>>>>> End Test Output'` line and echoes `>>>>> Test Exit Code: N` right
+    after it (`record_test_exit_code`), so the anti-spoofing check in
+    `get_logs_eval` can compare the log with the real exit status.
+    """
+    c = constants_module()
+    lines = [ln for ln in eval_script.strip().split("\n") if ln not in ("#!/bin/bash", "set -uxo pipefail")]
+    for i, line in enumerate(lines):
+        if c.END_TEST_OUTPUT in line:
+            return [
+                *lines[:i],
+                f"{c.TEST_EXIT_CODE_VAR}=$?",
+                line,
+                f'echo "{c.TEST_EXIT_CODE}: ${c.TEST_EXIT_CODE_VAR}"',
+                *lines[i + 1 :],
+            ]
+    return lines
+
+
+def default_eval_script(record: Any) -> str:
+    """An eval script of the ../shared/tasks shape for a record that has only `test_cmd`.
+
+    BASE is the repository's root commit for sdist sources, `base_commit` for git ones.
+    """
+    files = " ".join(record.test_files)
+    base = '$(git rev-list --max-parents=0 HEAD | tail -n 1)' if record.source_kind == "pypi_sdist" else record.base_commit
+    lines = ["#!/bin/bash", "set -uxo pipefail", f"BASE={base}", "git status --short"]
+    if files:
+        lines.append(f'git checkout "$BASE" -- {files}')
+    if record.test_patch:
+        lines += ["git apply -v - <<'EOF_SWEBENCH_TEST_PATCH'", record.test_patch.rstrip("\n"), "EOF_SWEBENCH_TEST_PATCH"]
+    lines += [": '>>>>> Start Test Output'", record.test_cmd, ": '>>>>> End Test Output'"]
+    if files:
+        lines.append(f'git checkout "$BASE" -- {files}')
+    return "\n".join(lines) + "\n"
+
+
+def make_test_spec(record: Any) -> Any:
+    """`swebench.types.TestSpec` for an `InstanceRecord` (what `make_test_spec` would build)."""
+    _register_harness_stub()
+    from swebench.types import TestSpec
+
+    script = record.eval_script or default_eval_script(record)
+    return TestSpec(
+        instance_id=record.instance_id,
+        image=record.image,
+        eval_script_list=eval_script_lines(script),
+        repo=record.repo,
+        version=record.version,
+        FAIL_TO_PASS=list(record.FAIL_TO_PASS),
+        PASS_TO_PASS=list(record.PASS_TO_PASS),
+        log_parser=record.log_parser,
+        eval_type=record.eval_type,
+    )

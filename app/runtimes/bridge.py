@@ -1,0 +1,80 @@
+"""Host end of the sandbox's only way out: a Unix socket that connects to the gateway, nothing else.
+
+`GatewayBridge(unix_path, host, port)` listens on `unix_path` (a file in the
+runtime's private folder, bind-mounted into the sandbox) and pipes each
+connection to the fixed TCP address `host:port`.  The destination is chosen
+here, on the host, so code in the sandbox cannot pick another one.  Threads,
+not processes: it lives exactly as long as one `LocalRuntime.run(...)` call.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while True:
+            data = src.recv(65536)
+            if not data:
+                break
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s, how in ((dst, socket.SHUT_WR), (src, socket.SHUT_RD)):
+            try:
+                s.shutdown(how)
+            except OSError:
+                pass
+
+
+class GatewayBridge:
+    """Context manager: serve `unix_path` → TCP `host:port` until exit; removes the socket file."""
+
+    def __init__(self, unix_path: Path, host: str, port: int):
+        self.unix_path, self.host, self.port = Path(unix_path), host, port
+        self._sock: socket.socket | None = None
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "GatewayBridge":
+        self.unix_path.unlink(missing_ok=True)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(str(self.unix_path))
+        os.chmod(self.unix_path, 0o600)
+        self._sock.listen(64)
+        threading.Thread(target=self._accept, daemon=True, name="gateway-bridge").start()
+        return self
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection((self.host, self.port), timeout=10)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+
+    def __exit__(self, *exc) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        with self._lock:
+            for s in self._conns:
+                try:
+                    s.close()
+                except OSError:
+                    pass
+            self._conns.clear()
+        self.unix_path.unlink(missing_ok=True)

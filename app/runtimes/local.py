@@ -1,0 +1,287 @@
+"""`LocalRuntime`: one episode's (or one grade's) fresh working copy, venv and sandboxed shell.
+
+Lifecycle (what the Celery tasks call):
+
+    rt = LocalRuntime.prepare(record)            # base + venv from cache, fresh workspace
+    state = rt.describe()                        # JSON; push to the READY buffer / store on the episode
+    rt = LocalRuntime.attach(state)              # in the rollout worker
+    rt.run("python -m pytest -x", timeout_s=600, network="gateway")
+    patch = rt.patch()                           # git diff against the base commit
+    rt.close()                                   # always (or `with LocalRuntime.prepare(...) as rt:`)
+
+Host layout `<var_dir>/runtimes/<id>/`: `workspace/` (the repository, read-write
+at /testbed inside), `home/` (scratch HOME, /home/agent inside), `venv/` (plain
+layout only), `grading/` (a grade's patch and eval script), `gateway.sock`.
+Sandbox details and what is and is not enforced: `app.runtimes.sandbox`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+from app.config import Settings, get_settings
+from app.runtimes.bridge import GatewayBridge
+from app.runtimes.environment import (
+    SANDBOX_REPO,
+    SANDBOX_VENV,
+    apply_overlay,
+    ensure_env,
+    plain_runtime_venv,
+)
+from app.runtimes.errors import RuntimeClosed, RuntimeSetupError
+from app.runtimes.gitutil import git
+from app.runtimes.materialize import materialize_base
+from app.runtimes.patch import patch_from_workspace
+from app.runtimes.paths import RuntimePaths
+from app.runtimes.sandbox import (
+    BRIDGE_SOCKET,
+    INIT_PATH,
+    INIT_SOURCE,
+    Limits,
+    Mount,
+    Network,
+    RunResult,
+    bwrap_argv,
+    bwrap_available,
+    execute,
+)
+from app.tasksets.schema import InstanceRecord
+
+SANDBOX_HOME = "/home/agent"
+_BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _as_record(record: InstanceRecord | dict) -> InstanceRecord:
+    return record if isinstance(record, InstanceRecord) else InstanceRecord.model_validate(record)
+
+
+def _rmtree(path: Path) -> None:
+    def onerror(func, p, _exc):  # the agent may have removed write permission somewhere
+        try:
+            os.chmod(os.path.dirname(p), stat.S_IRWXU)
+            os.chmod(p, stat.S_IRWXU)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=onerror)
+
+
+class LocalRuntime:
+    """A prepared workspace + venv, run under bubblewrap when available (`confined`)."""
+
+    kind = "local"
+
+    def __init__(self, state: dict[str, Any], limits: Limits | None = None):
+        self._state = dict(state)
+        self.limits = limits or Limits(**state.get("limits", {}))
+        self._closed = not Path(state["root"]).exists()
+
+    # --- construction ---------------------------------------------------------------
+
+    @classmethod
+    def prepare(
+        cls,
+        record: InstanceRecord | dict,
+        *,
+        settings: Settings | None = None,
+        paths: RuntimePaths | None = None,
+        confine: bool | None = None,
+        limits: Limits | None = None,
+        gateway_url: str | None = None,
+        ro_binds: Sequence[tuple[str | Path, str]] = (),
+        purpose: str = "episode",
+    ) -> "LocalRuntime":
+        """Materialize (cached) base and venv, then a fresh workspace + scratch HOME.
+
+        `confine`: None = use bubblewrap when it works here; True = require it
+        (raises `RuntimeSetupError("sandbox")` when missing); False = never.
+        `ro_binds`: extra (host path, sandbox path) read-only mounts, e.g. a harness tools folder.
+        `gateway_url`: default `settings.gateway_url`.  Raises `RuntimeSetupError` on any setup failure.
+        """
+        rec = _as_record(record)
+        settings = settings or get_settings()
+        paths = paths or RuntimePaths.from_settings(settings)
+        confined = bwrap_available() if confine is None else confine
+        if confined and not bwrap_available():
+            raise RuntimeSetupError("sandbox", "bubblewrap (`bwrap`) is required but not usable here; install the Debian package `bubblewrap`")
+        t0 = time.monotonic()
+        base = materialize_base(rec, paths)
+        t1 = time.monotonic()
+        env = ensure_env(rec, base, paths, confined=confined)
+        t2 = time.monotonic()
+        rid = f"{purpose[:5]}-{uuid.uuid4().hex[:12]}"
+        root = paths.runtimes / rid
+        root.mkdir(parents=True)
+        try:
+            workspace, home = root / "workspace", root / "home"
+            subprocess.run(["cp", "-a", str(base), str(workspace)], check=True)
+            apply_overlay(env, workspace)
+            home.mkdir()
+            (home / ".gitconfig").write_text("[user]\n\tname = agent\n\temail = agent@localhost\n[safe]\n\tdirectory = *\n")
+            venv = env.venv if confined else plain_runtime_venv(env, workspace, root / "venv", home)
+            base_commit = git(base, "rev-parse", "HEAD", stage="workspace").stdout.strip()
+            excludes = root / "overlay.exclude"
+            excludes.write_text("".join(f"/{p.relative_to(env.overlay)}\n" for p in env.overlay.rglob("*")
+                                        if p.is_file()) if env.overlay.is_dir() else "")
+        except BaseException:
+            _rmtree(root)
+            raise
+        t3 = time.monotonic()
+        state = {
+            "kind": cls.kind, "id": rid, "instance_id": rec.instance_id, "root": str(root),
+            "workspace": str(workspace), "home": str(home), "venv": str(venv), "base_repo": str(base),
+            "base_commit": base_commit, "env_key": env.key, "python_executable": str(env.python.executable),
+            "python_prefix": str(env.python.prefix), "confined": confined,
+            "gateway_url": gateway_url or settings.gateway_url,
+            "ro_binds": [[str(h), s] for h, s in ro_binds],
+            "limits": (limits or Limits()).__dict__,
+            "timings": {"base_s": round(t1 - t0, 3), "env_s": round(t2 - t1, 3), "workspace_s": round(t3 - t2, 3)},
+        }
+        return cls(state, limits)
+
+    @classmethod
+    def attach(cls, state: dict[str, Any]) -> "LocalRuntime":
+        """Re-open a runtime from `describe()` output (e.g. in another worker process)."""
+        if state.get("kind") != cls.kind:
+            raise ValueError(f"not a local runtime state: kind={state.get('kind')!r}")
+        return cls(state)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-serializable state (paths, ids, confinement, timings) for `attach` and the episode row."""
+        return dict(self._state)
+
+    # --- properties -----------------------------------------------------------------
+
+    id = property(lambda self: self._state["id"])
+    instance_id = property(lambda self: self._state["instance_id"])
+    root = property(lambda self: Path(self._state["root"]))
+    workspace = property(lambda self: Path(self._state["workspace"]), doc="host path of the repository")
+    home = property(lambda self: Path(self._state["home"]), doc="host path of the scratch HOME (harness configs go here)")
+    confined = property(lambda self: bool(self._state["confined"]))
+    base_commit = property(lambda self: self._state["base_commit"])
+    timings = property(lambda self: dict(self._state.get("timings", {})))
+
+    @property
+    def workdir(self) -> str:
+        """The repository's path as commands see it (/testbed when confined)."""
+        return SANDBOX_REPO if self.confined else str(self.workspace)
+
+    @property
+    def home_dir(self) -> str:
+        """HOME as commands see it."""
+        return SANDBOX_HOME if self.confined else str(self.home)
+
+    @property
+    def gateway_url(self) -> str:
+        """The gateway's URL as seen from inside (`network="gateway"` runs): loopback, same port and path."""
+        url = urlsplit(self._state["gateway_url"])
+        if not self.confined:
+            return self._state["gateway_url"]
+        return urlunsplit(("http", f"127.0.0.1:{self._gateway_port()}", url.path, url.query, ""))
+
+    def _gateway_port(self) -> int:
+        url = urlsplit(self._state["gateway_url"])
+        return url.port or (443 if url.scheme == "https" else 80)
+
+    def add_ro_bind(self, host_path: str | Path, sandbox_path: str | None = None) -> None:
+        """Make `host_path` visible read-only at `sandbox_path` (default: same path) in later runs."""
+        self._state["ro_binds"].append([str(host_path), sandbox_path or str(host_path)])
+
+    # --- running ----------------------------------------------------------------------
+
+    def environment(self, env: dict[str, str] | None = None, path_prepend: Sequence[str] = ()) -> dict[str, str]:
+        """The full environment of a command (nothing is inherited from the worker)."""
+        venv_bin = f"{SANDBOX_VENV if self.confined else self._state['venv']}/bin"
+        out = {
+            "PATH": ":".join([*path_prepend, venv_bin, _BASE_PATH]),
+            "HOME": self.home_dir, "USER": "agent", "LOGNAME": "agent", "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb", "PYTHONUNBUFFERED": "1",
+            "VIRTUAL_ENV": SANDBOX_VENV if self.confined else self._state["venv"],
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        }
+        out.update(env or {})
+        return out
+
+    def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 600,
+        network: Network = "none",
+        stdin: str | bytes | None = None,
+        path_prepend: Sequence[str] = (),
+        extra_mounts: Sequence[Mount] = (),
+    ) -> RunResult:
+        """Run `cmd` (a shell string for bash -c, or an argv) in the workspace.
+
+        network: "none" (no network at all) or "gateway" (only the gateway, at
+        `self.gateway_url`).  Returns `RunResult`; a timeout gives exit_code 124 and
+        timed_out=True (every process of the command is killed).  Raises `RuntimeClosed`.
+        Unconfined runtimes run directly on the host: no filesystem or network isolation.
+        """
+        if self._closed:
+            raise RuntimeClosed(f"runtime {self.id} is closed")
+        if network not in ("none", "gateway"):
+            raise ValueError(f"network must be 'none' or 'gateway', not {network!r}")
+        argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        full_env = self.environment(env, path_prepend)
+        if not self.confined:
+            host_env = dict(full_env)
+            return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=False, network=network,
+                           env=host_env, cwd=self.workspace, stdin=stdin)
+        mounts = [Mount(self.workspace, SANDBOX_REPO, True), Mount(self.home, SANDBOX_HOME, True),
+                  Mount(Path(self._state["venv"]), SANDBOX_VENV, False)]
+        mounts += [Mount(Path(h), s, False) for h, s in self._state["ro_binds"]]
+        mounts += list(extra_mounts)
+        port = None
+        if network == "gateway":
+            port = self._gateway_port()
+            mounts += [Mount(INIT_SOURCE, INIT_PATH, False), Mount(self.root / "gateway.sock", BRIDGE_SOCKET, False)]
+        argv = bwrap_argv(argv, mounts=mounts, workdir=SANDBOX_REPO, env=full_env, network=network,
+                          python_prefixes=[Path(self._state["python_prefix"])],
+                          init_python=self._state["python_executable"], gateway_port=port)
+        if network != "gateway":
+            return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network, stdin=stdin)
+        gw = urlsplit(self._state["gateway_url"])
+        with GatewayBridge(self.root / "gateway.sock", gw.hostname or "127.0.0.1", port):
+            return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network, stdin=stdin)
+
+    # --- results and cleanup ------------------------------------------------------------
+
+    def patch(self) -> str:
+        """The agent's changes as a unified diff against the base commit ("" when none).  Raises `RuntimeClosed`."""
+        if self._closed:
+            raise RuntimeClosed(f"runtime {self.id} is closed")
+        return patch_from_workspace(self.workspace, self.base_commit, base_repo=Path(self._state["base_repo"]),
+                                    extra_excludes=self.root / "overlay.exclude")
+
+    def close(self) -> None:
+        """Delete the runtime's folder (workspace, home, private venv).  Idempotent."""
+        if not self._closed:
+            self._closed = True
+            if self.root.exists():
+                _rmtree(self.root)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "LocalRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LocalRuntime(id={self.id!r}, instance={self.instance_id!r}, confined={self.confined})"
+
+

@@ -1,0 +1,240 @@
+"""Run a command under bubblewrap (https://github.com/containers/bubblewrap) with limits and a timeout.
+
+What the sandbox enforces (bwrap 0.8, Debian package `bubblewrap`):
+  * Filesystem: a fresh tmpfs root holding read-only binds of /usr (with the
+    /bin, /lib, /lib64, /sbin links), /etc and the Python installation the venv
+    was made from (its global site-packages hidden by an empty tmpfs), plus
+    exactly the `Mount`s given: for an episode the workspace (read-write at
+    /testbed), the scratch HOME (read-write) and the venv (read-only at /venv).
+    /tmp is a private tmpfs.  Nothing else of the host exists inside: not the
+    project, `var/` (database, caches, other runtimes, grading files), /root, /work.
+  * Namespaces: `--unshare-all` (user, pid, net, ipc, uts, cgroup); its own PID
+    namespace, so `kill -9 -1` or ps see only the sandbox, and every process
+    dies when the command's top process ends or on timeout.  `--die-with-parent`
+    kills it when the worker dies; `--new-session` stops TIOCSTI tricks.
+    Capabilities are dropped (bwrap's default inside the user namespace).
+  * Network: `none` = a network namespace with only loopback (no route out, no
+    DNS); `gateway` = the same, plus a listener on 127.0.0.1:<gateway port>
+    inside that is piped through a bind-mounted Unix socket to the gateway's
+    address on the host (sandbox_init.py + bridge.py): the gateway is reachable,
+    nothing else.  `host` (used only to build venvs, never for agents) shares
+    the host network.
+  * Limits: `prlimit` sets RLIMIT_DATA (memory; RLIMIT_AS would break Node's
+    large virtual reservations), RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0,
+    optional RLIMIT_CPU, and RLIMIT_NPROC when not root (for root the kernel
+    counts every root process on the host, so it is left unset).  Wall time is
+    enforced here: on timeout the process group is SIGKILLed, and with it the
+    PID namespace.
+
+Not enforced: disk usage inside the workspace (only per-file size), total
+memory across processes (no cgroup delegation in this container), kernel
+exploits (bwrap shares the host kernel), and reads of world-readable files
+under /usr and /etc.  Without bwrap (`bwrap_available()` False) commands run
+directly with the same limits and timeout, and `RunResult.confined` is False.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Sequence
+
+Network = Literal["none", "gateway", "host"]
+INIT_PATH = "/run/turnstile/init.py"
+BRIDGE_SOCKET = "/run/turnstile/gateway.sock"
+MAX_OUTPUT = 8 * 1024 * 1024  # bytes of stdout / stderr kept (the tail)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-command resource limits.  memory_mb → RLIMIT_DATA (MiB); cpu_s → RLIMIT_CPU (s, per process)."""
+
+    memory_mb: int = 4096
+    fsize_mb: int = 2048
+    nofile: int = 4096
+    nproc: int = 2048
+    cpu_s: int | None = None
+
+
+@dataclass(frozen=True)
+class Mount:
+    """Bind `src` (host path) at `dst` (sandbox path); read-only unless `writable`."""
+
+    src: Path
+    dst: str
+    writable: bool = False
+
+
+@dataclass
+class RunResult:
+    """Outcome of one command.  exit_code: the command's status (124 + timed_out on timeout); times in seconds."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    duration_s: float
+    confined: bool
+    network: str = "none"
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+@functools.lru_cache(maxsize=1)
+def bwrap_available() -> bool:
+    """True when `bwrap` is installed *and* can create the namespaces we use here."""
+    exe = shutil.which("bwrap")
+    if not exe:
+        return False
+    try:
+        proc = subprocess.run(
+            [exe, "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
+             "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--proc", "/proc",
+             "--dev", "/dev", "--", "/usr/bin/true"],
+            capture_output=True, timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def _root_links() -> list[str]:
+    args: list[str] = []
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        p = Path("/") / name
+        if p.is_symlink():
+            args += ["--symlink", os.readlink(p), str(p)]
+        elif p.is_dir():
+            args += ["--ro-bind", str(p), str(p)]
+    return args
+
+
+def bwrap_argv(
+    command: Sequence[str],
+    *,
+    mounts: Sequence[Mount],
+    workdir: str,
+    env: dict[str, str],
+    network: Network = "none",
+    python_prefixes: Sequence[Path] = (),
+    init_python: str | None = None,
+    gateway_port: int | None = None,
+) -> list[str]:
+    """The full `bwrap ... -- command` argv (see the module docstring for what it sets up)."""
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    if network == "host":
+        argv.append("--share-net")
+    argv += ["--ro-bind", "/usr", "/usr", *_root_links(), "--ro-bind", "/etc", "/etc",
+             "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+    for prefix in python_prefixes:
+        if str(prefix).startswith("/usr/"):
+            continue
+        argv += ["--ro-bind", str(prefix), str(prefix)]
+        # The interpreter's own site-packages may hold anything installed on the
+        # host (even pristine copies of task packages); venvs don't use it.
+        for sp in prefix.glob("lib/python3*/site-packages"):
+            argv += ["--tmpfs", str(sp)]
+    for m in mounts:
+        argv += ["--bind" if m.writable else "--ro-bind", str(m.src), m.dst]
+    argv += ["--clearenv"]
+    for k, v in env.items():
+        argv += ["--setenv", k, v]
+    argv += ["--chdir", workdir, "--"]
+    if network == "gateway":
+        if not (init_python and gateway_port):
+            raise ValueError("network='gateway' needs init_python and gateway_port")
+        argv += [init_python, "-I", INIT_PATH, "--listen", f"127.0.0.1:{gateway_port}", "--unix", BRIDGE_SOCKET, "--"]
+    return argv + list(command)
+
+
+def prlimit_prefix(limits: Limits) -> list[str]:
+    exe = shutil.which("prlimit")
+    if not exe:
+        return []
+    mib = 1024 * 1024
+    args = [exe, f"--data={limits.memory_mb * mib}", f"--fsize={limits.fsize_mb * mib}",
+            f"--nofile={limits.nofile}", "--core=0"]
+    if limits.cpu_s:
+        args.append(f"--cpu={limits.cpu_s}")
+    if os.geteuid() != 0:
+        args.append(f"--nproc={limits.nproc}")
+    return args + ["--"]
+
+
+def _read_tail(fh) -> tuple[str, bool]:
+    fh.seek(0, os.SEEK_END)
+    size = fh.tell()
+    fh.seek(max(0, size - MAX_OUTPUT))
+    return fh.read().decode("utf-8", errors="replace"), size > MAX_OUTPUT
+
+
+def execute(
+    argv: Sequence[str],
+    *,
+    timeout_s: float,
+    limits: Limits,
+    confined: bool,
+    network: str = "none",
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    stdin: str | bytes | None = None,
+) -> RunResult:
+    """Run `argv` under `prlimit` in its own process group; SIGKILL the group after `timeout_s` seconds.
+
+    `env`/`cwd` apply to the outer process (bwrap itself, or the command when unconfined).
+    On timeout `exit_code` is 124 (as GNU timeout) and `timed_out` is True.
+    """
+    full = prlimit_prefix(limits) + list(argv)
+    started = time.monotonic()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
+            full, stdout=out, stderr=err, env=env, cwd=cwd, start_new_session=True,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        )
+        timed_out = False
+        try:
+            if stdin is not None:
+                try:
+                    proc.stdin.write(stdin.encode() if isinstance(stdin, str) else stdin)
+                    proc.stdin.close()
+                except BrokenPipeError:
+                    pass
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            code = 124
+        except BaseException:
+            _kill_group(proc)
+            raise
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc)
+        stdout, t1 = _read_tail(out)
+        stderr, t2 = _read_tail(err)
+    if code < 0:
+        code = 128 - code
+    return RunResult(code, stdout, stderr, timed_out, time.monotonic() - started, confined, network, t1 or t2)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not fail
+        pass
+
+
+INIT_SOURCE = Path(__file__).with_name("sandbox_init.py")

@@ -1,0 +1,198 @@
+"""Load task sets: SWE-bench JSONL, HF datasets JSON / parquet, by name or path.
+
+Named sets:
+  * `synthetic` (default): `data/tasks/synthetic.jsonl`, bundled (PROVENANCE.md there).
+  * `swebench-real`: `../shared/tasks/swebench-real.jsonl` relative to the repository
+    root; never copied into the project, so it exists only where that folder does.
+  * anything else is a path: a `.jsonl`/`.json`/`.parquet` file, or a folder in the HF
+    datasets layout (`*.parquet` / `*.jsonl` / `*.json` files, e.g. `data/test-00000-of-00001.parquet`).
+
+Validation reports *every* bad record, each with its line (JSONL line number, JSON
+array index + 1, or parquet row + 1), `instance_id` when readable, and field.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from pydantic import ValidationError
+
+from app.config import ROOT
+from app.tasksets.schema import InstanceRecord
+
+DEFAULT_TASK_SET = "synthetic"
+BUNDLED_DIR = ROOT / "data" / "tasks"
+SHARED_TASKS_DIR = ROOT.parent / "shared" / "tasks"
+NAMED_SETS = {
+    "synthetic": BUNDLED_DIR / "synthetic.jsonl",
+    "swebench-real": SHARED_TASKS_DIR / "swebench-real.jsonl",
+}
+
+
+@dataclass(frozen=True)
+class RecordError:
+    """One problem with one record: where (`source`, `line`), which record, which field, what."""
+
+    source: str
+    line: int
+    field: str
+    message: str
+    instance_id: str | None = None
+
+    def __str__(self) -> str:
+        who = f" (instance_id={self.instance_id!r})" if self.instance_id else ""
+        return f"{self.source} line {self.line}{who}: field {self.field!r}: {self.message}"
+
+
+class TaskSetError(ValueError):
+    """A task set could not be loaded; `.errors` lists every bad record (`RecordError`)."""
+
+    def __init__(self, message: str, errors: list[RecordError] | None = None):
+        self.errors = list(errors or [])
+        detail = "".join(f"\n  {e}" for e in self.errors[:50])
+        more = f"\n  ... and {len(self.errors) - 50} more" if len(self.errors) > 50 else ""
+        super().__init__(message + detail + more)
+
+
+class TaskSetNotFound(TaskSetError, FileNotFoundError):
+    """The named task set or path does not exist here."""
+
+
+@dataclass
+class TaskSet:
+    """A loaded task set: `name` (as stored in `task_instances.task_set`), its file(s), instances in file order."""
+
+    name: str
+    path: Path
+    instances: list[InstanceRecord]
+    raw: list[dict[str, Any]] = field(default_factory=list, repr=False)  # records as given, same order
+
+    def by_id(self) -> dict[str, InstanceRecord]:
+        return {r.instance_id: r for r in self.instances}
+
+    def get(self, instance_id: str) -> InstanceRecord:
+        for rec in self.instances:
+            if rec.instance_id == instance_id:
+                return rec
+        raise KeyError(f"task set {self.name!r} has no instance {instance_id!r}")
+
+
+def resolve_task_set(name_or_path: str | Path = DEFAULT_TASK_SET) -> tuple[str, Path]:
+    """(name, path) for a named set or a path; raises `TaskSetNotFound` with the reason."""
+    key = str(name_or_path)
+    if key in NAMED_SETS:
+        path = NAMED_SETS[key]
+        if not path.exists():
+            raise TaskSetNotFound(f"task set {key!r} is not available here: {path} does not exist")
+        return key, path
+    path = Path(key).expanduser()
+    if not path.exists():
+        raise TaskSetNotFound(f"task set {key!r} is neither a named set ({', '.join(NAMED_SETS)}) nor an existing path")
+    return str(path.resolve()), path.resolve()
+
+
+def _rows_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line), None
+            except json.JSONDecodeError as exc:
+                yield lineno, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
+
+
+def _rows_json(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        # HF "json" exports are often JSON Lines with a .json suffix.
+        yield from _rows_jsonl(path)
+        return
+    if isinstance(data, dict):  # {"rows": [...]} / {"data": [...]} or a single record
+        data = data.get("rows") or data.get("data") or data.get("instances") or [data]
+    for i, row in enumerate(data, 1):
+        yield i, row.get("row", row) if isinstance(row, dict) else row, None
+
+
+def _rows_parquet(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:  # pragma: no cover - pyarrow is installed here
+        raise TaskSetError(f"{path}: reading parquet needs pyarrow ({exc})") from None
+    for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
+        yield i, row, None
+
+
+def _rows(path: Path) -> Iterator[tuple[str, int, Any, str | None]]:
+    files = [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in {".jsonl", ".json", ".parquet"} and p.is_file())
+        if not files:
+            raise TaskSetError(f"{path}: folder holds no .jsonl, .json or .parquet files")
+    for f in files:
+        reader = {".parquet": _rows_parquet, ".json": _rows_json}.get(f.suffix, _rows_jsonl)
+        for line, row, err in reader(f):
+            yield f.name, line, row, err
+
+
+def _errors_of(exc: ValidationError, source: str, line: int, iid: str | None) -> list[RecordError]:
+    out = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if not loc and ":" in msg:  # model-level checks name their field first ("base_commit: ...")
+            loc, msg = (s.strip() for s in msg.split(":", 1))
+        out.append(RecordError(source, line, loc or "<record>", msg, iid))
+    return out
+
+
+def validate_records(rows: list[tuple[str, int, Any, str | None]]) -> tuple[list[InstanceRecord], list[dict], list[RecordError]]:
+    """Validate (source, line, row, parse_error) tuples; returns (records, raw rows, errors)."""
+    records, raws, errors, seen = [], [], [], {}
+    for source, line, row, parse_error in rows:
+        if parse_error:
+            errors.append(RecordError(source, line, "<line>", parse_error))
+            continue
+        if not isinstance(row, dict):
+            errors.append(RecordError(source, line, "<record>", f"expected a JSON object, got {type(row).__name__}"))
+            continue
+        iid = row.get("instance_id") if isinstance(row.get("instance_id"), str) else None
+        try:
+            rec = InstanceRecord.model_validate(row)
+        except ValidationError as exc:
+            errors.extend(_errors_of(exc, source, line, iid))
+            continue
+        if rec.instance_id in seen:
+            errors.append(RecordError(source, line, "instance_id", f"duplicate of line {seen[rec.instance_id]}", iid))
+            continue
+        seen[rec.instance_id] = line
+        records.append(rec)
+        raws.append(row)
+    return records, raws, errors
+
+
+def load_records(path: str | Path) -> tuple[list[InstanceRecord], list[dict[str, Any]]]:
+    """Read and validate every record of a file or folder.  Raises `TaskSetError` listing all bad records."""
+    path = Path(path)
+    if not path.exists():
+        raise TaskSetNotFound(f"{path} does not exist")
+    records, raws, errors = validate_records(list(_rows(path)))
+    if errors:
+        raise TaskSetError(f"{path}: {len(errors)} problem(s) in the task set", errors)
+    if not records:
+        raise TaskSetError(f"{path}: no task instances")
+    return records, raws
+
+
+def load_task_set(name_or_path: str | Path = DEFAULT_TASK_SET) -> TaskSet:
+    """Load a named task set (`synthetic`, `swebench-real`) or a path.
+
+    Raises `TaskSetNotFound` (missing) or `TaskSetError` (bad records; `.errors` has each).
+    """
+    name, path = resolve_task_set(name_or_path)
+    records, raws = load_records(path)
+    return TaskSet(name=name, path=path, instances=records, raw=raws)

@@ -1,0 +1,148 @@
+"""Pydantic model of one SWE-bench-format task instance (`InstanceRecord`).
+
+The layout is the one `swebench` 5.0.2 reads (`swebench/types.py`,
+`harness/utils.py::make_test_spec`): every HF column is a string, and
+`FAIL_TO_PASS` / `PASS_TO_PASS` are JSON-encoded lists *inside* strings.  Both
+that form and plain lists are accepted; the model always holds lists.
+
+Turnstile's extras (see data/tasks/PROVENANCE.md and ../shared/tasks/README.md):
+`source` (where the repository comes from: a PyPI sdist, or a git repository at
+`base_commit`, the SWE-bench default), `bug_patch`, `install`, `test_cmd`,
+`test_files`, `python`, `sdist_base_commit`.  Unknown fields are kept (`extra`)
+so a record round-trips unchanged.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class PypiSdistSource(BaseModel):
+    """The repository is the unpacked sdist `name==version` whose archive hashes to `sha256`."""
+
+    model_config = ConfigDict(extra="allow")
+    kind: Literal["pypi_sdist"]
+    name: str = Field(min_length=1)
+    version: str = Field(min_length=1)
+    sha256: str
+    filename: str | None = None
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        v = v.lower()
+        if not _SHA256.match(v):
+            raise ValueError("must be 64 lowercase hex digits (SHA-256 of the archive)")
+        return v
+
+
+class GitSource(BaseModel):
+    """The repository is `url` (default `https://github.com/<repo>.git`) at the record's `base_commit`."""
+
+    model_config = ConfigDict(extra="allow")
+    kind: Literal["git"]
+    url: str | None = None
+
+
+Source = Annotated[Union[PypiSdistSource, GitSource], Field(discriminator="kind")]
+
+
+def _json_list(value: Any) -> Any:
+    """HF stores test lists as JSON text; decode it (lists pass through)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else []
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a JSON-encoded list of test ids ({exc.msg})") from None
+    return value
+
+
+class InstanceRecord(BaseModel):
+    """One task instance.  Raises `pydantic.ValidationError` on bad input (see `loader`)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    instance_id: str = Field(min_length=1)
+    repo: str = Field(min_length=1)
+    base_commit: str = ""
+    patch: str = Field(min_length=1)
+    test_patch: str = ""
+    problem_statement: str = Field(min_length=1)
+    hints_text: str = ""
+    created_at: str = ""
+    version: str = ""
+    FAIL_TO_PASS: list[str]
+    PASS_TO_PASS: list[str]
+    environment_setup_commit: str = ""
+    image: str = ""
+    eval_script: str = ""
+    log_parser: str = "parse_log_pytest_v2"
+    eval_type: Literal["pass_and_fail", "fail_only"] = "pass_and_fail"
+    # --- Turnstile extras ---
+    source: Source | None = None
+    bug_patch: str = ""
+    install: list[str] = Field(default_factory=list)
+    test_cmd: str = ""
+    test_files: list[str] = Field(default_factory=list)
+    python: str = "3.11"
+    difficulty: str | None = None
+    sdist_base_commit: str | None = None
+
+    @field_validator("FAIL_TO_PASS", "PASS_TO_PASS", mode="before")
+    @classmethod
+    def _decode_lists(cls, v: Any) -> Any:
+        return _json_list(v)
+
+    @field_validator("install", "test_files", mode="before")
+    @classmethod
+    def _decode_str_lists(cls, v: Any) -> Any:
+        # Parquet/HF exports may carry these as JSON text too.
+        if isinstance(v, str):
+            return _json_list(v)
+        return v
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _decode_source(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            if not v.strip():
+                return None
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON object ({exc.msg})") from None
+        return v
+
+    @field_validator("log_parser")
+    @classmethod
+    def _known_parser(cls, v: str) -> str:
+        from app.grading.swebench_compat import parser_names
+
+        if v not in parser_names():
+            raise ValueError(f"unknown log parser {v!r} (not in swebench's PARSER_REGISTRY)")
+        return v
+
+    @model_validator(mode="after")
+    def _source_needs(self) -> "InstanceRecord":
+        if self.source is None or self.source.kind == "git":
+            if not re.fullmatch(r"[0-9a-f]{7,40}", self.base_commit or ""):
+                raise ValueError("base_commit: a git source needs a commit id (7-40 hex digits)")
+        if not self.eval_script and not self.test_cmd:
+            raise ValueError("eval_script: one of eval_script or test_cmd is required to grade")
+        return self
+
+    @property
+    def source_kind(self) -> str:
+        return self.source.kind if self.source is not None else "git"
+
+    def as_swebench(self) -> dict[str, Any]:
+        """The record in HF string form (test lists JSON-encoded), extras included."""
+        out = self.model_dump(mode="json")
+        out["FAIL_TO_PASS"] = json.dumps(self.FAIL_TO_PASS)
+        out["PASS_TO_PASS"] = json.dumps(self.PASS_TO_PASS)
+        return out
