@@ -1,6 +1,7 @@
 """Run commands: submit (and follow), follow, runs, export."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -150,6 +151,28 @@ def cmd_cancel(args) -> int:
     return 0 if resp.status_code == 202 else 1
 
 
+def cmd_demo(args) -> int:
+    """Submit the demo run, follow it, export its trajectories, print the summary."""
+    config = json.loads(Path(args.config).read_text())
+    run = submit_run(config)
+    console = Console()
+    console.print(f"run {run['id']} submitted: {config.get('kind')} {config.get('harness')} on "
+                  f"{', '.join(config.get('instances') or [config.get('task_set')])}, "
+                  f"group {config.get('group_size')} x {config.get('tasks_per_step')} tasks x {config.get('steps')} steps")
+    final = follow_run(run["id"], timeout_s=args.timeout, console=console)
+    export_path = get_settings().var_dir / "runs" / str(run["id"]) / "trajectories.jsonl"
+    export_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd_export(argparse.Namespace(run_id=run["id"], output=str(export_path)))
+    summary = final.setdefault("summary", {}) or {}
+    summary["export_path"] = str(export_path)
+    steps = [st for st in final.get("steps", []) if st.get("checkpoint_path")]
+    if steps:
+        summary["checkpoint"] = steps[-1]["checkpoint_path"]
+    final["summary"] = summary
+    print_summary(final, console)
+    return 0 if final["status"] == "completed" else 1
+
+
 def register(sub) -> None:
     p = sub.add_parser("submit", help="create a run (train/eval/collect) and optionally follow it")
     p.add_argument("--config", help="JSON file with the run config (see /api/openapi.json)")
@@ -171,6 +194,11 @@ def register(sub) -> None:
     p.add_argument("run_id", type=int)
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
     p.set_defaults(handler=cmd_export)
+
+    p = sub.add_parser("demo", help="submit the demo run, follow it, export it and print the summary")
+    p.add_argument("--config", default="demo/train.json")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.set_defaults(handler=cmd_demo)
 
     p = sub.add_parser("cancel", help="cancel a run")
     p.add_argument("run_id", type=int)

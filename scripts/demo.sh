@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The main job: start every Procfile process, submit the demo train run, follow it, print the
+# summary and export, then stop the processes this script started.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONFIG="${TURNSTILE_DEMO_CONFIG:-demo/train.json}"
+mkdir -p var/log
+LOG="var/log/demo-$(date +%Y%m%d-%H%M%S).log"
+
+.venv/bin/honcho start -f Procfile >"$LOG" 2>&1 &
+HONCHO=$!
+stop() {
+  kill -TERM "$HONCHO" 2>/dev/null || true
+  for _ in $(seq 30); do kill -0 "$HONCHO" 2>/dev/null || break; sleep 1; done
+  kill -KILL "$HONCHO" 2>/dev/null || true
+  echo "processes stopped (logs: $LOG)"
+}
+trap stop EXIT
+echo "processes starting (logs: $LOG)"
+.venv/bin/python -m app.cli.wait --timeout 300 \
+  api=http://127.0.0.1:8000/api/health gateway=http://127.0.0.1:8100/health engine=http://127.0.0.1:8200/health \
+  || { tail -50 "$LOG"; exit 1; }
+.venv/bin/python -m app demo --config "$CONFIG"
