@@ -1,0 +1,5 @@
+"""SWE-bench grading of an agent patch in a fresh runtime (`grade`), with a grade cache."""
+from app.grading.grader import GradeResult, cache_key, grade, patch_sha256, record_hash
+from app.grading.patching import drop_test_changes
+
+__all__ = ["GradeResult", "grade", "cache_key", "patch_sha256", "record_hash", "drop_test_changes"]

@@ -128,9 +128,13 @@ class LocalRuntime:
             (home / ".gitconfig").write_text("[user]\n\tname = agent\n\temail = agent@localhost\n[safe]\n\tdirectory = *\n")
             venv = env.venv if confined else plain_runtime_venv(env, workspace, root / "venv", home)
             base_commit = git(base, "rev-parse", "HEAD", stage="workspace").stdout.strip()
+            # What the install left in the tree is ignored like any other by-product:
+            # not in the agent's `git status`, not in its patch, kept by `git clean -fd`.
             excludes = root / "overlay.exclude"
             excludes.write_text("".join(f"/{p.relative_to(env.overlay)}\n" for p in env.overlay.rglob("*")
                                         if p.is_file()) if env.overlay.is_dir() else "")
+            with open(workspace / ".git" / "info" / "exclude", "a", encoding="utf-8") as fh:
+                fh.write(excludes.read_text())
         except BaseException:
             _rmtree(root)
             raise

@@ -1,0 +1,124 @@
+"""`DockerRuntime`: an episode in a SWE-bench instance image, where a Docker engine exists.
+
+Uses the `docker` CLI (no SDK dependency).  The image is the record's `image`
+or SWE-bench's name `swebench/sweb.eval.x86_64.<id with __ → _1776_>:latest`
+(swebench 5.0.2 `harness/run_evaluation.py`); the repository is at /testbed and
+the environment is the image's conda env `testbed`.  The container starts with
+`--network none` (or a named Docker network that holds only the gateway), with
+memory / CPU / PID limits, and is removed by `close()`.
+
+Same surface as `LocalRuntime`: `prepare`, `describe`/`attach`, `run`, `patch`, `close`.
+No engine here, so its tests skip (`docker_available()` is False).
+"""
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import time
+import uuid
+from typing import Any, Sequence
+
+from app.runtimes.errors import RuntimeClosed, RuntimeSetupError
+from app.runtimes.sandbox import RunResult
+from app.tasksets.schema import InstanceRecord
+
+WORKDIR = "/testbed"
+
+
+@functools.lru_cache(maxsize=1)
+def docker_available() -> bool:
+    """True when the docker CLI exists *and* an engine answers `docker info`."""
+    if not shutil.which("docker"):
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=15).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def swebench_image(record: InstanceRecord) -> str:
+    if record.image:
+        return record.image
+    return f"swebench/sweb.eval.x86_64.{record.instance_id.replace('__', '_1776_')}:latest".lower()
+
+
+class DockerRuntime:
+    """A running container of the instance image (state: container id, image)."""
+
+    kind = "docker"
+
+    def __init__(self, state: dict[str, Any]):
+        self._state = dict(state)
+        self._closed = False
+
+    @classmethod
+    def prepare(cls, record: InstanceRecord | dict, *, image: str | None = None, docker_network: str | None = None,
+                memory_mb: int = 8192, cpus: float = 2.0, pids: int = 4096) -> "DockerRuntime":
+        """Start a container (`docker run -d`); raises `RuntimeSetupError("docker")` when it cannot."""
+        rec = record if isinstance(record, InstanceRecord) else InstanceRecord.model_validate(record)
+        if not docker_available():
+            raise RuntimeSetupError("docker", "no Docker engine reachable (`docker info` failed)")
+        name = f"turnstile-{uuid.uuid4().hex[:12]}"
+        img = image or swebench_image(rec)
+        argv = ["docker", "run", "-d", "--name", name, "--network", docker_network or "none",
+                f"--memory={memory_mb}m", f"--cpus={cpus}", f"--pids-limit={pids}", "-w", WORKDIR,
+                img, "tail", "-f", "/dev/null"]
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeSetupError("docker", f"docker run {img}: {proc.stderr.strip()[-2000:]}")
+        return cls({"kind": cls.kind, "id": name, "container": proc.stdout.strip(), "image": img,
+                    "instance_id": rec.instance_id, "base_commit": rec.base_commit, "confined": True})
+
+    @classmethod
+    def attach(cls, state: dict[str, Any]) -> "DockerRuntime":
+        return cls(state)
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self._state)
+
+    id = property(lambda self: self._state["id"])
+    confined = property(lambda self: True)
+    workdir = property(lambda self: WORKDIR)
+
+    def run(self, cmd: str | Sequence[str], *, env: dict[str, str] | None = None, timeout_s: float = 600,
+            network: str = "none", stdin: str | None = None) -> RunResult:
+        """`docker exec` in /testbed with the conda env `testbed` active; 124 + timed_out on timeout."""
+        if self._closed:
+            raise RuntimeClosed(f"runtime {self.id} is closed")
+        shell = cmd if isinstance(cmd, str) else " ".join(_quote(c) for c in cmd)
+        script = f"source /opt/miniconda3/bin/activate testbed 2>/dev/null || true; {shell}"
+        argv = ["docker", "exec", *(["-i"] if stdin is not None else []), "-w", WORKDIR]
+        for k, v in (env or {}).items():
+            argv += ["-e", f"{k}={v}"]
+        argv += [self._state["container"], "timeout", "-k", "5", str(int(timeout_s)), "/bin/bash", "-c", script]
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout_s + 30)
+            code, out, err = proc.returncode, proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            code, out, err = 124, (exc.stdout or b"").decode(errors="replace"), ""
+        return RunResult(code, out, err, code == 124, time.monotonic() - t0, True, network)
+
+    def patch(self) -> str:
+        res = self.run(f"git add -A && git diff --cached --binary {self._state['base_commit'] or 'HEAD'}")
+        if res.exit_code != 0:
+            raise RuntimeError(f"git diff in container failed: {res.stderr[-1000:]}")
+        return res.stdout
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            subprocess.run(["docker", "rm", "-f", self._state["container"]], capture_output=True)
+
+    def __enter__(self) -> "DockerRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _quote(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)
