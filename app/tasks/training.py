@@ -1,0 +1,22 @@
+"""`gpu` queue: GRPO training steps (thin: the work is `app.training.steps.train_step`).
+
+Acknowledged on start, not late (../shared/research/aesthetics.md §5): a training step
+must never run twice at once, and a redelivery after Redis's visibility timeout would do
+exactly that.  The database row is the truth instead: a step left in `training` by a killed
+worker resumes from its checkpoint when `gpu.train_step` is sent again, and a completed step
+is a no-op.  torch is imported inside the task body, in the prefork child, never in the
+parent (CUDA cannot be re-initialised after fork); the model and optimizer then stay
+resident in that child across steps (`app.training.steps._RESIDENT`).
+"""
+from __future__ import annotations
+
+from celery import shared_task
+
+
+@shared_task(name="gpu.train_step", acks_late=False, reject_on_worker_lost=False, ignore_result=True)
+def train_step(run_id: int, step: int, episode_ids: list[int] | None = None) -> dict:
+    """Run training step `step` of run `run_id`; returns `{run_id, step, policy_version}`."""
+    from app.training.steps import train_step as run_step
+
+    metrics = run_step(run_id, step, episode_ids)
+    return {"run_id": run_id, "step": step, "policy_version": metrics.get("policy_version")}

@@ -1,0 +1,287 @@
+"""One GRPO training step of a run, end to end, idempotent and resumable.
+
+    train_step(run_id, step, episode_ids)
+      claim      TrainingStep row pending|training -> training  (completed: return its metrics)
+      restore    resident trainer holds the weights after step-1: kept in memory, or loaded
+                 from the newest complete checkpoint (weights + optimizer), or the base model
+      data       per episode: trajectories built and stored (app.training.store), rewards,
+                 group advantages (app.training.grpo) x the group's staleness weight
+      update     Trainer.update: one GRPO step
+      checkpoint <var_dir>/runs/<run>/checkpoints/step_<k>/, atomic (app.training.checkpoints)
+      sync       every engine loads the new weights (app.training.weight_sync)
+      record     TrainingStep completed with metrics; Run.policy_version bumped; TensorBoard
+
+Steps are numbered from 0 as the scheduler creates them; the policy version after step k is
+the loaded state's version + 1 (k + 1 when steps run in order from the base model).
+A worker killed mid-step leaves the row in `training`: running `train_step` again for that
+step resumes — from the step's own checkpoint if it was already written (only the engine
+sync and bookkeeping are redone), otherwise from step k-1's checkpoint.
+The model and optimizer stay resident in the process between steps (`_RESIDENT`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select, update
+
+from app.config import get_settings
+from app.db import session_scope
+from app.models import Episode, Group, Run, TrainingStep, utcnow
+from app.states import transition
+from app.training import checkpoints
+from app.training.batching import StepSequence
+from app.training.config import TrainingConfig
+from app.training.grpo import group_advantages
+from app.training.store import build_episode_trajectories
+from app.training.weight_sync import push_weights
+
+log = logging.getLogger(__name__)
+
+
+class StepError(RuntimeError):
+    """A step that cannot run: failed before, another process trains the run, or a missing checkpoint."""
+
+
+@dataclass
+class _Resident:
+    run_id: int | None = None
+    key: tuple | None = None  # (model spec, training config) the trainer was built for
+    trainer: object | None = None
+    step: int | None = None  # the step whose weights it holds (None: base model)
+    policy_version: int = 0
+
+
+_RESIDENT = _Resident()
+
+
+def reset_resident() -> None:
+    """Forget the resident trainer (what a fresh worker process starts with)."""
+    global _RESIDENT
+    _RESIDENT = _Resident()
+
+
+def _trainer_for(run_id: int, spec: str, config: TrainingConfig):
+    from app.training.trainer import Trainer  # torch: imported in the worker child only
+
+    key = (spec, tuple(sorted(config.to_dict().items())))
+    if _RESIDENT.run_id != run_id or _RESIDENT.key != key or _RESIDENT.trainer is None:
+        reset_resident()  # free the previous run's model before loading the next
+        _RESIDENT.trainer = Trainer.from_spec(config, spec)
+        _RESIDENT.run_id, _RESIDENT.key = run_id, key
+    return _RESIDENT.trainer
+
+
+def _restore(run_id: int, step: int, spec: str, config: TrainingConfig, completed_before: bool):
+    """Make the resident trainer hold the state after step-1; return (trainer, own checkpoint or None)."""
+    trainer = _trainer_for(run_id, spec, config)
+    found = dict(checkpoints.complete_checkpoints(run_id))
+    if step in found:  # this step's checkpoint was written before a crash
+        if _RESIDENT.step != step:
+            state = trainer.load(found[step])
+            _RESIDENT.step, _RESIDENT.policy_version = step, int(state["policy_version"])
+        return trainer, found[step]
+    if _RESIDENT.step is not None and _RESIDENT.step == step - 1:
+        return trainer, None
+    earlier = [k for k in found if k < step]
+    if earlier:
+        if max(earlier) != step - 1:
+            raise StepError(f"step {step} needs the checkpoint of step {step - 1}; the newest earlier one is step {max(earlier)}")
+        state = trainer.load(found[step - 1])
+        _RESIDENT.step, _RESIDENT.policy_version = step - 1, int(state["policy_version"])
+        return trainer, None
+    if completed_before:
+        raise StepError(f"run {run_id} has completed steps before {step} but no checkpoint to resume from")
+    if _RESIDENT.step is not None:  # holds a later state than this step needs: start over from the base
+        reset_resident()
+        trainer = _trainer_for(run_id, spec, config)
+    return trainer, None
+
+
+def train_step(run_id: int, step: int, episode_ids: list[int] | None = None) -> dict:
+    """Run (or finish, or skip) training step `step` of run `run_id`; return its metrics.
+
+    `episode_ids`: the graded episodes of the step's groups; optional when the
+    `TrainingStep` row already lists them (the scheduler creates the row).  A completed step
+    returns its stored metrics without doing anything.  Raises `LookupError` (unknown run or
+    episode), `ValueError` (bad training config, no episodes), `StepError` (see the class).
+    On an error the row keeps status `training` with `error` set, so calling again resumes.
+    """
+    with checkpoints.run_lock(run_id) as acquired:
+        if not acquired:
+            raise StepError(f"run {run_id} is being trained by another process")
+        try:
+            return _train_step(run_id, step, episode_ids)
+        except BaseException as exc:
+            with session_scope() as s:
+                s.execute(update(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.step == step,
+                                                     TrainingStep.status == "training")
+                          .values(error=f"{type(exc).__name__}: {exc}"[:2000]))
+            raise
+
+
+def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
+    start = time.perf_counter()
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        if run is None:
+            raise LookupError(f"run {run_id} does not exist")
+        row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.step == step))
+        if row is None:
+            if not episode_ids:
+                raise ValueError(f"step {step} of run {run_id} has no row and no episode_ids were given")
+            row = TrainingStep(run_id=run_id, step=step, status="pending", episode_ids=list(episode_ids))
+            s.add(row)
+            s.flush()
+        if row.status == "completed":
+            return dict(row.metrics or {})
+        if row.status == "failed":
+            raise StepError(f"step {step} of run {run_id} failed before: {row.error}")
+        episode_ids = list(row.episode_ids or episode_ids or [])
+        if not episode_ids:
+            raise ValueError(f"step {step} of run {run_id} lists no episodes")
+        transition(s, TrainingStep, row.id, "training", expect=("pending", "training"), started_at=utcnow(), error=None)
+        model_cfg = run.config.get("model") or {}
+        spec = model_cfg.get("name", "tiny")
+        config = TrainingConfig.from_dict(run.config.get("training"))
+        engine_urls = model_cfg.get("engine_urls") or get_settings().engine_urls
+        completed_before = s.scalar(select(TrainingStep.id).where(
+            TrainingStep.run_id == run_id, TrainingStep.step < step, TrainingStep.status == "completed").limit(1)) is not None
+
+    trainer, own = _restore(run_id, step, spec, config, completed_before)
+    if own is not None:
+        state = _read_state(own)
+        metrics, policy_version, path = state["metrics"], int(state["policy_version"]), own
+        metrics["resumed_from_checkpoint"] = True
+    else:
+        sequences, metrics = step_sequences(run_id, episode_ids, config, trainer.vocab_size)
+        metrics.update(trainer.update(sequences))
+        policy_version = _RESIDENT.policy_version + 1
+        metrics["policy_version"] = policy_version
+        metrics["step_time_s"] = time.perf_counter() - start
+        state = {"run_id": run_id, "step": step, "policy_version": policy_version, "episode_ids": episode_ids,
+                 "metrics": metrics, "config": config.to_dict(), "model": spec}
+        saved = time.perf_counter()
+        path = checkpoints.write_checkpoint(checkpoints.checkpoint_dir(run_id, step), lambda tmp: trainer.save(tmp, state))
+        metrics["checkpoint_time_s"] = time.perf_counter() - saved
+        _RESIDENT.step, _RESIDENT.policy_version = step, policy_version
+
+    synced = time.perf_counter()
+    metrics["engine_sync"] = push_weights(engine_urls, path / "model", policy_version)
+    metrics["engine_sync_time_s"] = time.perf_counter() - synced
+
+    with session_scope() as s:
+        row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.step == step))
+        transition(s, TrainingStep, row.id, "completed", expect=("training",), metrics=metrics,
+                   policy_version=policy_version, checkpoint_path=str(path), finished_at=utcnow(), error=None)
+        s.execute(update(Run).where(Run.id == run_id, Run.policy_version < policy_version)
+                  .values(policy_version=policy_version))
+    _log_tensorboard(run_id, step, metrics)
+    checkpoints.prune_checkpoints(run_id)
+    log.info("run=%s step=%s policy_version=%s loss=%.4g tokens=%s time=%.1fs", run_id, step, policy_version,
+             metrics.get("loss", 0.0), metrics.get("tokens_trained"), time.perf_counter() - start)
+    return metrics
+
+
+def _read_state(path: Path) -> dict:
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, vocab_size: int):
+    """Trajectories of the step's episodes with their advantages, and the data metrics.
+
+    Returns `(list[StepSequence], metrics)`; metrics: episodes, groups, reward_mean,
+    reward_std, resolved_rate, advantage_mean/std/min/max (per episode),
+    zero_advantage_group_fraction, and the summed merge report (`merge`).
+    Every sequence of an episode carries that episode's advantage, scaled by its group's
+    `weight` (< 1 for groups the scheduler down-weighted for staleness).
+    """
+    with session_scope() as s:
+        episodes = list(s.scalars(select(Episode).where(Episode.id.in_(episode_ids), Episode.run_id == run_id)))
+        missing = sorted(set(episode_ids) - {e.id for e in episodes})
+        if missing:
+            raise LookupError(f"episodes {missing} are not episodes of run {run_id}")
+        group_rows = s.scalars(select(Group).where(Group.run_id == run_id,
+                                                   Group.group_index.in_({e.group_index for e in episodes})))
+        weights = {g.group_index: g.weight for g in group_rows}
+        groups: dict[int, list[Episode]] = defaultdict(list)
+        for e in sorted(episodes, key=lambda e: (e.group_index, e.sample_index)):
+            groups[e.group_index].append(e)
+        advantage: dict[int, float] = {}
+        zero_groups = 0
+        for index, members in groups.items():
+            rewards = [e.reward if e.status == "completed" else None for e in members]
+            values = group_advantages(rewards, config.advantage_mode, config.normalize_advantage_std)
+            zero_groups += all(v == 0.0 for v in values)
+            for e, v in zip(members, values):
+                advantage[e.id] = v * weights.get(index, 1.0)
+        sequences: list[StepSequence] = []
+        merge = Counter()
+        cut_reasons, rejected_reasons = Counter(), Counter()
+        for e in episodes:
+            rows, report = build_episode_trajectories(s, e.id, config.builder, vocab_size)
+            for row in rows:
+                # Trajectories built before the model was known (at grading time) were not
+                # checked against its vocabulary; an id beyond the embedding would crash the step.
+                if row.token_ids and max(row.token_ids) >= vocab_size:
+                    merge["sequences_out_of_vocab"] += 1
+                    continue
+                sequences.append(StepSequence(row.token_ids, row.loss_mask, row.logprobs, advantage[e.id], e.id))
+            for key in ("completions", "rejected", "chains", "completions_merged", "chains_cut", "tokens", "trainable_tokens"):
+                merge[key] += int(report.get(key, 0))
+            cut_reasons.update(report.get("cut_reasons", {}))
+            rejected_reasons.update(report.get("rejected_reasons", {}))
+        rewards = [e.reward for e in episodes if e.status == "completed" and e.reward is not None]
+        resolved = [bool(e.resolved) for e in episodes if e.resolved is not None]
+        advs = list(advantage.values())
+    metrics = {
+        "episodes": len(episodes),
+        "groups": len(groups),
+        "reward_mean": _mean(rewards),
+        "reward_std": _std(rewards),
+        "resolved_rate": _mean([float(r) for r in resolved]),
+        "advantage_mean": _mean(advs),
+        "advantage_std": _std(advs),
+        "advantage_min": min(advs) if advs else 0.0,
+        "advantage_max": max(advs) if advs else 0.0,
+        "zero_advantage_group_fraction": zero_groups / len(groups) if groups else 0.0,
+        "builder": config.builder,
+        "merge": {**merge, "cut_reasons": dict(cut_reasons), "rejected_reasons": dict(rejected_reasons)},
+    }
+    return sequences, metrics
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _std(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    mean = _mean(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _log_tensorboard(run_id: int, step: int, metrics: dict) -> None:
+    """One scalar per numeric metric (nested dicts flattened with `/`) at global step `step`."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(checkpoints.tensorboard_dir(run_id)))
+    try:
+        for name, value in _flatten(metrics):
+            writer.add_scalar(f"train/{name}", value, global_step=step)
+    finally:
+        writer.close()
+
+
+def _flatten(metrics: dict, prefix: str = ""):
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield f"{prefix}{key}", float(value)

@@ -1,0 +1,49 @@
+"""Tell the inference engines to load new policy weights.
+
+Protocol (the engine server's, app/engines): `POST {engine_url}/v1/load_weights` with JSON
+`{"path": <checkpoint model dir>, "policy_version": N}`; the engine answers
+`{"policy_version": N}` once it serves the new weights.  The path is a directory on a
+filesystem the engine shares with the trainer (one box, or a shared volume).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+def push_weights(engine_urls: list[str], path: Path, policy_version: int, *, timeout_s: float = 300.0,
+                 attempts: int = 3) -> dict[str, str]:
+    """Ask every engine to load `path` as `policy_version`; return `{url: "ok" | "error: …"}`.
+
+    Each engine gets up to `attempts` tries (connection errors, 5xx, a wrong version in the
+    answer) with a short backoff; a failure is reported, not raised, because the checkpoint
+    is already the durable result of the step and the engine stamps the version it actually
+    serves on every completion, so stale samples stay visible to the trainer (TIS) and the
+    scheduler (staleness).
+    """
+    results: dict[str, str] = {}
+    body = {"path": str(path), "policy_version": int(policy_version)}
+    for url in engine_urls:
+        endpoint = url.rstrip("/") + "/v1/load_weights"
+        error = "not tried"
+        for attempt in range(attempts):
+            try:
+                response = httpx.post(endpoint, json=body, timeout=timeout_s)
+                if response.status_code == 200 and response.json().get("policy_version") == policy_version:
+                    error = ""
+                    break
+                error = f"HTTP {response.status_code}: {response.text[:200]}"
+                if 400 <= response.status_code < 500:
+                    break  # the engine refused this request; repeating it will not help
+            except (httpx.HTTPError, ValueError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            time.sleep(min(2.0**attempt, 10.0))
+        results[url] = "ok" if not error else f"error: {error}"
+        if error:
+            log.error("engine %s did not load policy_version=%s from %s: %s", url, policy_version, path, error)
+    return results
