@@ -1,0 +1,295 @@
+"""The engine's answer in one canonical form, for streams and non-streams alike.
+
+The engine speaks OpenAI Chat Completions with vLLM's extensions
+(protocols.md §2, §5.1).  Servers disagree on details of streamed tool calls and
+reasoning, so every upstream answer first passes through this module:
+
+* `ChunkNormalizer.feed(chunk)` turns one upstream stream chunk into canonical
+  events, fixing the known quirks once for all four client APIs:
+    - reasoning under `reasoning` (new vLLM) or `reasoning_content` (old) (B07, B30);
+    - tool calls keyed by index; a repeated identical id continues a call, a new
+      non-empty id at the same index starts a new one (B19); missing `type` (B18);
+      arguments carried in the same chunk as id/name or only at the end (B03).
+* `result_from_completion(body)` reads a non-stream answer into the same `Result`.
+* `finish_result` recovers a tool call the model wrote inside its reasoning (B21).
+
+Events are tuples:
+  ("reasoning", text) | ("text", text) | ("refusal", text)
+  ("tool_start", k, call_id, name) | ("tool_args", k, fragment)
+where k counts tool calls from 0 in the order they started.
+
+Token accounting comes from the ids (`token_ids`, `prompt_token_ids`), so usage
+is identical for the stream and non-stream paths.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("turnstile.gateway")
+
+
+def new_id(prefix: str, n: int = 12) -> str:
+    return f"{prefix}{secrets.token_hex(n)}"
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str = ""
+
+    def parsed_arguments(self) -> dict:
+        """The arguments as a JSON object ({} when empty; {"_raw": text} when not JSON)."""
+        if not self.arguments.strip():
+            return {}
+        try:
+            val = json.loads(self.arguments)
+        except ValueError:
+            return {"_raw": self.arguments}
+        return val if isinstance(val, dict) else {"_value": val}
+
+
+@dataclass
+class Result:
+    """Everything the engine produced for one call (choice 0).
+
+    finish_reason: OpenAI finish reason (stop | length | tool_calls | content_filter | None);
+    stop_reason: vLLM's per-choice stop_reason (matched stop string, stop token id, or None).
+    prompt_ids/sampled_ids: int token ids; logprobs: float nats, one per sampled id.
+    """
+
+    reasoning: str = ""
+    text: str = ""
+    refusal: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    prompt_ids: list[int] | None = None
+    sampled_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    logprobs_content: list[dict] = field(default_factory=list)
+    usage_prompt_tokens: int | None = None
+    usage_completion_tokens: int | None = None
+    cached_tokens: int = 0
+    policy_version: int | None = None
+    flags: list[str] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        if self.prompt_ids is not None:
+            return len(self.prompt_ids)
+        return self.usage_prompt_tokens or 0
+
+    @property
+    def completion_tokens(self) -> int:
+        if self.sampled_ids:
+            return len(self.sampled_ids)
+        return self.usage_completion_tokens or 0
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The matched stop string (vLLM reports it in `stop_reason`), else None."""
+        return self.stop_reason if isinstance(self.stop_reason, str) and self.stop_reason else None
+
+
+def _reasoning_of(obj: dict) -> str:
+    # New vLLM: `reasoning`; old vLLM and DeepSeek: `reasoning_content` (B30).
+    return obj.get("reasoning") or obj.get("reasoning_content") or ""
+
+
+def _logprob_values(lp: Any) -> tuple[list[float], list[dict]]:
+    if not isinstance(lp, dict):
+        return [], []
+    content = lp.get("content") or []
+    vals = [float(e.get("logprob", 0.0)) for e in content if isinstance(e, dict)]
+    return vals, [e for e in content if isinstance(e, dict)]
+
+
+class ChunkNormalizer:
+    """Feeds upstream Chat Completions stream chunks; emits canonical events; builds a `Result`."""
+
+    def __init__(self) -> None:
+        self.result = Result()
+        self._by_index: dict[int, int] = {}      # upstream tool index -> k
+        self._pending: dict[int, dict] = {}     # k -> {"id","name","args"} before the name is known
+        self._started: set[int] = set()
+        self.first_chunk_seen = False
+
+    def feed(self, chunk: dict) -> list[tuple]:
+        """One parsed `chat.completion.chunk` -> canonical events (possibly none)."""
+        r = self.result
+        events: list[tuple] = []
+        self.first_chunk_seen = True
+        if chunk.get("prompt_token_ids") is not None and r.prompt_ids is None:
+            r.prompt_ids = list(chunk["prompt_token_ids"])
+        if isinstance(chunk.get("policy_version"), int):
+            r.policy_version = chunk["policy_version"]
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            r.usage_prompt_tokens = usage.get("prompt_tokens", r.usage_prompt_tokens)
+            r.usage_completion_tokens = usage.get("completion_tokens", r.usage_completion_tokens)
+            details = usage.get("prompt_tokens_details") or {}
+            r.cached_tokens = int(details.get("cached_tokens") or 0)
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            ids = choice.get("token_ids")
+            if ids:
+                r.sampled_ids.extend(ids)
+            vals, content = _logprob_values(choice.get("logprobs"))
+            r.logprobs.extend(vals)
+            r.logprobs_content.extend(content)
+            delta = choice.get("delta") or {}
+            reasoning = _reasoning_of(delta)
+            if reasoning:
+                r.reasoning += reasoning
+                events.append(("reasoning", reasoning))
+            if delta.get("content"):
+                r.text += delta["content"]
+                events.append(("text", delta["content"]))
+            if delta.get("refusal"):
+                r.refusal += delta["refusal"]
+                events.append(("refusal", delta["refusal"]))
+            for tc in delta.get("tool_calls") or []:
+                events.extend(self._tool_fragment(tc))
+            if choice.get("finish_reason"):
+                r.finish_reason = choice["finish_reason"]
+            if choice.get("stop_reason") is not None:
+                r.stop_reason = choice["stop_reason"]
+        return events
+
+    def _tool_fragment(self, tc: dict) -> list[tuple]:
+        r = self.result
+        fn = tc.get("function") or {}
+        call_id = tc.get("id") or ""
+        index = tc.get("index")
+        if not isinstance(index, int):
+            # No index (non-conforming server): continue the last call unless a new id appears.
+            last = max(self._by_index, default=None)
+            same = last is not None and (not call_id or r.tool_calls[self._by_index[last]].id == call_id)
+            index = last if same else (last + 1 if last is not None else 0)
+        k = self._by_index.get(index)
+        if k is None or (call_id and r.tool_calls[k].id != call_id and not r.tool_calls[k].id.startswith("call_gw")):
+            # A new call: first fragment at this index, or a new id reusing the index (B19c).
+            k = len(r.tool_calls)
+            self._by_index[index] = k
+            r.tool_calls.append(ToolCall(id=call_id or new_id("call_gw", 8), name=""))
+        call = r.tool_calls[k]
+        if call_id and call.id.startswith("call_gw"):
+            call.id = call_id
+        events: list[tuple] = []
+        if fn.get("name") and not call.name:
+            call.name = fn["name"]
+        args = fn.get("arguments") or ""
+        if k not in self._started:
+            if call.name:
+                self._started.add(k)
+                events.append(("tool_start", k, call.id, call.name))
+                pending = self._pending.pop(k, "")
+                if pending:
+                    events.append(("tool_args", k, pending))
+            elif args:
+                self._pending[k] = self._pending.get(k, "") + args
+                call.arguments += args
+                return events
+        if args:
+            call.arguments += args
+            if k in self._started:
+                events.append(("tool_args", k, args))
+        return events
+
+    def finish(self) -> list[tuple]:
+        """Call after the last chunk: events for anything recovered (B21), in order."""
+        r = self.result
+        nameless = [c for k, c in enumerate(r.tool_calls) if k not in self._started]
+        if nameless:
+            r.flags.append("tool_call_without_name")
+            r.tool_calls = [c for c in r.tool_calls if c not in nameless]
+        return finish_result(r)
+
+
+_TOOL_IN_REASONING = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+_XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.S)
+_XML_PARAM = re.compile(r"<parameter=([^>\s]+)>\s*(.*?)\s*</parameter>", re.S)
+
+
+def _calls_in_reasoning(text: str) -> list[ToolCall]:
+    calls = []
+    for m in _TOOL_IN_REASONING.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and obj.get("name"):
+            args = obj.get("arguments", obj.get("parameters", {}))
+            calls.append(ToolCall(new_id("call_", 12), str(obj["name"]),
+                                  args if isinstance(args, str) else json.dumps(args)))
+    if not calls:
+        for m in _XML_FUNCTION.finditer(text):
+            params = {k: v for k, v in _XML_PARAM.findall(m.group(2))}
+            calls.append(ToolCall(new_id("call_", 12), m.group(1), json.dumps(params)))
+    return calls
+
+
+def finish_result(result: Result) -> list[tuple]:
+    """Post-process a finished `Result`; returns events for calls recovered from reasoning.
+
+    B21 (vllm-project/vllm#39056): Qwen3.x sometimes writes the tool call inside its
+    reasoning; the parser then reports no call and an empty answer.  The record is
+    flagged and the call recovered so the agent loop does not end silently.
+    """
+    events: list[tuple] = []
+    if result.logprobs and result.sampled_ids and len(result.logprobs) != len(result.sampled_ids):
+        result.flags.append("logprob_count_mismatch")
+    if not result.text.strip() and not result.tool_calls and result.reasoning and (
+            "<tool_call>" in result.reasoning or "<function=" in result.reasoning):
+        calls = _calls_in_reasoning(result.reasoning)
+        result.flags.append("tool_call_in_reasoning")
+        log.warning("tool call found inside reasoning (%d recovered)", len(calls))
+        for call in calls:
+            k = len(result.tool_calls)
+            result.tool_calls.append(call)
+            events.append(("tool_start", k, call.id, call.name))
+            if call.arguments:
+                events.append(("tool_args", k, call.arguments))
+        if calls:
+            result.finish_reason = "tool_calls"
+    if result.tool_calls and result.finish_reason == "stop" and result.stop_sequence is None:
+        result.finish_reason = "tool_calls"
+    return events
+
+
+def result_from_completion(body: dict) -> Result:
+    """A non-stream `chat.completion` body (with vLLM extensions) -> `Result` (choice 0)."""
+    r = Result()
+    if body.get("prompt_token_ids") is not None:
+        r.prompt_ids = list(body["prompt_token_ids"])
+    if isinstance(body.get("policy_version"), int):
+        r.policy_version = body["policy_version"]
+    usage = body.get("usage") or {}
+    r.usage_prompt_tokens = usage.get("prompt_tokens")
+    r.usage_completion_tokens = usage.get("completion_tokens")
+    r.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    choices = body.get("choices") or []
+    choice = next((c for c in choices if c.get("index", 0) == 0), choices[0] if choices else {})
+    msg = choice.get("message") or {}
+    r.reasoning = _reasoning_of(msg)
+    r.text = msg.get("content") or ""
+    r.refusal = msg.get("refusal") or ""
+    for tc in msg.get("tool_calls") or []:
+        fn = tc.get("function") or {}
+        args = fn.get("arguments")
+        if not isinstance(args, str):
+            args = json.dumps(args if args is not None else {})
+        r.tool_calls.append(ToolCall(tc.get("id") or new_id("call_", 12), fn.get("name") or "", args))
+    r.finish_reason = choice.get("finish_reason")
+    r.stop_reason = choice.get("stop_reason")
+    r.sampled_ids = list(choice.get("token_ids") or [])
+    r.logprobs, r.logprobs_content = _logprob_values(choice.get("logprobs"))
+    finish_result(r)
+    return r

@@ -1,0 +1,255 @@
+"""Shared pieces of request normalization: the internal request, settings, message repair.
+
+Every client API is normalized to one internal OpenAI Chat Completions request
+(`Normalized.chat`); API-specific facts needed to answer (requested model name,
+custom-tool names, usage wishes...) travel in `Normalized.meta`.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.proxy.errors import GatewayError
+
+log = logging.getLogger("turnstile.gateway")
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Gateway knobs from the environment (TURNSTILE_GATEWAY_*)."""
+
+    default_max_tokens: int = 4096       # when the client sends no limit (Codex), B32
+    max_body_bytes: int = 32 * 1024 * 1024
+    keepalive_s: float = 10.0            # keep-alive interval while the engine prefills
+    vision: bool = False                 # engine model accepts images; else placeholders (B16)
+    session_cache_s: float = 2.0         # how long a resolved session token is trusted in-process
+    upstream_timeout_s: float = 900.0
+
+    @classmethod
+    def from_env(cls) -> "GatewaySettings":
+        env = os.environ
+        return cls(
+            default_max_tokens=int(env.get("TURNSTILE_GATEWAY_DEFAULT_MAX_TOKENS") or 4096),
+            max_body_bytes=int(env.get("TURNSTILE_GATEWAY_MAX_BODY_BYTES") or 32 * 1024 * 1024),
+            keepalive_s=float(env.get("TURNSTILE_GATEWAY_KEEPALIVE_S") or 10.0),
+            vision=(env.get("TURNSTILE_GATEWAY_VISION") or "").lower() in {"1", "true", "yes", "on"},
+            session_cache_s=float(env.get("TURNSTILE_GATEWAY_SESSION_CACHE_S") or 2.0),
+            upstream_timeout_s=float(env.get("TURNSTILE_GATEWAY_UPSTREAM_TIMEOUT_S") or 900.0),
+        )
+
+
+_settings: GatewaySettings | None = None
+
+
+def gateway_settings() -> GatewaySettings:
+    global _settings
+    if _settings is None:
+        _settings = GatewaySettings.from_env()
+    return _settings
+
+
+@dataclass
+class Normalized:
+    """One client request in internal form.
+
+    api: anthropic | chat | responses | gemini; chat: Chat Completions body for the engine
+    (without the gateway's recording fields); model: the client's model string (echoed back);
+    meta: API-specific answer hints.
+    """
+
+    api: str
+    chat: dict
+    model: str
+    stream: bool
+    meta: dict = field(default_factory=dict)
+
+
+# --- type checks that raise the caller-facing 400 -----------------------------------
+
+
+def expect(cond: bool, message: str, param: str | None = None) -> None:
+    if not cond:
+        raise GatewayError("invalid_request", message, param=param)
+
+
+def expect_type(value: Any, types: type | tuple, name: str, *, optional: bool = True) -> Any:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) and types in (int, float, (int, float)):
+        raise GatewayError("invalid_request", f"{name}: expected a number, got a boolean", param=name)
+    if not isinstance(value, types):
+        tname = types.__name__ if isinstance(types, type) else "/".join(t.__name__ for t in types)
+        raise GatewayError("invalid_request",
+                           f"{name}: expected {tname}, got {type(value).__name__}", param=name)
+    return value
+
+
+def positive_int(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    expect_type(value, int, name)
+    expect(value >= 1, f"{name}: must be >= 1, got {value}", name)
+    return value
+
+
+def copy_sampling(src: dict, dst: dict, mapping: dict[str, str]) -> None:
+    """Copy numeric sampling fields `src[k]` -> `dst[v]` after type checks."""
+    for k, v in mapping.items():
+        if src.get(k) is not None:
+            expect_type(src[k], (int, float), k)
+            dst[v] = src[k]
+
+
+def limit_tokens(*candidates: int | None) -> int:
+    """Exactly one completion limit for the engine (B32): the smallest given, else the default."""
+    given = [c for c in candidates if c is not None]
+    return min(given) if given else gateway_settings().default_max_tokens
+
+
+def stop_list(value: Any, name: str) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    expect(isinstance(value, list) and all(isinstance(s, str) for s in value),
+           f"{name}: expected a string or a list of strings", name)
+    return list(value) or None
+
+
+# --- content --------------------------------------------------------------------------
+
+
+def image_part(url: str, media_type: str = "image", size_hint: int | None = None) -> dict:
+    """An image as a Chat content part, or a visible text placeholder for text-only engines (B16)."""
+    if gateway_settings().vision:
+        return {"type": "image_url", "image_url": {"url": url}}
+    size = f", {size_hint} bytes" if size_hint else ""
+    log.warning("image replaced by a placeholder (engine is text-only; TURNSTILE_GATEWAY_VISION=0)")
+    return {"type": "text", "text": f"[image omitted: {media_type}{size}; this model cannot see images]"}
+
+
+def data_url(media_type: str, data: str) -> str:
+    return f"data:{media_type};base64,{data}"
+
+
+def simplify_content(parts: list[dict]) -> str | list[dict]:
+    """Parts -> a plain string when all are text (templates handle strings best)."""
+    if all(p.get("type") == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts if p.get("text"))
+    return parts
+
+
+def text_of(parts: list[dict]) -> str:
+    return "\n".join(p.get("text", "") for p in parts if p.get("type") == "text" and p.get("text"))
+
+
+def tool_result_messages(call_id: str, parts: list[dict], name: str | None = None) -> list[dict]:
+    """A tool result as Chat messages: the tool message (text), then a user message holding
+    any images, because Chat tool messages cannot carry images (B16)."""
+    texts = [p for p in parts if p.get("type") == "text"]
+    images = [p for p in parts if p.get("type") == "image_url"]
+    tool = {"role": "tool", "tool_call_id": call_id, "content": text_of(texts)}
+    if name:
+        tool["name"] = name
+    out = [tool]
+    if images:
+        out.append({"role": "user", "content": [{"type": "text", "text": f"Images returned by tool call {call_id}:"},
+                                                *images]})
+    return out
+
+
+def finalize_messages(messages: list[dict]) -> list[dict]:
+    """Repair a converted conversation so every chat template accepts it.
+
+    * all system-level text (system/developer anywhere, B15) -> one leading system message;
+    * consecutive assistant messages merged (text + tool calls), so a tool result always
+      follows the assistant message carrying its call (B27);
+    * a tool result whose call is unknown becomes user text instead of a template error;
+    * assistant messages with tool calls and no text get content None (B35).
+    """
+    system_texts: list[str] = []
+    out: list[dict] = []
+    known_calls: set[str] = set()
+    for msg in messages:
+        role = msg.get("role")
+        if role in ("system", "developer"):
+            content = msg.get("content")
+            text = content if isinstance(content, str) else text_of(content or [])
+            if text:
+                system_texts.append(text)
+            continue
+        if role == "assistant":
+            for tc in msg.get("tool_calls") or []:
+                known_calls.add(tc["id"])
+            if out and out[-1].get("role") == "assistant":
+                _merge_assistant(out[-1], msg)
+                continue
+            out.append(dict(msg))
+            continue
+        if role == "tool":
+            if msg.get("tool_call_id") not in known_calls:
+                out.append({"role": "user", "content": f"[result of tool call {msg.get('tool_call_id')}]\n"
+                                                       f"{msg.get('content') or ''}"})
+                continue
+        out.append(msg)
+    for m in out:
+        if m.get("role") == "assistant" and m.get("tool_calls") and not m.get("content"):
+            m["content"] = None
+    if system_texts:
+        out.insert(0, {"role": "system", "content": "\n\n".join(system_texts)})
+    return out
+
+
+def _merge_assistant(prev: dict, msg: dict) -> None:
+    a, b = prev.get("content") or "", msg.get("content") or ""
+    if isinstance(a, list):
+        a = text_of(a)
+    if isinstance(b, list):
+        b = text_of(b)
+    prev["content"] = (a + ("\n" if a and b else "") + b) or None
+    if msg.get("tool_calls"):
+        prev["tool_calls"] = (prev.get("tool_calls") or []) + msg["tool_calls"]
+    if msg.get("reasoning"):
+        prev["reasoning"] = (prev.get("reasoning") or "") + msg["reasoning"]
+
+
+def function_tool(name: str, description: str | None, parameters: Any, strict: Any = None) -> dict:
+    params = parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}}
+    fn = {"name": name, "parameters": params}
+    if description:
+        fn["description"] = description
+    return {"type": "function", "function": fn}
+
+
+def tool_call(call_id: str, name: str, arguments: Any) -> dict:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments if arguments is not None else {},
+                                                                   ensure_ascii=False)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+# --- reasoning signatures -------------------------------------------------------------------
+# Anthropic thinking blocks need a signature; Claude Code may ask for thinking text to be
+# omitted (`display: "omitted"`) and replays the empty block with the signature.  The
+# gateway's signature carries the reasoning itself (compressed), so it can be restored
+# on replay and the next prompt keeps the exact prefix (B09).
+
+SIGNATURE_PREFIX = "tsr1."
+
+
+def reasoning_signature(text: str) -> str:
+    return SIGNATURE_PREFIX + base64.urlsafe_b64encode(zlib.compress(text.encode("utf-8"))).decode("ascii")
+
+
+def reasoning_from_signature(sig: Any) -> str | None:
+    """The reasoning text encoded in a signature the gateway issued, else None."""
+    if not isinstance(sig, str) or not sig.startswith(SIGNATURE_PREFIX):
+        return None
+    try:
+        return zlib.decompress(base64.urlsafe_b64decode(sig[len(SIGNATURE_PREFIX):])).decode("utf-8")
+    except Exception:  # noqa: BLE001 - a foreign or damaged signature is just "unknown"
+        return None

@@ -1,0 +1,290 @@
+"""Gemini generateContent API <-> internal Chat Completions.
+
+Spec: https://ai.google.dev/api/generate-content; googleapis/python-genai
+`google/genai/types.py`; what Gemini CLI checks: google-gemini/gemini-cli
+`packages/core/src/core/geminiChat.ts` (protocols.md §4).
+
+* Roles user/model; `functionCall` parts -> assistant tool calls;
+  `functionResponse` parts -> tool messages (paired by id, else by name).
+* `parameters` (OpenAPI subset, upper-case types) and `parametersJsonSchema`
+  both become JSON Schema.
+* JSON mode (`responseMimeType` + `responseSchema`/`responseJsonSchema`) ->
+  `response_format` (Gemini CLI's router needs valid JSON back).
+* Stream (`?alt=sse`): data-only frames, each a GenerateContentResponse holding
+  only new parts; function calls are sent whole; never an empty text part; the
+  last frame always carries `finishReason` and `usageMetadata`.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from app.proxy import common as c
+from app.proxy.canonical import Result, new_id
+from app.proxy.errors import GatewayError, error_body
+from app.proxy.sse import frame
+
+API = "gemini"
+_FINISH = {"stop": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP", "content_filter": "SAFETY"}
+
+
+def model_from_path(raw: str) -> str:
+    return raw[len("models/"):] if raw.startswith("models/") else raw
+
+
+def json_schema(schema: Any) -> Any:
+    """OpenAPI-subset schema with upper-case types -> JSON Schema (types lower-cased)."""
+    if isinstance(schema, list):
+        return [json_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "type" and isinstance(v, str):
+            out[k] = v.lower()
+        elif k == "nullable":
+            continue
+        elif k in ("properties", "$defs", "definitions") and isinstance(v, dict):
+            out[k] = {name: json_schema(s) for name, s in v.items()}
+        else:
+            out[k] = json_schema(v)
+    return out
+
+
+def _response_text(resp: Any) -> str:
+    if isinstance(resp, dict) and len(resp) == 1:
+        (val,) = resp.values()
+        if isinstance(val, str):
+            return val
+    return json.dumps(resp, ensure_ascii=False)
+
+
+def convert_contents(contents: Any) -> list[dict]:
+    c.expect(isinstance(contents, list) and contents, "contents: expected a non-empty list", "contents")
+    out: list[dict] = []
+    pending: dict[str, list[str]] = {}  # function name -> unanswered call ids, for responses without id
+    for i, content in enumerate(contents):
+        where = f"contents[{i}]"
+        c.expect(isinstance(content, dict), f"{where}: expected an object", "contents")
+        role = content.get("role") or "user"
+        c.expect(role in ("user", "model", "function", "system"), f"{where}.role: must be user or model", "contents")
+        parts = content.get("parts") or []
+        c.expect(isinstance(parts, list), f"{where}.parts: expected a list", "contents")
+        user_parts, tool_msgs, text, reasoning, calls = [], [], [], [], []
+        for j, p in enumerate(parts):
+            c.expect(isinstance(p, dict), f"{where}.parts[{j}]: expected an object", "contents")
+            if "text" in p:
+                c.expect(isinstance(p["text"], str), f"{where}.parts[{j}].text: expected a string", "contents")
+                if not p["text"]:
+                    continue
+                if role == "model":
+                    (reasoning if p.get("thought") else text).append(p["text"])
+                else:
+                    user_parts.append({"type": "text", "text": p["text"]})
+            elif "functionCall" in p:
+                fc = p["functionCall"]
+                c.expect(isinstance(fc, dict) and isinstance(fc.get("name"), str),
+                         f"{where}.parts[{j}].functionCall.name: expected a string", "contents")
+                call_id = fc.get("id") or f"call_{i}_{j}"
+                pending.setdefault(fc["name"], []).append(call_id)
+                calls.append(c.tool_call(call_id, fc["name"], fc.get("args") or {}))
+            elif "functionResponse" in p:
+                fr = p["functionResponse"]
+                c.expect(isinstance(fr, dict) and isinstance(fr.get("name"), str),
+                         f"{where}.parts[{j}].functionResponse.name: expected a string", "contents")
+                waiting = pending.get(fr["name"]) or []
+                call_id = fr.get("id") or (waiting[0] if waiting else f"call_{fr['name']}")
+                if call_id in waiting:
+                    waiting.remove(call_id)
+                tool_msgs.extend(c.tool_result_messages(call_id, [{"type": "text",
+                                                                   "text": _response_text(fr.get("response"))}]))
+            elif "inlineData" in p:
+                d = p["inlineData"] or {}
+                data = d.get("data") or ""
+                user_parts.append(c.image_part(c.data_url(d.get("mimeType") or "image/png", data),
+                                               d.get("mimeType") or "image", len(data) * 3 // 4))
+            elif "fileData" in p:
+                user_parts.append({"type": "text", "text": f"[file omitted: {(p['fileData'] or {}).get('fileUri')}]"})
+            # executableCode, codeExecutionResult, thoughtSignature-only parts: nothing to render
+        if role == "system":
+            out.append({"role": "system", "content": c.text_of(user_parts)})
+        elif role == "model":
+            if text or calls or reasoning:
+                m: dict = {"role": "assistant", "content": "".join(text) or None}
+                if calls:
+                    m["tool_calls"] = calls
+                if reasoning:
+                    m["reasoning"] = "".join(reasoning)
+                out.append(m)
+        else:
+            out.extend(tool_msgs)
+            if user_parts:
+                out.append({"role": "user", "content": c.simplify_content(user_parts)})
+    return out
+
+
+def _system(si: Any) -> list[dict]:
+    if si is None:
+        return []
+    if isinstance(si, str):
+        return [{"role": "system", "content": si}]
+    c.expect(isinstance(si, dict), "systemInstruction: expected an object with parts", "systemInstruction")
+    texts = [p.get("text") for p in si.get("parts") or [] if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return [{"role": "system", "content": "\n".join(texts)}] if texts else []
+
+
+def _tools(tools: Any) -> list[dict]:
+    if tools is None:
+        return []
+    c.expect(isinstance(tools, list), "tools: expected a list", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        c.expect(isinstance(t, dict), f"tools[{i}]: expected an object", "tools")
+        for fd in t.get("functionDeclarations") or t.get("function_declarations") or []:
+            c.expect(isinstance(fd, dict) and isinstance(fd.get("name"), str),
+                     f"tools[{i}].functionDeclarations: each needs a string name", "tools")
+            params = fd.get("parametersJsonSchema") or json_schema(fd.get("parameters"))
+            out.append(c.function_tool(fd["name"], fd.get("description"), params))
+        # googleSearch, codeExecution, urlContext...: server tools, dropped
+    return out
+
+
+def _tool_config(cfg: Any, chat: dict) -> None:
+    fcc = (cfg or {}).get("functionCallingConfig") if isinstance(cfg, dict) else None
+    if not isinstance(fcc, dict):
+        return
+    mode = (fcc.get("mode") or "AUTO").upper()
+    allowed = fcc.get("allowedFunctionNames") or []
+    if mode == "NONE":
+        chat["tool_choice"] = "none"
+    elif mode in ("ANY", "VALIDATED"):
+        if isinstance(allowed, list) and len(allowed) == 1 and isinstance(allowed[0], str):
+            chat["tool_choice"] = {"type": "function", "function": {"name": allowed[0]}}
+        else:
+            chat["tool_choice"] = "required"
+    else:
+        chat["tool_choice"] = "auto"
+
+
+def normalize(body: dict, model: str, stream: bool) -> c.Normalized:
+    """A generateContent body (+ model from the path) -> `Normalized`."""
+    messages = _system(body.get("systemInstruction") or body.get("system_instruction"))
+    messages += convert_contents(body.get("contents"))
+    chat: dict = {"messages": c.finalize_messages(messages)}
+    tools = _tools(body.get("tools"))
+    if tools:
+        chat["tools"] = tools
+        _tool_config(body.get("toolConfig"), chat)
+    gen = c.expect_type(body.get("generationConfig"), dict, "generationConfig") or {}
+    count = gen.get("candidateCount")
+    c.expect(count in (None, 1), "generationConfig.candidateCount: only 1 is supported", "generationConfig")
+    chat["max_tokens"] = c.limit_tokens(c.positive_int(gen.get("maxOutputTokens"), "generationConfig.maxOutputTokens"))
+    c.copy_sampling(gen, chat, {"temperature": "temperature", "topP": "top_p", "topK": "top_k", "seed": "seed",
+                                "presencePenalty": "presence_penalty", "frequencyPenalty": "frequency_penalty"})
+    stop = c.stop_list(gen.get("stopSequences"), "generationConfig.stopSequences")
+    if stop:
+        chat["stop"] = stop
+    schema = gen.get("responseJsonSchema") or gen.get("responseSchema")
+    if gen.get("responseMimeType") == "application/json":
+        chat["response_format"] = ({"type": "json_schema", "json_schema": {"name": "output",
+                                                                          "schema": json_schema(schema)}}
+                                   if isinstance(schema, dict) else {"type": "json_object"})
+    think = gen.get("thinkingConfig")
+    include = False
+    if isinstance(think, dict):
+        include = bool(think.get("includeThoughts"))
+        budget = think.get("thinkingBudget")
+        chat["chat_template_kwargs"] = {"enable_thinking": not (budget == 0 and not include)}
+    return c.Normalized(API, chat, model, stream, {"include_thoughts": include})
+
+
+# --- answer -------------------------------------------------------------------------------
+
+
+def _usage(r: Result) -> dict:
+    return {"promptTokenCount": r.prompt_tokens, "candidatesTokenCount": r.completion_tokens,
+            "totalTokenCount": r.prompt_tokens + r.completion_tokens}
+
+
+def _call_part(call) -> dict:
+    return {"functionCall": {"id": call.id, "name": call.name, "args": call.parsed_arguments()}}
+
+
+def finish_reason(r: Result) -> str:
+    return "STOP" if r.tool_calls else _FINISH.get(r.finish_reason or "stop", "OTHER")
+
+
+def render(r: Result, norm: c.Normalized, resp_id: str) -> dict:
+    parts: list[dict] = []
+    if r.reasoning and norm.meta.get("include_thoughts"):
+        parts.append({"text": r.reasoning, "thought": True})
+    text = r.text or (r.refusal if not r.tool_calls else "")
+    if text:
+        parts.append({"text": text})
+    parts.extend(_call_part(t) for t in r.tool_calls)
+    cand: dict = {"content": {"role": "model", "parts": parts}, "finishReason": finish_reason(r), "index": 0}
+    return {"candidates": [cand], "usageMetadata": _usage(r), "modelVersion": norm.model, "responseId": resp_id}
+
+
+class Stream:
+    """`streamGenerateContent?alt=sse` writer."""
+
+    def __init__(self, norm: c.Normalized, resp_id: str) -> None:
+        self.norm, self.resp_id = norm, resp_id
+        self.sent_calls = 0
+        self.done = False
+
+    def _chunk(self, parts: list[dict], finish: str | None = None, r: Result | None = None) -> bytes:
+        cand: dict = {"index": 0}
+        if parts:
+            cand["content"] = {"role": "model", "parts": parts}
+        if finish:
+            cand["finishReason"] = finish
+        body: dict = {"candidates": [cand], "modelVersion": self.norm.model, "responseId": self.resp_id}
+        if r is not None:
+            body["usageMetadata"] = _usage(r)
+        return frame(body)
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def keepalive(self) -> bytes:
+        # Gemini SDKs parse `data:` lines only (an SSE comment stalls the JS SDK's line regex),
+        # so keep-alive is a response with no candidates.
+        return frame({"modelVersion": self.norm.model, "responseId": self.resp_id})
+
+    def start(self, r: Result) -> list[bytes]:
+        return []
+
+    def _flush_calls(self, r: Result, upto: int) -> list[dict]:
+        parts = [_call_part(t) for t in r.tool_calls[self.sent_calls:upto]]
+        self.sent_calls = max(self.sent_calls, upto)
+        return parts
+
+    def on_event(self, ev: tuple, r: Result) -> list[bytes]:
+        kind = ev[0]
+        if kind == "reasoning" and self.norm.meta.get("include_thoughts"):
+            return [self._chunk([{"text": ev[1], "thought": True}])]
+        if kind == "text" or (kind == "refusal" and not r.text):
+            return [self._chunk([{"text": ev[1]}])] if ev[1] else []
+        if kind == "tool_start" and ev[1] > self.sent_calls:
+            # the previous call is complete: send it whole (Gemini never streams partial args)
+            return [self._chunk(self._flush_calls(r, ev[1]))]
+        return []
+
+    def finish(self, r: Result) -> list[bytes]:
+        self.done = True
+        return [self._chunk(self._flush_calls(r, len(r.tool_calls)), finish_reason(r), r)]
+
+    def fail(self, err: GatewayError, r: Result) -> list[bytes]:
+        self.done = True
+        return [frame(error_body(API, err)), self._chunk([], "OTHER", r)]
+
+    def final_body(self, r: Result) -> dict:
+        return render(r, self.norm, self.resp_id)
+
+
+def models_body(model_ids: list[str]) -> dict:
+    return {"models": [{"name": f"models/{m}", "baseModelId": m, "displayName": m, "version": "turnstile",
+                        "inputTokenLimit": 0, "outputTokenLimit": 0,
+                        "supportedGenerationMethods": ["generateContent", "countTokens"]} for m in model_ids]}

@@ -1,0 +1,406 @@
+"""OpenAI Responses API <-> internal Chat Completions.
+
+Spec: https://platform.openai.com/docs/api-reference/responses and
+openai/openai-python `src/openai/types/responses/*`; what Codex consumes:
+openai/codex `codex-rs/codex-api/src/sse/responses.rs` (protocols.md §3).
+
+* Tools: flat function tools; `custom` tools become a function with one string
+  argument `input` and come back as `custom_tool_call` items (B26); `namespace`
+  (MCP) tools are flattened and calls carry `namespace`; built-ins dropped.
+* Input: messages, function/custom tool calls and outputs, reasoning items with
+  empty summaries or null encrypted content (B28), Codex history items in any
+  order (B27), unknown items ignored.
+* Stream: every event has `type` and an increasing `sequence_number`; items are
+  opened and closed one at a time; ids are the same in `.added`, `.done` and the
+  final response; the stream always ends with `response.completed`,
+  `response.incomplete` or `response.failed` (B25).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from app.proxy import common as c
+from app.proxy.canonical import Result, new_id
+from app.proxy.errors import GatewayError, openai_error_object
+from app.proxy.sse import frame
+
+API = "responses"
+log = logging.getLogger("turnstile.gateway")
+_DROPPED_ITEMS = {"web_search_call", "item_reference", "image_generation_call", "file_search_call",
+                  "compaction", "compaction_summary", "mcp_list_tools", "mcp_approval_request",
+                  "mcp_approval_response", "computer_call", "computer_call_output", "code_interpreter_call"}
+
+
+# --- request ------------------------------------------------------------------------------
+
+
+def _parts(content: Any, where: str) -> list[dict]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    c.expect(isinstance(content, list), f"{where}: expected a string or a list of parts", "input")
+    out = []
+    for i, p in enumerate(content):
+        c.expect(isinstance(p, dict), f"{where}.{i}: expected an object", "input")
+        t = p.get("type")
+        if t in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+            if isinstance(p.get("text"), str) and p["text"]:
+                out.append({"type": "text", "text": p["text"]})
+        elif t == "refusal" and isinstance(p.get("refusal"), str):
+            out.append({"type": "text", "text": p["refusal"]})
+        elif t == "input_image":
+            url = p.get("image_url")
+            out.append(c.image_part(url, "image") if isinstance(url, str)
+                       else {"type": "text", "text": "[image omitted: file reference]"})
+        elif t == "input_file":
+            out.append({"type": "text", "text": f"[file omitted: {p.get('filename') or p.get('file_id')}]"})
+    return out
+
+
+def _output_text(output: Any, where: str) -> list[dict]:
+    if isinstance(output, str):
+        return [{"type": "text", "text": output}]
+    if isinstance(output, list):
+        return _parts(output, where)
+    return [{"type": "text", "text": json.dumps(output)}] if output is not None else []
+
+
+def convert_input(items: Any, custom_tools: set[str]) -> list[dict]:
+    """Responses input items -> Chat messages (before `finalize_messages`)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    c.expect(isinstance(items, list), "input: expected a string or a list of items", "input")
+    out: list[dict] = []
+    pending_reasoning: list[str] = []
+
+    def assistant(msg: dict) -> None:
+        if pending_reasoning:
+            msg["reasoning"] = "".join(pending_reasoning)
+            pending_reasoning.clear()
+        out.append(msg)
+
+    for i, it in enumerate(items):
+        where = f"input.{i}"
+        c.expect(isinstance(it, dict), f"{where}: expected an object", "input")
+        t = it.get("type") or ("message" if "role" in it else None)
+        if t == "message":
+            role = it.get("role")
+            c.expect(role in ("user", "assistant", "system", "developer"), f"{where}.role: unknown role {role!r}",
+                     "input")
+            parts = _parts(it.get("content"), f"{where}.content")
+            if role == "assistant":
+                assistant({"role": "assistant", "content": c.text_of(parts) or None})
+            elif role in ("system", "developer"):
+                out.append({"role": "system", "content": c.text_of(parts)})
+            else:
+                out.append({"role": "user", "content": c.simplify_content(parts)})
+        elif t in ("function_call", "custom_tool_call", "local_shell_call"):
+            call_id = it.get("call_id") or it.get("id")
+            c.expect(isinstance(call_id, str), f"{where}.call_id: expected a string", "input")
+            if t == "function_call":
+                name, args = it.get("name"), it.get("arguments") or "{}"
+            elif t == "custom_tool_call":
+                name, args = it.get("name"), json.dumps({"input": it.get("input") or ""}, ensure_ascii=False)
+            else:
+                name, args = "local_shell", json.dumps(it.get("action") or {}, ensure_ascii=False)
+            c.expect(isinstance(name, str), f"{where}.name: expected a string", "input")
+            assistant({"role": "assistant", "content": None, "tool_calls": [c.tool_call(call_id, name, args)]})
+        elif t in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
+            call_id = it.get("call_id") or it.get("id")
+            c.expect(isinstance(call_id, str), f"{where}.call_id: expected a string", "input")
+            out.extend(c.tool_result_messages(call_id, _output_text(it.get("output"), f"{where}.output")))
+        elif t == "reasoning":
+            # B28: summary may be [], encrypted_content null; restore our own encrypted content.
+            text = c.reasoning_from_signature(it.get("encrypted_content"))
+            if text is None:
+                parts = _parts(it.get("content") or [], f"{where}.content") or \
+                    _parts(it.get("summary") or [], f"{where}.summary")
+                text = c.text_of(parts)
+            if text:
+                pending_reasoning.append(text)
+        elif t in _DROPPED_ITEMS or t is not None:
+            log.info("responses: ignoring input item of type %r", t)
+        else:
+            raise GatewayError("invalid_request", f"{where}: item without a type", param="input")
+    return out
+
+
+def convert_tools(tools: Any, meta: dict) -> list[dict]:
+    if tools is None:
+        return []
+    c.expect(isinstance(tools, list), "tools: expected a list", "tools")
+    out: list[dict] = []
+    for i, t in enumerate(tools):
+        c.expect(isinstance(t, dict), f"tools.{i}: expected an object", "tools")
+        typ = t.get("type")
+        if typ == "function":
+            c.expect(isinstance(t.get("name"), str), f"tools.{i}.name: expected a string", "tools")
+            out.append(c.function_tool(t["name"], t.get("description"), t.get("parameters")))
+        elif typ == "custom":  # B26: freeform tool -> one string argument
+            c.expect(isinstance(t.get("name"), str), f"tools.{i}.name: expected a string", "tools")
+            meta["custom_tools"].append(t["name"])
+            desc = (t.get("description") or "") + "\nPass the complete raw input as the string argument `input`."
+            out.append(c.function_tool(t["name"], desc.strip(), {
+                "type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}))
+        elif typ == "namespace":
+            for sub in t.get("tools") or []:
+                if isinstance(sub, dict) and sub.get("type") == "function" and isinstance(sub.get("name"), str):
+                    meta["namespaces"].setdefault(sub["name"], t.get("name"))
+                    out.append(c.function_tool(sub["name"], sub.get("description"), sub.get("parameters")))
+        # web_search, image_generation, file_search, ...: built-ins the local model cannot run
+    return out
+
+
+def _tool_choice(tc: Any) -> Any:
+    if tc is None or tc in ("none", "auto", "required"):
+        return tc
+    c.expect(isinstance(tc, dict), "tool_choice: expected none|auto|required or an object", "tool_choice")
+    if tc.get("type") in ("function", "custom") and isinstance(tc.get("name"), str):
+        return {"type": "function", "function": {"name": tc["name"]}}
+    return "auto"
+
+
+def normalize(body: dict, history: list | None = None) -> c.Normalized:
+    """A Responses request (+ items of resolved previous responses) -> `Normalized`."""
+    model = body.get("model")
+    c.expect(isinstance(model, str) and model, "model: required string", "model")
+    stream = c.expect_type(body.get("stream"), bool, "stream") or False
+    meta: dict = {"custom_tools": [], "namespaces": {}, "request": {
+        k: body.get(k) for k in ("instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature",
+                                 "top_p", "max_output_tokens", "previous_response_id", "reasoning", "store",
+                                 "text", "metadata")}}
+    instructions = c.expect_type(body.get("instructions"), str, "instructions")
+    c.expect("input" in body, "input: required", "input")
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    tools = convert_tools(body.get("tools"), meta)
+    custom = set(meta["custom_tools"])
+    if history:
+        messages += convert_input(history, custom)
+    messages += convert_input(body.get("input"), custom)
+    chat: dict = {"messages": c.finalize_messages(messages)}
+    if tools:
+        chat["tools"] = tools
+        if body.get("tool_choice") is not None:
+            chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        if body.get("parallel_tool_calls") is not None:
+            chat["parallel_tool_calls"] = bool(body["parallel_tool_calls"])
+    chat["max_tokens"] = c.limit_tokens(c.positive_int(body.get("max_output_tokens"), "max_output_tokens"))
+    c.copy_sampling(body, chat, {"temperature": "temperature", "top_p": "top_p"})
+    reasoning = c.expect_type(body.get("reasoning"), dict, "reasoning")
+    if reasoning is not None:
+        chat["chat_template_kwargs"] = {"enable_thinking": reasoning.get("effort") not in ("none", "minimal")}
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.get("name") or "output", "schema": fmt["schema"], "strict": bool(fmt.get("strict"))}}
+    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    return c.Normalized(API, chat, model, stream, meta)
+
+
+# --- answer -------------------------------------------------------------------------------
+
+
+def _usage(r: Result) -> dict:
+    return {"input_tokens": r.prompt_tokens, "input_tokens_details": {"cached_tokens": r.cached_tokens},
+            "output_tokens": r.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": r.prompt_tokens + r.completion_tokens}
+
+
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"id": item_id, "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if text else [],
+            "encrypted_content": c.reasoning_signature(text) if text else None, "status": status}
+
+
+def _message_item(item_id: str, text: str, refusal: str = "", status: str = "completed") -> dict:
+    part = ({"type": "refusal", "refusal": refusal} if refusal and not text
+            else {"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
+
+
+def _call_item(norm: c.Normalized, item_id: str, call_id: str, name: str, arguments: str,
+               status: str = "completed") -> dict:
+    if name in norm.meta.get("custom_tools", ()):
+        try:
+            value = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            value = {"input": arguments}
+        raw = value.get("input") if isinstance(value, dict) else None
+        return {"id": item_id.replace("fc_", "ctc_", 1), "type": "custom_tool_call", "call_id": call_id,
+                "name": name, "input": raw if isinstance(raw, str) else arguments, "status": status}
+    item = {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+    ns = norm.meta.get("namespaces", {}).get(name)
+    if ns:
+        item["namespace"] = ns
+    return item
+
+
+def response_object(norm: c.Normalized, resp_id: str, created: int, output: list, r: Result | None,
+                    status: str, error: dict | None = None) -> dict:
+    req = norm.meta.get("request", {})
+    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    return {"id": resp_id, "object": "response", "created_at": created, "status": status, "model": norm.model,
+            "output": output, "usage": _usage(r) if r is not None and status != "in_progress" else None,
+            "error": error, "incomplete_details": incomplete, "instructions": req.get("instructions"),
+            "tools": req.get("tools") or [], "tool_choice": req.get("tool_choice") or "auto",
+            "parallel_tool_calls": req.get("parallel_tool_calls", True), "temperature": req.get("temperature"),
+            "top_p": req.get("top_p"), "max_output_tokens": req.get("max_output_tokens"),
+            "previous_response_id": req.get("previous_response_id"), "reasoning": req.get("reasoning"),
+            "store": req.get("store", True), "text": req.get("text") or {"format": {"type": "text"}},
+            "truncation": "disabled", "metadata": req.get("metadata") or {}}
+
+
+def _status(r: Result) -> str:
+    return "incomplete" if r.finish_reason == "length" and not r.tool_calls else "completed"
+
+
+def render(r: Result, norm: c.Normalized, resp_id: str, created: int | None = None) -> dict:
+    output: list[dict] = []
+    if r.reasoning:
+        output.append(_reasoning_item(new_id("rs_"), r.reasoning))
+    if r.text or (r.refusal and not r.tool_calls):
+        output.append(_message_item(new_id("msg_"), r.text, r.refusal))
+    for call in r.tool_calls:
+        output.append(_call_item(norm, new_id("fc_"), call.id, call.name, call.arguments))
+    return response_object(norm, resp_id, created or int(time.time()), output, r, _status(r))
+
+
+class Stream:
+    """Responses SSE writer (event grammar in protocols.md §3.4)."""
+
+    def __init__(self, norm: c.Normalized, resp_id: str) -> None:
+        self.norm, self.resp_id, self.created = norm, resp_id, int(time.time())
+        self.seq = 0
+        self.output: list[dict] = []   # completed items, in output_index order
+        self.open: dict | None = None  # {"kind", "item", "text"|"args", "k"}
+        self.done = False
+        self.final: dict | None = None
+
+    def _ev(self, typ: str, data: dict) -> bytes:
+        body = {"type": typ, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return frame(body, typ)
+
+    def _resp(self, status: str, r: Result | None = None, error: dict | None = None) -> dict:
+        return response_object(self.norm, self.resp_id, self.created, list(self.output), r, status, error)
+
+    def opening(self) -> list[bytes]:
+        return [self._ev("response.created", {"response": self._resp("in_progress")}),
+                self._ev("response.in_progress", {"response": self._resp("in_progress")})]
+
+    def keepalive(self) -> bytes:
+        return self._ev("response.in_progress", {"response": self._resp("in_progress")})
+
+    def start(self, r: Result) -> list[bytes]:
+        return []
+
+    @property
+    def _index(self) -> int:
+        return len(self.output)
+
+    def _close(self) -> list[bytes]:
+        o = self.open
+        if o is None:
+            return []
+        self.open = None
+        idx, item = self._index, o["item"]
+        out = []
+        if o["kind"] == "reasoning":
+            part = {"type": "reasoning_text", "text": o["text"]}
+            out.append(self._ev("response.reasoning_text.done", {"item_id": item["id"], "output_index": idx,
+                                                                 "content_index": 0, "text": o["text"]}))
+            out.append(self._ev("response.content_part.done", {"item_id": item["id"], "output_index": idx,
+                                                               "content_index": 0, "part": part}))
+            item = _reasoning_item(item["id"], o["text"])
+        elif o["kind"] == "message":
+            part = {"type": "output_text", "text": o["text"], "annotations": [], "logprobs": []}
+            out.append(self._ev("response.output_text.done", {"item_id": item["id"], "output_index": idx,
+                                                              "content_index": 0, "text": o["text"], "logprobs": []}))
+            out.append(self._ev("response.content_part.done", {"item_id": item["id"], "output_index": idx,
+                                                               "content_index": 0, "part": part}))
+            item = _message_item(item["id"], o["text"])
+        else:
+            final = _call_item(self.norm, item["id"], item["call_id"], item["name"], o["args"])
+            if final["type"] == "custom_tool_call":
+                out.append(self._ev("response.custom_tool_call_input.done", {
+                    "item_id": final["id"], "output_index": idx, "input": final["input"]}))
+            else:
+                # Always send `.done` with the full arguments: some consumers read only it (B03).
+                out.append(self._ev("response.function_call_arguments.done", {
+                    "item_id": item["id"], "output_index": idx, "name": item["name"], "arguments": o["args"]}))
+            item = final
+        out.append(self._ev("response.output_item.done", {"output_index": idx, "item": item}))
+        self.output.append(item)
+        return out
+
+    def _open(self, kind: str, item: dict, **state) -> list[bytes]:
+        out = self._close()
+        self.open = {"kind": kind, "item": item, "text": "", "args": "", **state}
+        out.append(self._ev("response.output_item.added", {"output_index": self._index, "item": item}))
+        if kind == "reasoning":
+            out.append(self._ev("response.content_part.added", {"item_id": item["id"], "output_index": self._index,
+                                                                "content_index": 0,
+                                                                "part": {"type": "reasoning_text", "text": ""}}))
+        elif kind == "message":
+            out.append(self._ev("response.content_part.added", {
+                "item_id": item["id"], "output_index": self._index, "content_index": 0,
+                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}))
+        return out
+
+    def on_event(self, ev: tuple, r: Result) -> list[bytes]:
+        kind, out = ev[0], []
+        o = self.open
+        if kind == "reasoning":
+            if not o or o["kind"] != "reasoning":
+                out += self._open("reasoning", {"id": new_id("rs_"), "type": "reasoning", "summary": [],
+                                                "content": [], "status": "in_progress"})
+            self.open["text"] += ev[1]
+            out.append(self._ev("response.reasoning_text.delta", {"item_id": self.open["item"]["id"],
+                                                                  "output_index": self._index,
+                                                                  "content_index": 0, "delta": ev[1]}))
+        elif kind == "text" or (kind == "refusal" and not r.text and not r.tool_calls):
+            if not o or o["kind"] != "message":
+                out += self._open("message", {"id": new_id("msg_"), "type": "message", "role": "assistant",
+                                              "status": "in_progress", "content": []})
+            self.open["text"] += ev[1]
+            out.append(self._ev("response.output_text.delta", {"item_id": self.open["item"]["id"],
+                                                               "output_index": self._index, "content_index": 0,
+                                                               "delta": ev[1], "logprobs": []}))
+        elif kind == "tool_start":
+            _, k, call_id, name = ev
+            item = _call_item(self.norm, new_id("fc_"), call_id, name, "", status="in_progress")
+            out += self._open("call", item, k=k)  # custom tools are announced as custom_tool_call
+        elif kind == "tool_args":
+            if o and o["kind"] == "call" and o.get("k") == ev[1]:
+                o["args"] += ev[2]
+                if o["item"]["name"] not in self.norm.meta.get("custom_tools", ()):
+                    out.append(self._ev("response.function_call_arguments.delta", {
+                        "item_id": o["item"]["id"], "output_index": self._index, "delta": ev[2]}))
+            elif "interleaved_tool_args" not in r.flags:
+                r.flags.append("interleaved_tool_args")
+        return out
+
+    def finish(self, r: Result) -> list[bytes]:
+        out = self._close()
+        status = _status(r)
+        self.final = self._resp(status, r)
+        out.append(self._ev("response.completed" if status == "completed" else "response.incomplete",
+                            {"response": self.final}))
+        self.done = True
+        return out
+
+    def fail(self, err: GatewayError, r: Result) -> list[bytes]:
+        out = self._close()
+        self.final = self._resp("failed", r, openai_error_object(err))
+        out.append(self._ev("response.failed", {"response": self.final}))
+        self.done = True
+        return out
+
+    def final_body(self, r: Result) -> dict:
+        return self.final or self._resp(_status(r), r)

@@ -1,0 +1,94 @@
+"""Gateway sessions: one random API key per episode, stored only as its sha256.
+
+The harness uses the token as its API key (Bearer, x-api-key, x-goog-api-key or
+Gemini's `?key=`).  It is accepted only while the episode is `running`
+(DESIGN.md invariant 3).  Resolutions are cached in-process for
+`TURNSTILE_GATEWAY_SESSION_CACHE_S` (default 2 s) to keep the hot path free of
+SQL; a finished episode's token therefore stops working within that delay.
+"""
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.db import session_scope
+from app.models import Episode, Run
+from app.proxy.common import gateway_settings
+
+TOKEN_PREFIX = "tsk-"
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    episode_id: int
+    run_id: int
+    policy_version: int   # the run's current policy version (fallback when the engine reports none)
+
+
+def hash_token(token: str) -> str:
+    """sha256 hex of a session token (what `Episode.session_token_hash` stores)."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def issue_session(session: Session, episode_id: int) -> str:
+    """Create a fresh token for `episode_id`, store its hash, return the token (shown once).
+
+    Raises LookupError when the episode does not exist.  Re-issuing replaces the old token.
+    """
+    episode = session.get(Episode, episode_id)
+    if episode is None:
+        raise LookupError(f"episode {episode_id} does not exist")
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    episode.session_token_hash = hash_token(token)
+    session.flush()
+    return token
+
+
+_cache: dict[str, tuple[float, SessionInfo]] = {}
+_cache_lock = threading.Lock()
+
+
+def forget(token: str | None) -> None:
+    """Drop a cached resolution (all of them when token is None)."""
+    with _cache_lock:
+        if token is None:
+            _cache.clear()
+        else:
+            _cache.pop(hash_token(token), None)
+
+
+def resolve_session_info(token: str | None) -> SessionInfo | None:
+    """The live session behind `token`, or None (unknown token, or episode not running)."""
+    if not token:
+        return None
+    digest = hash_token(token)
+    now = time.monotonic()
+    hit = _cache.get(digest)
+    if hit is not None and hit[0] > now:
+        return hit[1]
+    with session_scope() as s:
+        row = s.execute(
+            select(Episode.id, Episode.run_id, Episode.status, Run.policy_version)
+            .join(Run, Run.id == Episode.run_id)
+            .where(Episode.session_token_hash == digest)
+        ).first()
+    if row is None or row.status != "running":
+        with _cache_lock:
+            _cache.pop(digest, None)
+        return None
+    info = SessionInfo(row.id, row.run_id, int(row.policy_version or 0))
+    with _cache_lock:
+        _cache[digest] = (now + gateway_settings().session_cache_s, info)
+    return info
+
+
+def resolve_session(token: str | None) -> int | None:
+    """The episode id of a live session token, else None."""
+    info = resolve_session_info(token)
+    return info.episode_id if info else None

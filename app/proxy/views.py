@@ -1,0 +1,272 @@
+"""HTTP layer of the gateway: route, authenticate, normalize, call the engine, answer, record.
+
+One catch-all route serves every API under any base-URL prefix; `detect` picks
+the API.  Non-stream answers are recorded before they are returned; streamed
+answers are recorded before their terminal event, or in the generator's finally
+path when the client disconnects (partial=True), so a completion is never lost
+and never written twice.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+from typing import Iterator
+
+from flask import Flask, Response, request
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from app.proxy import anthropic, chat, gemini, record, responses
+from app.proxy.canonical import ChunkNormalizer, new_id, result_from_completion
+from app.proxy.common import Normalized, gateway_settings
+from app.proxy.detect import Route, api_from_headers, detect
+from app.proxy.errors import GatewayError, error_body
+from app.proxy.sessions import SessionInfo, resolve_session_info
+from app.proxy.sse import dumps
+from app.proxy.upstream import DONE, EOF, StreamHandle, get_upstream
+
+log = logging.getLogger("turnstile.gateway")
+MODULES = {"anthropic": anthropic, "chat": chat, "responses": responses, "gemini": gemini}
+ID_PREFIX = {"anthropic": "msg_", "chat": "chatcmpl-", "responses": "resp_", "gemini": ""}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
+
+
+def json_response(body: dict, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(dumps(body), status=status, mimetype="application/json", headers=headers)
+
+
+def error_response(api: str, err: GatewayError) -> Response:
+    headers = {"x-should-retry": "true" if err.retryable else "false"}
+    return json_response(error_body(api if api in MODULES else "chat", err), err.status or 500, headers)
+
+
+def session_key() -> str | None:
+    """The API key as sent by any client: Bearer, x-api-key, x-goog-api-key or ?key=."""
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return (request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
+            or request.args.get("key") or None)
+
+
+def authenticate() -> SessionInfo:
+    info = resolve_session_info(session_key())
+    if info is None:
+        raise GatewayError("authentication", "Invalid API key: unknown gateway session, or its episode is no "
+                                             "longer running")
+    return info
+
+
+def parse_body(raw: bytes) -> dict:
+    if not raw.strip():
+        raise GatewayError("invalid_request", "Request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise GatewayError("invalid_request", f"Request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise GatewayError("invalid_request", f"Request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def model_ids() -> list[str]:
+    up = get_upstream()
+    served = [up.describe(e).model for e in up.engines]
+    # Claude Code's discovery keeps ids starting with "claude"; Gemini CLI routes by gemini-* names.
+    return list(dict.fromkeys([*served, "claude-turnstile", "gpt-turnstile", "gemini-turnstile"]))
+
+
+def register(app: Flask) -> None:
+    app.add_url_rule("/", "root", dispatch, methods=["GET", "HEAD", "POST"], defaults={"path": ""})
+    app.add_url_rule("/<path:path>", "dispatch", dispatch, methods=["GET", "HEAD", "POST"])
+
+
+def dispatch(path: str) -> Response:
+    t0 = time.perf_counter()
+    api = api_from_headers(request.path, request.headers)
+    try:
+        if request.method in ("GET", "HEAD"):
+            if path.strip("/") in ("", "health", "healthz"):
+                return json_response({"status": "ok"})
+            route = detect(request.method, request.path, request.headers, None)
+            if route is None:
+                raise GatewayError("not_found", f"No such endpoint: {request.method} {request.path}")
+            api = route.api
+            return get_resource(route)
+        try:
+            raw = request.get_data(cache=False)
+        except RequestEntityTooLarge:
+            raise GatewayError("too_large", f"Request body exceeds {gateway_settings().max_body_bytes} bytes")
+        body = parse_body(raw)
+        route = detect("POST", request.path, request.headers, body)
+        if route is None:
+            raise GatewayError("not_found", f"No such endpoint: POST {request.path}")
+        api = route.api
+        info = authenticate()
+        if route.op == "count_tokens":
+            return count_tokens(route, body)
+        if route.op != "generate":
+            raise GatewayError("not_found", f"Unsupported method {route.resource!r} for {request.path}")
+        return generate(route, body, raw, info, t0)
+    except GatewayError as err:
+        return error_response(api, err)
+    except RequestEntityTooLarge:
+        return error_response(api, GatewayError("too_large", "Request body is too large"))
+    except Exception:  # noqa: BLE001 - a bug must still answer in the caller's shape, never HTML
+        log.exception("gateway error on %s %s", request.method, request.path)
+        return error_response(api, GatewayError("internal", "Internal gateway error"))
+
+
+def get_resource(route: Route) -> Response:
+    if route.op == "models":
+        return json_response(MODULES[route.api].models_body(model_ids()))
+    if route.op == "model":
+        return json_response(gemini.models_body([route.model or "default"])["models"][0])
+    if route.op == "retrieve":
+        info = authenticate()
+        found = record.find_response(info.episode_id, route.resource or "")
+        if found is None:
+            raise GatewayError("not_found", f"Response with id '{route.resource}' not found.")
+        return json_response(found[1])
+    raise GatewayError("not_found", "No such endpoint")
+
+
+def count_tokens(route: Route, body: dict) -> Response:
+    if route.api == "anthropic":
+        norm = anthropic.normalize({**body, "max_tokens": 1}, count_only=True)
+    else:
+        req = body.get("generateContentRequest") if isinstance(body.get("generateContentRequest"), dict) else body
+        norm = gemini.normalize(req, route.model or "default", False)
+    up = get_upstream()
+    engine = up.describe(up.engines[0])
+    tok = {"model": engine.model, "messages": norm.chat["messages"], "add_generation_prompt": True}
+    for k in ("tools", "chat_template_kwargs"):
+        if k in norm.chat:
+            tok[k] = norm.chat[k]
+    count = int(up.tokenize(engine, tok).get("count") or 0)
+    return json_response({"input_tokens": count} if route.api == "anthropic" else {"totalTokens": count})
+
+
+def _normalize(route: Route, body: dict, info: SessionInfo) -> Normalized:
+    if route.api == "anthropic":
+        return anthropic.normalize(body)
+    if route.api == "chat":
+        return chat.normalize(body)
+    if route.api == "gemini":
+        return gemini.normalize(body, gemini.model_from_path(route.model or "default"), route.stream)
+    history = None
+    prev = body.get("previous_response_id")
+    if prev is not None:
+        if not isinstance(prev, str):
+            raise GatewayError("invalid_request", "previous_response_id: expected a string",
+                               param="previous_response_id")
+        try:
+            history = record.response_history(info.episode_id, prev)
+        except LookupError:
+            raise GatewayError("invalid_request", f"Previous response with id '{prev}' not found.",
+                               param="previous_response_id") from None
+    return responses.normalize(body, history)
+
+
+def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float) -> Response:
+    norm = _normalize(route, body, info)
+    up = get_upstream()
+    engine = up.describe(up.pick(info.episode_id))
+    upstream_body = dict(norm.chat, model=engine.model, stream=norm.stream, return_token_ids=True, logprobs=True)
+    if norm.stream:
+        upstream_body["stream_options"] = {"include_usage": True}
+    cap = record.Capture(
+        episode_id=info.episode_id, api=route.api, model=norm.model, stream=norm.stream,
+        request_key=record.request_key(info.episode_id, request.path, raw, request.headers.get("idempotency-key")),
+        raw_request={"method": request.method, "path": request.path, "query": record.scrub_query(request.args),
+                     "headers": record.scrub_headers(request.headers), "body": body},
+        normalized_request=upstream_body, policy_version_fallback=info.policy_version, engine_id=engine.id, t0=t0)
+    resp_id = ID_PREFIX[route.api] + new_id("", 12) if route.api != "gemini" else new_id("", 10)
+    module = MODULES[route.api]
+    if not norm.stream:
+        answer = up.complete(engine, upstream_body, info.episode_id)
+        cap.t_accepted = cap.t_first = time.perf_counter()
+        result = result_from_completion(answer)
+        body_out = module.render(result, norm, resp_id)
+        try:
+            record.write_completion(cap, result, body_out, resp_id, partial=False)
+        except Exception:  # noqa: BLE001 - the harness retries; an unrecorded answer must not be used
+            log.exception("could not record completion")
+            raise GatewayError("internal", "The gateway could not record this completion; please retry") from None
+        return json_response(body_out)
+    writer = module.Stream(norm, resp_id)
+    try:
+        handle = up.open_stream(engine, upstream_body, info.episode_id)
+    except GatewayError as err:
+        if route.api != "responses":
+            raise
+        # Codex reads errors from the stream: response.created, then response.failed (B25).
+        frames = writer.opening() + writer.fail(err, ChunkNormalizer().result)
+        return Response(iter(frames), mimetype="text/event-stream", headers=SSE_HEADERS)
+    cap.t_accepted = time.perf_counter()
+    return Response(stream_answer(writer, handle, cap, resp_id), mimetype="text/event-stream",
+                    headers=SSE_HEADERS, direct_passthrough=True)
+
+
+def stream_answer(writer, handle: StreamHandle, cap: record.Capture, resp_id: str) -> Iterator[bytes]:
+    """Engine stream -> client SSE frames, with keep-alives while the engine is silent.
+
+    The completion is recorded before the terminal frames are sent; if the client goes
+    away first (GeneratorExit at a yield), the finally path records what was sampled
+    so far with partial=True and closes the upstream stream so the engine aborts.
+    """
+    norm = ChunkNormalizer()
+    r = norm.result
+    keepalive = gateway_settings().keepalive_s
+    try:
+        yield from writer.opening()
+        error: GatewayError | None = None
+        while True:
+            try:
+                item = handle.queue.get(timeout=keepalive)
+            except queue.Empty:
+                yield writer.keepalive()
+                continue
+            if item is DONE:
+                break
+            if item is EOF:
+                if r.finish_reason is None:
+                    error = GatewayError("upstream", "The engine closed the stream before it finished")
+                break
+            if isinstance(item, Exception):
+                error = GatewayError("upstream", f"The engine stream failed: {item}")
+                break
+            if isinstance(item.get("error"), dict) or (item.get("object") == "error"):
+                err = item.get("error") if isinstance(item.get("error"), dict) else item
+                error = GatewayError("upstream", f"The engine reported an error: {err.get('message')}")
+                break
+            events = norm.feed(item)
+            if cap.t_first is None and r.sampled_ids:
+                cap.t_first = time.perf_counter()
+            frames = writer.start(r)
+            for ev in events:
+                frames += writer.on_event(ev, r)
+            if frames:
+                yield b"".join(frames)
+        if error is None:
+            frames = []
+            for ev in norm.finish():
+                frames += writer.on_event(ev, r)
+            frames += writer.finish(r)
+        else:
+            frames = writer.fail(error, r)
+        try:
+            record.write_completion(cap, r, writer.final_body(r), resp_id, partial=error is not None,
+                                    error=error.message if error else None)
+        except Exception:  # noqa: BLE001 - the answer is already on the wire; keep the stream well-formed
+            log.exception("could not record streamed completion")
+        yield b"".join(frames)
+    finally:
+        handle.close()
+        if not cap.written:
+            try:
+                record.write_completion(cap, r, writer.final_body(r), resp_id, partial=True,
+                                        error="client disconnected before the answer was complete")
+            except Exception:  # noqa: BLE001
+                log.exception("could not record partial completion")
