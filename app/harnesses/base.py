@@ -1,0 +1,258 @@
+"""`HarnessPreset`: how Turnstile installs, configures and starts one unmodified coding-agent CLI.
+
+A preset is a stateless description.  For one episode the pipeline does:
+
+    preset = get_preset("codex")
+    preset.install()                                   # once per machine; idempotent
+    preset.write_config(host_home, gateway_url, token, model, budget)
+    argv = preset.command(problem_statement, budget)   # run with stdin = /dev/null, cwd = workspace
+    env = preset.env(home_as_seen_by_command, gateway_url, token, model)
+    # PATH: preset.path_prepend() + the runtime's PATH (the task's venv must stay on PATH)
+    patch = runtime.patch()                            # `git diff` against the base, not the preset's job
+
+`write_config` gets the *host* path of the scratch HOME (where files are written);
+`env` gets HOME as the command sees it (`/home/agent` inside bubblewrap).  Config
+files therefore never contain absolute HOME paths.  Every preset keeps its
+secrets (the session token) out of argv: the token travels in an environment
+variable or in a file under HOME, never on the command line (where `ps` and
+logs would show it).
+
+The tools live in `<var_dir>/tools/` (`TURNSTILE_TOOLS_DIR` overrides): npm CLIs
+in `npm/<name>/` (an npm prefix each, so versions never clash) and
+mini-swe-agent in `mini-swe-agent/venv/`.  A sandboxed run must see that folder
+read-only at the same path (`LocalRuntime.prepare(ro_binds=[(tools, tools)])`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from app.config import get_settings
+from app.runconfig import Budget
+
+APIS = ("chat", "responses", "anthropic", "gemini")
+
+# Environment every harness gets: no colours or spinners, no interactive pagers.
+COMMON_ENV = {
+    "NO_COLOR": "1",
+    "FORCE_COLOR": "0",
+    "CI": "1",
+    "TERM": "dumb",
+    "PAGER": "cat",
+    "GIT_PAGER": "cat",
+    "NO_UPDATE_NOTIFIER": "1",           # npm's update-notifier package (used by several CLIs)
+    "NPM_CONFIG_UPDATE_NOTIFIER": "false",
+}
+
+
+class HarnessInstallError(RuntimeError):
+    """Installing a harness failed; the message names the package, the command and its output tail."""
+
+
+def shared_tools_dir() -> Path:
+    """Shared tools folder: `TURNSTILE_TOOLS_DIR`, else `<var_dir>/tools`."""
+    override = os.environ.get("TURNSTILE_TOOLS_DIR")
+    return Path(override).resolve() if override else get_settings().var_dir / "tools"
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write `data` as JSON (parents created, mode 0600: these files may hold the session token)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.chmod(0o600)
+
+
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o600)
+
+
+def _tail(text: str, n: int = 2000) -> str:
+    return text[-n:].strip()
+
+
+@dataclass(frozen=True)
+class ScriptedTurn:
+    """One scripted model reply for `harness check` (engine-neutral).
+
+    Either a tool call (`tool` = the harness's own tool name, `arguments` its JSON
+    arguments) or plain `text`.  Turned into the scripted engine's format by
+    `app.harnesses.check`.
+    """
+
+    text: str | None = None
+    tool: str | None = None
+    arguments: dict | None = None
+
+
+@dataclass(frozen=True)
+class HarnessPreset:
+    """Base class of the seven presets (subclasses set the class attributes and the three hooks).
+
+    Class attributes: `name` (registry name), `package` (npm or PyPI name),
+    `version` (pinned; the one ../shared/research/harness-probe.md verified),
+    `api` (the client API it speaks by default: chat | responses | anthropic | gemini),
+    `bin_name` (executable inside the install).
+    """
+
+    name: ClassVar[str]
+    package: ClassVar[str]
+    version: ClassVar[str]
+    api: ClassVar[str]
+    bin_name: ClassVar[str]
+    ecosystem: ClassVar[str] = "npm"   # npm | pip
+    # Hosts the CLI is known to contact when its switches are *not* set (documentation for the pipeline).
+    outside_hosts: ClassVar[tuple[str, ...]] = ()
+
+    tools: Path | None = field(default=None, compare=False)
+
+    # --- installation ---------------------------------------------------------------
+
+    @property
+    def root(self) -> Path:
+        """This harness's install folder under the tools directory."""
+        base = self.tools or shared_tools_dir()
+        return base / "npm" / self.name if self.ecosystem == "npm" else base / self.name
+
+    def tools_dir(self) -> Path:
+        """The folder a sandbox must mount read-only at the same path for this CLI to run (= `root`)."""
+        return self.root
+
+    @property
+    def executable(self) -> Path:
+        """Absolute path of the CLI entry point."""
+        if self.ecosystem == "npm":
+            return self.root / "node_modules" / ".bin" / self.bin_name
+        return self.root / "venv" / "bin" / self.bin_name
+
+    def installed_version(self) -> str | None:
+        """The version found in the install folder, or None when absent."""
+        if self.ecosystem == "npm":
+            manifest = self.root / "node_modules" / Path(*self.package.split("/")) / "package.json"
+            try:
+                return json.loads(manifest.read_text()).get("version")
+            except (OSError, ValueError):
+                return None
+        py = self.root / "venv" / "bin" / "python"
+        if not py.exists():
+            return None
+        proc = subprocess.run([str(py), "-c", f"import importlib.metadata as m; print(m.version({self.package!r}))"],
+                              capture_output=True, text=True)
+        return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+    def is_installed(self) -> bool:
+        """True when the pinned version is installed and its executable exists."""
+        return self.executable.exists() and self.installed_version() == self.version
+
+    def install(self, log=None) -> float:
+        """Install the pinned version into the tools folder unless it is already there.
+
+        Returns the seconds spent (0.0 when already installed).  Raises
+        `HarnessInstallError` (with the command and the output tail) when the
+        installer is missing or fails.  `log` (callable taking a str) receives progress lines.
+        """
+        if self.is_installed():
+            return 0.0
+        say = log or (lambda _msg: None)
+        t0 = time.monotonic()
+        if self.ecosystem == "npm":
+            npm = shutil.which("npm")
+            if npm is None or shutil.which("node") is None:
+                raise HarnessInstallError(f"{self.name}: node and npm are required (Debian packages nodejs, npm)")
+            self.root.mkdir(parents=True, exist_ok=True)
+            argv = [npm, "install", "--prefix", str(self.root), "--no-audit", "--no-fund", "--loglevel=error",
+                    f"{self.package}@{self.version}"]
+            self._run_installer(argv, say)
+        else:
+            venv = self.root / "venv"
+            if not (venv / "bin" / "python").exists():
+                self._run_installer([sys.executable, "-m", "venv", str(venv)], say)
+            self._run_installer([str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check",
+                                 "-q", f"{self.package}=={self.version}"], say)
+        if not self.is_installed():
+            raise HarnessInstallError(f"{self.name}: installed {self.package} but found version "
+                                      f"{self.installed_version()!r} (want {self.version}) or no {self.executable}")
+        return time.monotonic() - t0
+
+    def _run_installer(self, argv: list[str], say) -> None:
+        say(f"{self.name}: {' '.join(argv)}")
+        env = {**os.environ, **COMMON_ENV}
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            raise HarnessInstallError(f"{self.name}: cannot run {argv[0]}: {exc}") from exc
+        if proc.returncode != 0:
+            raise HarnessInstallError(f"{self.name}: `{' '.join(argv)}` exited {proc.returncode}:\n"
+                                      f"{_tail(proc.stdout + proc.stderr)}")
+
+    def require_installed(self) -> None:
+        """Raise `HarnessInstallError` with the install command when the CLI is missing."""
+        if not self.is_installed():
+            raise HarnessInstallError(
+                f"harness {self.name!r} ({self.package}@{self.version}) is not installed in {self.root}; "
+                f"run `python -m app harness install {self.name}`")
+
+    def path_prepend(self) -> list[str]:
+        """Folders to put in front of the runtime's PATH (node's folder for the npm CLIs).
+
+        The CLI itself is started by absolute path, so its install folder is not on
+        PATH: the agent's shell keeps the task's venv `python` first.
+        """
+        if self.ecosystem != "npm":
+            return []
+        node = shutil.which("node")
+        return [str(Path(node).parent)] if node else []
+
+    # --- per-episode hooks (subclasses) ------------------------------------------------
+
+    def write_config(self, home: Path, gateway_url: str, api_key: str, model: str, budget: Budget) -> None:
+        """Write the CLI's config files under `home` (host path of the scratch HOME)."""
+        raise NotImplementedError
+
+    def command(self, problem_statement: str, budget: Budget) -> list[str]:
+        """argv of the headless run (the runner must give it stdin = /dev/null)."""
+        raise NotImplementedError
+
+    def env(self, home: Path, gateway_url: str, api_key: str, model: str) -> dict[str, str]:
+        """Environment variables (HOME as the command sees it, base URL/key, offline switches); no PATH."""
+        raise NotImplementedError
+
+    def check_script(self) -> list[ScriptedTurn]:
+        """Scripted replies that make this CLI edit `hello.txt` via its own tool, then finish."""
+        raise NotImplementedError
+
+    def base_env(self, home: Path) -> dict[str, str]:
+        """HOME plus the XDG folders pointing into it, and COMMON_ENV."""
+        home = Path(home)
+        return {**COMMON_ENV, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+                "XDG_DATA_HOME": str(home / ".local" / "share"), "XDG_CACHE_HOME": str(home / ".cache"),
+                "XDG_STATE_HOME": str(home / ".local" / "state")}
+
+
+def prompt_arg(problem_statement: str) -> str:
+    """The problem statement as one argv element that no CLI parser mistakes for an option.
+
+    A statement starting with `-` or `@` (pi reads `@file` arguments) gets one leading space.
+    """
+    return " " + problem_statement if problem_statement[:1] in ("-", "@") else problem_statement
+
+
+def gateway_base(gateway_url: str, suffix: str = "") -> str:
+    """`gateway_url` without a trailing slash, plus `suffix` ("/v1", "/v1beta" or "")."""
+    return gateway_url.rstrip("/") + suffix
+
+
+# The file every check task edits, and the content the scripted tool call writes.
+CHECK_FILE = "hello.txt"
+CHECK_CONTENT = "hello from the harness check"
+CHECK_SHELL = f"printf '%s\\n' '{CHECK_CONTENT}' > {CHECK_FILE}"
+CHECK_PROBLEM = (f"Create the file {CHECK_FILE} in the repository root containing the line "
+                 f"'{CHECK_CONTENT}', then stop.")
