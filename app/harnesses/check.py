@@ -1,0 +1,266 @@
+"""`harness check`, preset level: one real CLI run against a real gateway backed by the check engine.
+
+`run_check(name)` starts two subprocesses, the check engine
+(`app.harnesses.check_engine`, the scripted engine answering the preset's
+`check_script()`) and the gateway (gunicorn, `app.proxy:create_gateway_app()`),
+both on free loopback ports and bound to one SQL database; it creates a run,
+an instance and a `running` episode, issues the episode's session token, writes
+the preset's config into a scratch HOME, runs the CLI headless (stdin =
+/dev/null) in a fresh one-commit git repository, and reads back what the
+gateway recorded.  The report holds: exit status, completions captured (with
+prompt ids, sampled ids and logprobs), the APIs spoken, merge fidelity (the
+`prefix_merging` builder of `app.training.trajectories` over the captured ids),
+the agent's `git diff`, and whether the session token leaked into any record.
+
+The full path (a `collect` run through the REST API and a real Celery worker)
+uses the same preset through `app.pipeline.run_harness`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+from sqlalchemy import create_engine, select
+from sqlalchemy.orm import Session
+
+from app.harnesses.base import CHECK_CONTENT, CHECK_FILE, CHECK_PROBLEM, HarnessPreset
+from app.models import Base, Completion, Episode, Run, TaskInstance
+from app.runconfig import Budget
+from app.runtimes.patch import patch_from_workspace
+from app.training.trajectories import CompletionRecord, prefix_merging
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK_MODEL = "turnstile-check"
+
+
+@dataclass
+class CheckReport:
+    """Outcome of one `harness check` (JSON-able with `asdict`).
+
+    `ok` is True when the CLI exited 0, at least one completion carries prompt ids,
+    sampled ids and logprobs of equal length, every completion's API equals the
+    preset's `api`, the scripted edit is in the diff and the token is in no record.
+    """
+
+    harness: str
+    version: str
+    api_expected: str
+    exit_code: int | None = None
+    timed_out: bool = False
+    seconds: float = 0.0
+    completions: int = 0
+    completions_with_ids: int = 0
+    apis: list[str] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    sampled_tokens: list[int] = field(default_factory=list)
+    merge: dict = field(default_factory=dict)
+    patch: str = ""
+    token_leaked: bool = False
+    problems: list[str] = field(default_factory=list)
+    log_tail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited {proc.returncode}:\n{log.read_text(errors='replace')[-2000:]}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+
+
+class _Servers:
+    """The check engine and the gateway as subprocesses (own process groups; killed on exit)."""
+
+    def __init__(self, harness: str, database_url: str, workdir: Path):
+        self.harness, self.database_url, self.workdir = harness, database_url, workdir
+        self.procs: list[tuple[subprocess.Popen, object]] = []
+
+    def _start(self, argv: list[str], env: dict, name: str) -> tuple[subprocess.Popen, Path]:
+        log = self.workdir / f"{name}.log"
+        fh = open(log, "wb")
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append((proc, fh))
+        return proc, log
+
+    def __enter__(self) -> "_Servers":
+        env = {**os.environ, "DATABASE_URL": self.database_url, "PYTHONUNBUFFERED": "1"}
+        eport, gport = free_port(), free_port()
+        self.engine_url = f"http://127.0.0.1:{eport}"
+        self.gateway_url = f"http://127.0.0.1:{gport}"
+        try:
+            proc, log = self._start([sys.executable, "-m", "app.harnesses.check_engine", "--harness", self.harness,
+                                     "--port", str(eport)], env, "engine")
+            _wait_http(self.engine_url + "/health", proc, log)
+            genv = {**env, "TURNSTILE_ENGINE_URLS": self.engine_url, "TURNSTILE_GATEWAY_BIND": f"127.0.0.1:{gport}",
+                    "TURNSTILE_GATEWAY_WORKERS": "1", "TURNSTILE_GATEWAY_THREADS": "16",
+                    "TURNSTILE_GATEWAY_SESSION_CACHE_S": "0"}
+            proc, log = self._start([sys.executable, "-m", "gunicorn", "-c", str(ROOT / "workers" / "gateway_conf.py"),
+                                     "app.proxy:create_gateway_app()"], genv, "gateway")
+            _wait_http(self.gateway_url + "/health", proc, log)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc, fh in reversed(self.procs):
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout=10)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    proc.wait(timeout=5)
+            fh.close()
+        self.procs.clear()
+
+
+def make_workspace(path: Path) -> None:
+    """A one-commit git repository (the 'task' every check edits)."""
+    path.mkdir(parents=True)
+    (path / "README.md").write_text("# check\n\nA tiny repository for `python -m app harness check`.\n")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@localhost"}
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
+        subprocess.run(["git", *args], cwd=path, env=env, check=True, capture_output=True)
+
+
+def create_episode(session: Session, harness: str) -> int:
+    """A collect run, one instance and one `running` episode for the check; returns the episode id."""
+    run = Run(kind="collect", status="running", config={"kind": "collect", "harness": harness, "check": True})
+    inst = TaskInstance(task_set="harness-check", instance_id=f"check-{harness}", repo="local/check",
+                        record={"problem_statement": CHECK_PROBLEM})
+    session.add_all([run, inst])
+    session.flush()
+    ep = Episode(run_id=run.id, instance_id=inst.id, group_index=0, sample_index=0, status="running")
+    session.add(ep)
+    session.flush()
+    return ep.id
+
+
+def evaluate(report: CheckReport, preset: HarnessPreset, rows: list[Completion], patch: str, token: str) -> None:
+    """Fill the record-derived fields of `report` and its list of problems."""
+    report.completions = len(rows)
+    report.apis = sorted({r.api for r in rows})
+    report.prompt_tokens = [len(r.prompt_ids or []) for r in rows]
+    report.sampled_tokens = [len(r.sampled_ids or []) for r in rows]
+    report.completions_with_ids = sum(
+        1 for r in rows if r.prompt_ids and r.sampled_ids and r.logprobs is not None
+        and len(r.logprobs) == len(r.sampled_ids))
+    records = [CompletionRecord(seq=r.seq, prompt_ids=r.prompt_ids, sampled_ids=r.sampled_ids, logprobs=r.logprobs,
+                                finish_reason=r.finish_reason, completion_id=r.id) for r in rows]
+    built = prefix_merging(records)
+    rep = built.report
+    # Fidelity: of the calls after a chain's first, how many extended it token-exactly.
+    followers = rep["accepted"] - rep["chains"] + rep["chains_cut"]
+    report.merge = {k: rep[k] for k in ("completions", "accepted", "rejected", "chains", "completions_merged",
+                                        "chains_cut", "cut_reasons")}
+    report.merge["fidelity"] = round(rep["completions_merged"] / followers, 3) if followers else None
+    report.patch = patch
+    blob = json.dumps([[r.raw_request, r.normalized_request, r.response, r.error] for r in rows], default=str)
+    report.token_leaked = token in blob
+    p = report.problems
+    if report.timed_out:
+        p.append("the CLI did not finish within the time limit")
+    elif report.exit_code != 0:
+        p.append(f"the CLI exited {report.exit_code}")
+    if report.completions_with_ids == 0:
+        p.append("no completion with prompt ids, sampled ids and logprobs was captured")
+    if report.apis and report.apis != [preset.api]:
+        p.append(f"API spoken {report.apis} != preset api {preset.api!r}")
+    if f"+{CHECK_CONTENT}" not in patch or CHECK_FILE not in patch:
+        p.append(f"the scripted edit of {CHECK_FILE} is not in git diff")
+    if report.token_leaked:
+        p.append("the session token appears in a completion record")
+
+
+def run_check(name: str, *, timeout_s: float = 120.0, workdir: Path | None = None,
+              budget: Budget | None = None) -> CheckReport:
+    """Run harness `name` once against a fresh gateway + check engine; returns a `CheckReport`.
+
+    Uses its own SQLite database under `workdir` (a temporary folder by default,
+    removed afterwards unless given).  Raises `HarnessInstallError` when the CLI is
+    not installed, RuntimeError when a server does not start.
+    """
+    from app.harnesses import get_preset
+    from app.proxy.sessions import issue_session
+
+    preset = get_preset(name)
+    preset.require_installed()
+    budget = budget or Budget(max_turns=8, max_tokens=512)
+    own = workdir is None
+    work = Path(tempfile.mkdtemp(prefix=f"turnstile-check-{name}-")) if own else Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    report = CheckReport(harness=name, version=preset.version, api_expected=preset.api)
+    url = f"sqlite:///{work / 'check.db'}"
+    engine = create_engine(url)
+    try:
+        Base.metadata.create_all(engine)
+        with Session(engine) as s, s.begin():
+            episode_id = create_episode(s, name)
+            token = issue_session(s, episode_id)
+        workspace, home = work / "workspace", work / "home"
+        make_workspace(workspace)
+        home.mkdir()
+        with _Servers(name, url, work) as servers:
+            preset.write_config(home, servers.gateway_url, token, CHECK_MODEL, budget)
+            env = preset.env(home, servers.gateway_url, token, CHECK_MODEL)
+            env["PATH"] = os.pathsep.join([*preset.path_prepend(), os.environ.get("PATH", "/usr/bin:/bin")])
+            for var in ("LANG", "TMPDIR"):
+                if var in os.environ:
+                    env.setdefault(var, os.environ[var])
+            t0 = time.monotonic()
+            try:
+                proc = subprocess.run(preset.command(CHECK_PROBLEM, budget), cwd=workspace, env=env,
+                                      stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s,
+                                      start_new_session=True)
+                report.exit_code = proc.returncode
+                out = (proc.stdout + proc.stderr).decode(errors="replace")
+            except subprocess.TimeoutExpired as exc:
+                report.timed_out = True
+                out = ((exc.stdout or b"") + (exc.stderr or b"")).decode(errors="replace")
+            report.seconds = round(time.monotonic() - t0, 2)
+            report.log_tail = out[-3000:].replace(token, "<session-token>")
+        with Session(engine) as s:
+            rows = list(s.execute(select(Completion).where(Completion.episode_id == episode_id)
+                                  .order_by(Completion.seq)).scalars())
+            s.expunge_all()
+        evaluate(report, preset, rows, patch_from_workspace(workspace), token)
+        return report
+    finally:
+        engine.dispose()
+        if own:
+            shutil.rmtree(work, ignore_errors=True)

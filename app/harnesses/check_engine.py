@@ -1,0 +1,81 @@
+"""The engine behind `harness check`: the scripted engine, answering by the conversation's state.
+
+`app.engines.scripted` answers from a per-episode list consumed in order, which
+breaks for harnesses that make auxiliary calls (OpenCode's title generator, Qwen's
+memory agent, Gemini's router).  This subclass picks the reply from the request
+itself, so it is deterministic however many side calls a harness makes:
+
+* a request without the harness's edit tool among its `tools`, or asking for
+  JSON output, is an auxiliary call: it gets the scripted engine's default
+  (schema-valid JSON when JSON is requested, else the text "ok");
+* otherwise reply number k of the preset's `check_script()`, where k is the number
+  of tool calls the assistant already made in the conversation (capped at the last).
+
+Replies use the scripted engine's reply format ({"text", "tool_calls": [{"name", "arguments"}]}),
+and token ids / logprobs come from the scripted engine unchanged.
+
+Run: `python -m app.harnesses.check_engine --harness NAME --port N [--max-model-len L]`.
+"""
+from __future__ import annotations
+
+import argparse
+
+from app.engines.scripted import MODEL, Scripted, ScriptedServer
+from app.harnesses.base import ScriptedTurn
+
+
+def scripted_reply(turn: ScriptedTurn) -> dict:
+    """A `ScriptedTurn` in the scripted engine's reply format."""
+    reply: dict = {}
+    if turn.text is not None:
+        reply["text"] = turn.text
+    if turn.tool is not None:
+        reply["tool_calls"] = [{"name": turn.tool, "arguments": turn.arguments or {}}]
+    return reply
+
+
+def choose_reply(turns: list[ScriptedTurn], body: dict) -> dict:
+    """The reply for one Chat Completions `body` (see the module docstring); {} = engine default."""
+    tools = {(t.get("function") or {}).get("name") for t in body.get("tools") or [] if isinstance(t, dict)}
+    wanted = next((t.tool for t in turns if t.tool), None)
+    if body.get("response_format") or (wanted is not None and wanted not in tools):
+        return {}
+    made = sum(len(m.get("tool_calls") or []) for m in body.get("messages") or []
+               if isinstance(m, dict) and m.get("role") == "assistant")
+    return scripted_reply(turns[min(made, len(turns) - 1)])
+
+
+class CheckScripted(Scripted):
+    """Scripted engine state whose replies follow `choose_reply` for one harness's turns."""
+
+    def __init__(self, turns: list[ScriptedTurn], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.turns = list(turns)
+
+    def reply_for(self, body: dict, episode: str | None) -> dict:
+        return choose_reply(self.turns, body)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from app.harnesses import get_preset
+
+    ap = argparse.ArgumentParser(description="Scripted engine answering a harness's check script")
+    ap.add_argument("--harness", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    # Scripted token ids are bytes, so real harness prompts (20-60 KB) need a large window.
+    ap.add_argument("--max-model-len", type=int, default=4_000_000)
+    ap.add_argument("--model", default=MODEL)
+    args = ap.parse_args(argv)
+    state = CheckScripted(get_preset(args.harness).check_script(), max_model_len=args.max_model_len,
+                          model=args.model)
+    srv = ScriptedServer((args.host, args.port), state)
+    print(f"check engine for {args.harness} on http://{args.host}:{args.port}", flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
