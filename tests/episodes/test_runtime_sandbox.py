@@ -1,0 +1,176 @@
+"""Sandbox escape attempts: an agent command in a LocalRuntime under bubblewrap.
+
+The agent tries to read the database, another episode's workspace, the caches
+(pristine sdists), the task records (gold patch), a grading runtime's files, to
+reach PostgreSQL / Redis / PyPI, to write outside its workspace, and to outlive
+its timeout.  Every attempt must fail, while the gateway stays reachable.
+Real bubblewrap, real PostgreSQL and Redis ports, a real TCP gateway stand-in.
+"""
+from __future__ import annotations
+
+import http.server
+import os
+import socketserver
+import threading
+import time
+
+import pytest
+
+from app import config
+from app.config import ROOT, get_settings
+from app.runtimes import LocalRuntime, RuntimePaths, bwrap_available
+from app.tasksets import load_task_set
+
+pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap (Debian package `bubblewrap`) is not installed/usable here")
+
+
+@pytest.fixture
+def settings(tmp_path, monkeypatch):
+    """Runtimes and DB under tmp; the content-addressed cache shared with other runs (fast setup)."""
+    monkeypatch.setenv("TURNSTILE_VAR_DIR", str(tmp_path / "var"))
+    monkeypatch.setenv("TURNSTILE_CACHE_DIR", str(ROOT / "var" / "cache"))
+    config.reset_settings()
+    yield get_settings()
+    config.reset_settings()
+
+
+@pytest.fixture
+def gateway():
+    """A real HTTP server on the host's loopback standing in for the gateway."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = f"gateway saw {self.path}".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def two_runtimes(settings, gateway):
+    ts = load_task_set("synthetic")
+    a = LocalRuntime.prepare(ts.get("synthetic__inflection-1"), settings=settings, gateway_url=gateway)
+    b = LocalRuntime.prepare(ts.get("synthetic__inflection-2"), settings=settings, gateway_url=gateway)
+    yield ts, a, b
+    a.close()
+    b.close()
+
+
+def _fails(rt, cmd, network="none"):
+    res = rt.run(cmd, network=network, timeout_s=60)
+    assert res.confined
+    return res.exit_code != 0, res
+
+
+def test_agent_cannot_read_outside_its_workspace(two_runtimes, settings):
+    ts, a, b = two_runtimes
+    paths = RuntimePaths.from_settings(settings)
+    db = settings.var_dir / "turnstile.db"
+    db.write_text("SECRET-DATABASE")
+    (b.root / "grading").mkdir()
+    (b.root / "grading" / "eval.sh").write_text("SECRET test_patch of another grade")
+    sdist = next(paths.sdists.glob(f"{ts.get('synthetic__inflection-1').source.sha256}/*"))
+
+    for target in [db, b.workspace / "inflection" / "__init__.py", b.root / "grading" / "eval.sh", sdist,
+                   ROOT / "data" / "tasks" / "synthetic.jsonl", ROOT / "app" / "config.py",
+                   "/root/.cache/pip", paths.bases]:
+        failed, res = _fails(a, f"cat {target} || ls {target}")
+        assert failed, f"agent could read {target}: {res.stdout[:200]}"
+        assert "SECRET" not in res.stdout
+    # Its own workspace is there, read-write; the grading mount is not.
+    res = a.run("test -f /testbed/inflection/__init__.py && test ! -e /run/turnstile/grading && echo ok")
+    assert res.stdout.strip() == "ok"
+
+
+def test_gold_patch_is_nowhere_in_the_agent_view(two_runtimes):
+    ts, a, _ = two_runtimes
+    rec = ts.get("synthetic__inflection-1")
+    fixed_line = "if number % 100 in (11, 12, 13):"
+    assert fixed_line in rec.patch
+    res = a.run("git log --all --oneline | wc -l; git log --all -p | grep -c -F 'in (11, 12, 13)'; "
+                "grep -r -F -l 'in (11, 12, 13)' /testbed /home/agent /tmp /venv 2>/dev/null | wc -l")
+    commits, in_history, in_files = res.stdout.split()
+    assert (commits, in_history, in_files) == ("1", "0", "0")
+
+
+def test_network_is_only_the_gateway(two_runtimes):
+    _, a, _ = two_runtimes
+    probe = (
+        "python - <<'EOF'\n"
+        "import socket\n"
+        "for host, port in [('127.0.0.1', 5432), ('127.0.0.1', 6379), ('pypi.org', 443), ('151.101.0.223', 443)]:\n"
+        "    try:\n"
+        "        socket.create_connection((host, port), timeout=5).close(); print(host, port, 'OPEN')\n"
+        "    except OSError as exc:\n"
+        "        print(host, port, 'blocked', type(exc).__name__)\n"
+        "EOF"
+    )
+    for network in ("none", "gateway"):
+        res = a.run(probe, network=network, timeout_s=60)
+        assert res.exit_code == 0, res.stderr
+        assert "OPEN" not in res.stdout and res.stdout.count("blocked") == 4, res.stdout
+    res = a.run("python -m pip download --retries 0 --timeout 3 --no-deps -d /tmp/x inflection==0.5.1", timeout_s=120)
+    assert res.exit_code != 0
+    # The host really has these services: the probe is not vacuous.
+    import socket
+
+    socket.create_connection(("127.0.0.1", 6379), timeout=5).close()
+
+    assert a.gateway_url.startswith("http://127.0.0.1:")
+    fetch = "python -c \"import os,urllib.request;print(urllib.request.urlopen(os.environ['GW']+'/models').read().decode())\""
+    res = a.run(fetch, env={"GW": a.gateway_url}, network="gateway", timeout_s=60)
+    assert res.exit_code == 0 and res.stdout.strip() == "gateway saw /v1/models", res.stderr
+    res = a.run(fetch, env={"GW": a.gateway_url}, network="none", timeout_s=60)
+    assert res.exit_code != 0
+
+
+def test_writes_only_in_workspace_home_and_tmp(two_runtimes):
+    _, a, _ = two_runtimes
+    for target in ["/usr/pwned", "/etc/pwned", "/venv/pwned", "/venv/lib/python3.11/site-packages/pwned.pth"]:
+        failed, _ = _fails(a, f"touch {target}")
+        assert failed, target
+    res = a.run("touch /testbed/new_file $HOME/x /tmp/y && echo ok")
+    assert res.stdout.strip() == "ok"
+    assert (a.workspace / "new_file").exists() and (a.home / "x").exists()
+
+
+def test_own_pid_namespace_and_timeout_kills_everything(two_runtimes):
+    _, a, _ = two_runtimes
+    res = a.run(f"kill -0 {os.getpid()} 2>/dev/null && echo visible || echo hidden; ps -e --no-headers | wc -l")
+    word, count = res.stdout.split()
+    assert word == "hidden" and int(count) < 10
+    t0 = time.monotonic()
+    res = a.run("(setsid sleep 4242.5 &); sleep 4242.5", timeout_s=1.5)
+    assert res.timed_out and res.exit_code == 124 and time.monotonic() - t0 < 15
+    time.sleep(0.5)
+    leftovers = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if b"4242.5" in open(f"/proc/{pid}/cmdline", "rb").read():
+                    leftovers.append(pid)
+            except OSError:
+                pass
+    assert leftovers == []
+
+
+def test_close_removes_everything_and_is_idempotent(settings):
+    rec = load_task_set("synthetic").get("synthetic__toolz-1")
+    with LocalRuntime.prepare(rec, settings=settings) as rt:
+        state = rt.describe()
+        root = rt.root
+        again = LocalRuntime.attach(state)
+        assert again.run("ls toolz/__init__.py").exit_code == 0
+    assert not root.exists()
+    again.close()
+    rt.close()
