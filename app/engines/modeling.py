@@ -280,8 +280,8 @@ def load_state_into(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> N
     embeddings) are fine.
 
     Raises:
-        ValueError: unexpected keys, missing untied keys, or shape mismatches (the model is
-            left unchanged in the first two cases; torch raises before copying on shapes).
+        ValueError: unexpected keys, missing untied keys, or shape mismatches (checked before
+            anything is copied, so the model is left unchanged).
     """
     own = model.state_dict()
     unexpected = sorted(set(state) - set(own))
@@ -290,6 +290,9 @@ def load_state_into(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> N
     missing = sorted(set(own) - set(state) - tied)
     if unexpected or missing:
         raise ValueError(f"checkpoint does not fit the model: missing={missing[:5]} unexpected={unexpected[:5]}")
+    wrong = [f"{k}: {tuple(v.shape)} != {tuple(own[k].shape)}" for k, v in state.items() if v.shape != own[k].shape]
+    if wrong:  # checked up front: load_state_dict would copy the matching tensors before raising
+        raise ValueError(f"checkpoint shapes do not fit the model: {wrong[:3]}")
     with torch.no_grad():
         model.load_state_dict(state, strict=False)
 

@@ -20,7 +20,7 @@ Replies come from (first match wins):
 A reply is a JSON object: text, reasoning, reasoning_field ("reasoning" | "reasoning_content"),
 tool_calls [{name, arguments, id?}], refusal, error {status, message}, prefill_delay, token_delay (s),
 abort_after (chunks, then close without [DONE]), error_after (chunks, then an error chunk),
-quirk ("no_type" | "repeat_id" | "same_index" | "args_at_end"), split_bytes (send SSE bytes in 1-byte
+quirk ("no_type" | "repeat_id" | "same_index" | "args_at_end" | "args_in_header"), split_bytes (send SSE bytes in 1-byte
 writes that split UTF-8 characters), policy_version.
 
 Run: `python -m app.engines.scripted --port 8200 [--script FILE] [--max-model-len 8192]`.
@@ -199,6 +199,14 @@ def apply_quirk(steps: list[dict], quirk: str | None) -> list[dict]:
             held[k] = held.get(k, "") + tc["function"]["arguments"]
             out.append({**s, "delta": None})
             continue
+        elif quirk == "args_in_header":  # all arguments ride on the chunk carrying id + name
+            if first:
+                tc["function"]["arguments"] = "".join(
+                    x["text"] for x in steps if x.get("call") == call and not x.get("trailer")
+                    and "id" not in x["delta"]["tool_calls"][0])
+            else:
+                out.append({**s, "delta": None})
+                continue
         out.append({**s, "delta": {"tool_calls": [tc]}})
     return out
 

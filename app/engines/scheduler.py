@@ -1,0 +1,310 @@
+"""Continuous-batching scheduler of the embedded engine (one background thread owns the model).
+
+Requests are admitted into a running batch at token boundaries (continuous batching,
+Orca, Yu et al. OSDI'22, https://www.usenix.org/conference/osdi22/presentation/yu).  Each new
+request is prefilled alone in chunks of ``prefill_chunk`` tokens (one chunk per scheduler
+iteration, interleaved with decode steps so running requests keep streaming), then its
+KV cache is left-padded and concatenated onto the batch cache.  Every decode step runs
+one forward pass for all running rows with a 2-D padding mask and explicit per-row
+position ids, so a row's numbers do not depend on its neighbours beyond float rounding.
+Finished or cancelled rows are removed with ``index_select`` and all-padding columns on
+the left are trimmed.
+
+Weight reload (``reload``): new admissions stop, running requests finish on the old
+weights (their events carry the old ``policy_version``), then the new state dict is
+copied in and the version bumped; requests that arrived meanwhile wait in the queue and
+run on the new weights.  No request is failed by a reload.
+
+Events put on ``GenerationRequest.events`` (a ``queue.Queue``), in order:
+``Started(policy_version)``, then one ``TokenEvent`` per generated token (the last one has
+``finish_reason`` set), or ``Failed(message)`` at any point after an internal error.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from app.engines.modeling import load_state_into
+from app.engines.sampling import SamplingParams, TokenSample, sample_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Started:
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    sample: TokenSample
+    finish_reason: str | None = None   # "stop" | "length" | None while running
+    stop_token_id: int | None = None   # the stop token that ended generation (vLLM's stop_reason)
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    """Token-level work item.  ``max_tokens`` ≥ 1; ``stop_token_ids`` end generation when sampled."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    policy_version: int | None = None
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this request at the next step (client gone, stop string hit)."""
+        self.cancelled.set()
+
+
+@dataclass(eq=False)
+class _Row:
+    request: GenerationRequest
+    cache: DynamicCache | None = None  # own cache while prefilling
+    prefilled: int = 0                 # prompt tokens already in the KV cache (while prefilling)
+    num_tokens: int = 0                # real tokens in the KV cache once running
+    last_token: int = -1               # sampled, not yet in the cache
+    generated: int = 0
+
+
+class BatchScheduler:
+    """Owns ``model`` and runs all forward passes on one daemon thread.
+
+    Args:
+        model: a causal LM in eval mode (fp32 recommended: logprob parity is specified in fp32).
+        max_batch: most requests decoded together; more wait in FIFO order.
+        prefill_chunk: prompt tokens per prefill forward pass (bounds attention memory).
+        policy_version: version stamped on requests until the first reload.
+    """
+
+    def __init__(self, model: PreTrainedModel, max_batch: int = 8, prefill_chunk: int = 512,
+                 policy_version: int = 0) -> None:
+        self.model = model
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.policy_version = policy_version
+        self._cond = threading.Condition()
+        self._waiting: deque[GenerationRequest] = deque()
+        self._prefilling: list[_Row] = []
+        self._active: list[_Row] = []
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None      # [B, L] long, 0 = left padding
+        self._pending_reload: tuple | None = None
+        self._reload_lock = threading.Lock()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self.stats = {"decode_steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "reloads": 0}
+
+    # ------------------------------------------------------------------ public API
+    def start(self) -> "BatchScheduler":
+        with self._cond:
+            if self._running:
+                return self
+            self._running = True
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: GenerationRequest) -> GenerationRequest:
+        """Queue a request; its events arrive on ``request.events``."""
+        if request.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        with self._cond:
+            self._waiting.append(request)
+            self._cond.notify_all()
+        return request
+
+    def reload(self, state: dict[str, torch.Tensor], policy_version: int) -> int:
+        """Load ``state`` (a full state dict) once running requests have finished; return the new version.
+
+        Blocks the caller until the weights are in place.  Raises whatever
+        ``load_state_into`` raises (the old weights and version then stay active).
+        """
+        with self._reload_lock:
+            done = threading.Event()
+            box: dict = {}
+            with self._cond:
+                self._pending_reload = (state, int(policy_version), done, box)
+                self._cond.notify_all()
+            done.wait()
+            if "error" in box:
+                raise box["error"]
+            return self.policy_version
+
+    def load(self) -> dict:
+        """Queue sizes and counters (for /health and logs)."""
+        with self._cond:
+            return {"waiting": len(self._waiting), "prefilling": len(self._prefilling),
+                    "running": len(self._active), "reload_pending": self._pending_reload is not None,
+                    "policy_version": self.policy_version, **self.stats}
+
+    # ------------------------------------------------------------------ loop
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)  # grad mode is thread-local
+        while True:
+            with self._cond:
+                if not self._running:
+                    return
+                self._apply_reload_if_drained()
+                self._admit()
+                if not self._active and not self._prefilling:
+                    self._cond.wait(0.5)
+                    continue
+            try:
+                with torch.inference_mode():
+                    if self._prefilling:
+                        self._prefill_step(self._prefilling[0])
+                    if self._active:
+                        self._decode_step()
+            except Exception as exc:  # keep serving: fail only the requests in flight
+                log.exception("engine step failed")
+                for row in self._prefilling + self._active:
+                    row.request.events.put(Failed(f"engine error: {exc}"))
+                with self._cond:
+                    self._prefilling, self._active = [], []
+                    self._cache, self._mask = None, None
+
+    def _apply_reload_if_drained(self) -> None:
+        if self._pending_reload is None or self._active or self._prefilling:
+            return
+        state, version, done, box = self._pending_reload
+        try:
+            started = time.perf_counter()
+            load_state_into(self.model, state)
+            self.policy_version = version
+            self.stats["reloads"] += 1
+            log.info("loaded weights for policy version %d in %.2fs", version, time.perf_counter() - started)
+        except Exception as exc:
+            box["error"] = exc
+        finally:
+            self._pending_reload = None
+            done.set()
+
+    def _admit(self) -> None:
+        while (self._waiting and self._pending_reload is None
+               and len(self._active) + len(self._prefilling) < self.max_batch):
+            request = self._waiting.popleft()
+            if request.cancelled.is_set():
+                continue
+            request.policy_version = self.policy_version
+            request.events.put(Started(self.policy_version))
+            self._prefilling.append(_Row(request, cache=DynamicCache()))
+
+    # ------------------------------------------------------------------ model steps
+    def _prefill_step(self, row: _Row) -> None:
+        request = row.request
+        if request.cancelled.is_set():
+            self._prefilling.remove(row)
+            return
+        start = row.prefilled
+        chunk = request.prompt_ids[start:start + self.prefill_chunk]
+        ids = torch.tensor([chunk], dtype=torch.long)
+        positions = torch.arange(start, start + len(chunk), dtype=torch.long).unsqueeze(0)
+        out = self.model(input_ids=ids, position_ids=positions, past_key_values=row.cache,
+                         use_cache=True, logits_to_keep=1)
+        row.prefilled += len(chunk)
+        self.stats["prefill_tokens"] += len(chunk)
+        if row.prefilled < len(request.prompt_ids):
+            return
+        self._prefilling.remove(row)
+        row.num_tokens = row.prefilled
+        sample = sample_batch(out.logits[:, -1, :], [request.params])[0]
+        if not self._emit(row, sample):
+            self._join_batch(row)
+
+    def _decode_step(self) -> None:
+        self._drop_rows([r for r in self._active if r.request.cancelled.is_set()])
+        if not self._active:
+            return
+        rows = self._active
+        ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long)
+        positions = torch.tensor([[r.num_tokens] for r in rows], dtype=torch.long)
+        mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                         past_key_values=self._cache, use_cache=True)
+        self._mask = mask
+        self._cache = out.past_key_values
+        for row in rows:
+            row.num_tokens += 1
+        samples = sample_batch(out.logits[:, -1, :], [r.request.params for r in rows])
+        self.stats["decode_steps"] += 1
+        finished = [row for row, sample in zip(rows, samples) if self._emit(row, sample)]
+        self._drop_rows(finished)
+
+    def _emit(self, row: _Row, sample: TokenSample) -> bool:
+        """Send one token event; return True when the row is finished."""
+        request = row.request
+        row.generated += 1
+        row.last_token = sample.token_id
+        self.stats["generated_tokens"] += 1
+        finish, stop_token = None, None
+        if sample.token_id in request.stop_token_ids:
+            finish, stop_token = "stop", sample.token_id
+        elif row.generated >= request.max_tokens:
+            finish = "length"
+        request.events.put(TokenEvent(sample, finish, stop_token))
+        return finish is not None
+
+    # ------------------------------------------------------------------ batch KV cache
+    def _join_batch(self, row: _Row) -> None:
+        """Left-pad ``row``'s own cache and the batch cache to one length and stack them."""
+        new_layers = [(layer.keys, layer.values) for layer in row.cache.layers]
+        new_len = row.num_tokens
+        row.cache = None
+        if not self._active:
+            self._cache = DynamicCache(ddp_cache_data=new_layers)
+            self._mask = torch.ones(1, new_len, dtype=torch.long)
+            self._active = [row]
+            return
+        old_len = self._mask.shape[1]
+        total = max(old_len, new_len)
+
+        def pad(x: torch.Tensor, n: int) -> torch.Tensor:  # left-pad dim -2 of [B, H, L, D]
+            return F.pad(x, (0, 0, n, 0)) if n else x
+
+        layers = []
+        for layer, (k, v) in zip(self._cache.layers, new_layers):
+            layers.append((torch.cat([pad(layer.keys, total - old_len), pad(k, total - new_len)]),
+                           torch.cat([pad(layer.values, total - old_len), pad(v, total - new_len)])))
+        self._cache = DynamicCache(ddp_cache_data=layers)
+        self._mask = torch.cat([F.pad(self._mask, (total - old_len, 0)),
+                                F.pad(torch.ones(1, new_len, dtype=torch.long), (total - new_len, 0))])
+        self._active.append(row)
+
+    def _drop_rows(self, rows: list[_Row]) -> None:
+        if not rows:
+            return
+        keep = [i for i, r in enumerate(self._active) if r not in rows]
+        self._active = [self._active[i] for i in keep]
+        if not keep:
+            self._cache, self._mask = None, None
+            return
+        index = torch.tensor(keep, dtype=torch.long)
+        mask = self._mask.index_select(0, index)
+        start = int(mask.any(dim=0).long().argmax())  # first column any row still uses
+        self._mask = mask[:, start:]
+        self._cache = DynamicCache(ddp_cache_data=[
+            (layer.keys.index_select(0, index)[:, :, start:], layer.values.index_select(0, index)[:, :, start:])
+            for layer in self._cache.layers])

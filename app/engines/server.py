@@ -1,0 +1,371 @@
+"""HTTP server of the embedded CPU engine: a vLLM-compatible subset of the OpenAI API.
+
+Run:  ``python -m app.engines.server --model smollm2 --port 8200``  (``tiny`` or a checkpoint dir also work)
+or under gunicorn (one process owns the model; threads serve the streams)::
+
+    TURNSTILE_ENGINE_MODEL=smollm2 gunicorn -w 1 -k gthread --threads 64 -b :8200 \\
+        'app.engines.server:create_engine_app()'
+
+Routes (shapes follow vLLM's OpenAI server, https://docs.vllm.ai/en/latest/serving/openai_compatible_server/):
+
+* ``POST /v1/chat/completions``: stream and non-stream; vLLM extensions ``return_token_ids``,
+  ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+  ``return_tokens_as_token_ids``, ``chat_template_kwargs``; Turnstile adds ``policy_version`` and
+  ``engine_id`` to every response and chunk.  ``n`` must be 1.  ``presence_penalty``,
+  ``frequency_penalty``, ``logit_bias`` and ``response_format`` are accepted and ignored.
+* ``POST /tokenize`` / ``POST /detokenize``, ``GET /v1/models``, ``GET /health``.
+* ``POST /v1/load_weights {"path", "policy_version"}`` → ``{"policy_version"}`` and
+  ``GET /v1/policy_version``: see ``BatchScheduler.reload`` for the in-flight rule.
+
+Errors use vLLM's body ``{"error": {"message", "type", "param", "code"}}``; a context overflow
+uses vLLM's wording ("This model's maximum context length is 8192 tokens. However, you
+requested N tokens (P in the messages, M in the completion). …") so harnesses recognise it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from app.engines.modeling import load_model, read_metadata, read_state_dict
+from app.engines.outputs import ChatOptions, ChoiceAssembler, ChunkBuilder, TokenTexts, build_response
+from app.engines.sampling import SamplingParams
+from app.engines.scheduler import BatchScheduler, Failed, GenerationRequest, Started, TokenEvent
+from app.engines.templates import TemplateError, render_prompt
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 8192
+EVENT_TIMEOUT_S = 900.0
+
+
+class EngineError(Exception):
+    """A request error with an HTTP status; rendered in vLLM's error body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+    def body(self) -> dict:
+        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "InternalServerError")
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.status}}
+
+
+@dataclass
+class Engine:
+    """Model + tokenizer + scheduler of one engine process."""
+
+    model: Any
+    tokenizer: Any
+    scheduler: BatchScheduler
+    model_spec: str
+    served_model_name: str
+    engine_id: str
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    tokenizer_lock: Any = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.texts = TokenTexts(self.tokenizer, self.tokenizer_lock)
+        self.stop_token_ids = frozenset(
+            t for t in {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+            if isinstance(t, int) and t >= 0)
+
+
+def build_engine(model_spec: str, *, max_batch: int = 8, prefill_chunk: int = 512,
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN, served_model_name: str | None = None,
+                 engine_id: str | None = None, policy_version: int | None = None) -> Engine:
+    """Load the model and start the scheduler thread.
+
+    ``policy_version`` defaults to the checkpoint's ``turnstile.json`` value, else 0.
+    """
+    started = time.perf_counter()
+    model, tokenizer = load_model(model_spec)
+    log.info("loaded model %s in %.2fs", model_spec, time.perf_counter() - started)
+    if policy_version is None:
+        policy_version = int(read_metadata(model_spec).get("policy_version", 0)) if os.path.isdir(model_spec) else 0
+    scheduler = BatchScheduler(model, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                               policy_version=policy_version).start()
+    return Engine(model, tokenizer, scheduler, model_spec,
+                  served_model_name or ("SmolLM2-135M-Instruct" if model_spec == "smollm2" else f"turnstile-{os.path.basename(model_spec.rstrip('/'))}"),
+                  engine_id or f"embedded-{socket.gethostname()}-{os.getpid()}", max_model_len)
+
+
+# ---------------------------------------------------------------- request parsing
+def _get(body: dict, name: str, kind: type | tuple, default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise EngineError(f"'{name}' must be of type {names}", param=name)
+    return value
+
+
+def _json_body() -> dict:
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise EngineError("request body must be a JSON object")
+    return body
+
+
+def _sampling(body: dict) -> SamplingParams:
+    temperature = _get(body, "temperature", float, 1.0)
+    top_p = _get(body, "top_p", float, 1.0)
+    top_k = _get(body, "top_k", int, 0)
+    seed = _get(body, "seed", int)
+    if temperature < 0:
+        raise EngineError("'temperature' must be >= 0", param="temperature")
+    if not 0 < top_p <= 1:
+        raise EngineError("'top_p' must be in (0, 1]", param="top_p")
+    logprobs = _get(body, "logprobs", bool, False)
+    top_logprobs = _get(body, "top_logprobs", int, 0)
+    if not 0 <= top_logprobs <= 20:
+        raise EngineError("'top_logprobs' must be between 0 and 20", param="top_logprobs")
+    return SamplingParams(temperature, top_p, top_k, seed, top_logprobs if logprobs else 0)
+
+
+def _stop_list(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise EngineError("'stop' must be a string or a list of strings", param="stop")
+
+
+def _max_tokens(body: dict, prompt_len: int, limit: int) -> int:
+    """Resolve ``max_completion_tokens``/``max_tokens`` against the context limit (vLLM's messages)."""
+    requested = _get(body, "max_completion_tokens", int)
+    if requested is None:
+        requested = _get(body, "max_tokens", int)
+    if requested is not None and requested < 1:
+        raise EngineError("'max_tokens' must be at least 1", param="max_tokens")
+    if prompt_len >= limit:
+        raise EngineError(f"This model's maximum context length is {limit} tokens. However, your request has "
+                          f"{prompt_len} input tokens. Please reduce the length of the input messages.",
+                          param="messages")
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise EngineError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                          f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the "
+                          f"completion). Please reduce the length of the messages or completion.",
+                          param="max_tokens")
+    return requested
+
+
+def _render(engine: Engine, body: dict, default_generation_prompt: bool = True) -> list[int]:
+    tools = body.get("tools")
+    kwargs = _get(body, "chat_template_kwargs", dict, {})
+    with engine.tokenizer_lock:
+        try:
+            return render_prompt(engine.tokenizer, body.get("messages"), tools,
+                                 _get(body, "add_generation_prompt", bool, default_generation_prompt), kwargs)
+        except TemplateError as exc:
+            raise EngineError(str(exc), param="messages") from exc
+
+
+def _next_event(req: GenerationRequest):
+    try:
+        return req.events.get(timeout=EVENT_TIMEOUT_S)
+    except queue.Empty:
+        return Failed(f"engine produced nothing for {EVENT_TIMEOUT_S:.0f}s")
+
+
+# ---------------------------------------------------------------- chat completions
+def _chat(engine: Engine) -> Response:
+    body = _json_body()
+    if _get(body, "n", int, 1) != 1:
+        raise EngineError("only n=1 is supported", param="n")
+    prompt_ids = _render(engine, body)
+    max_tokens = _max_tokens(body, len(prompt_ids), engine.max_model_len)
+    params = _sampling(body)
+    stop_ids = set() if _get(body, "ignore_eos", bool, False) else set(engine.stop_token_ids)
+    extra_stops = _get(body, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in extra_stops):
+        raise EngineError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    stop_ids |= set(extra_stops)
+    stream_options = _get(body, "stream_options", dict, {})
+    options = ChatOptions(
+        model=_get(body, "model", str, engine.served_model_name) or engine.served_model_name,
+        stop=_stop_list(body), logprobs=params.top_logprobs > 0 or _get(body, "logprobs", bool, False),
+        top_logprobs=params.top_logprobs, return_token_ids=_get(body, "return_token_ids", bool, False),
+        return_tokens_as_token_ids=_get(body, "return_tokens_as_token_ids", bool, False),
+        skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+        parse_tools=bool(body.get("tools")) and body.get("tool_choice") != "none",
+        include_usage=bool(stream_options.get("include_usage")))
+    req = engine.scheduler.submit(GenerationRequest(prompt_ids, max_tokens, params, frozenset(stop_ids)))
+    assembler = ChoiceAssembler(engine.tokenizer, engine.texts, options)
+    if _get(body, "stream", bool, False):
+        return Response(_stream(engine, req, assembler, options, prompt_ids), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        deltas, version = [], None
+        while not assembler.finished:
+            event = _next_event(req)
+            if isinstance(event, Started):
+                version = event.policy_version
+            elif isinstance(event, Failed):
+                raise EngineError(event.message, status=500)
+            elif isinstance(event, TokenEvent):
+                deltas.append(assembler.add(event))
+        return jsonify(build_response(options, prompt_ids, deltas, version, engine.engine_id))
+    finally:
+        req.cancel()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _stream(engine: Engine, req: GenerationRequest, assembler: ChoiceAssembler, options: ChatOptions,
+            prompt_ids: list[int]) -> Iterator[str]:
+    """SSE frames; always ends with ``data: [DONE]`` (an error frame first if generation failed)."""
+    builder = None
+    try:
+        while not assembler.finished:
+            event = _next_event(req)
+            if isinstance(event, Started):
+                builder = ChunkBuilder(options, prompt_ids, event.policy_version, engine.engine_id)
+                yield _sse(builder.first())
+            elif isinstance(event, Failed):
+                yield _sse({"error": {"message": event.message, "type": "InternalServerError", "param": None,
+                                      "code": 500}})
+                break
+            elif isinstance(event, TokenEvent):
+                chunk = builder.delta(assembler.add(event))
+                if chunk is not None:
+                    yield _sse(chunk)
+        if builder is not None and assembler.finished and options.include_usage:
+            yield _sse(builder.usage_chunk(len(assembler.token_ids)))
+        yield "data: [DONE]\n\n"
+    finally:
+        req.cancel()  # client gone or stop string: free the batch slot
+
+
+# ---------------------------------------------------------------- app factory
+def create_engine_app(model_spec: str | None = None, engine: Engine | None = None, **engine_kwargs) -> Flask:
+    """Flask app serving one engine.  Loads ``model_spec`` (default ``$TURNSTILE_ENGINE_MODEL`` or
+    ``smollm2``) unless a ready ``engine`` is given."""
+    if engine is None:
+        engine = build_engine(model_spec or os.environ.get("TURNSTILE_ENGINE_MODEL", "smollm2"), **engine_kwargs)
+    app = Flask("turnstile-engine")
+    app.config["ENGINE"] = engine
+
+    @app.errorhandler(EngineError)
+    def _engine_error(exc: EngineError):
+        return jsonify(exc.body()), exc.status
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        return jsonify(EngineError(exc.description or exc.name, exc.code or 500).body()), exc.code or 500
+
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        return _chat(engine)
+
+    @app.post("/tokenize")
+    def tokenize():
+        body = _json_body()
+        if "messages" in body:
+            ids = _render(engine, body)
+        elif isinstance(body.get("prompt"), str):
+            with engine.tokenizer_lock:
+                ids = engine.tokenizer(body["prompt"], add_special_tokens=_get(body, "add_special_tokens", bool, True))["input_ids"]
+        else:
+            raise EngineError("give 'messages' or a string 'prompt'")
+        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids)}
+        if _get(body, "return_token_strs", bool, False):
+            with engine.tokenizer_lock:
+                out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(list(ids))
+        return jsonify(out)
+
+    @app.post("/detokenize")
+    def detokenize():
+        tokens = _get(_json_body(), "tokens", list)
+        if tokens is None or not all(isinstance(t, int) and 0 <= t < len(engine.tokenizer) for t in tokens):
+            raise EngineError("'tokens' must be a list of token ids", param="tokens")
+        with engine.tokenizer_lock:
+            return jsonify({"prompt": engine.tokenizer.decode(tokens)})
+
+    @app.get("/v1/models")
+    def models():
+        return jsonify({"object": "list", "data": [{
+            "id": engine.served_model_name, "object": "model", "created": 0, "owned_by": "turnstile",
+            "root": engine.model_spec, "max_model_len": engine.max_model_len,
+            "policy_version": engine.scheduler.policy_version}]})
+
+    @app.get("/health")
+    def health():
+        return jsonify({"status": "ok", "engine_id": engine.engine_id, **engine.scheduler.load()})
+
+    @app.get("/v1/policy_version")
+    def policy_version():
+        return jsonify({"policy_version": engine.scheduler.policy_version, "engine_id": engine.engine_id})
+
+    @app.post("/v1/load_weights")
+    def load_weights():
+        body = _json_body()
+        path = _get(body, "path", str)
+        if not path or not os.path.isdir(path):
+            raise EngineError(f"checkpoint directory {path!r} does not exist", param="path")
+        version = _get(body, "policy_version", int, engine.scheduler.policy_version + 1)
+        started = time.perf_counter()
+        try:
+            state = read_state_dict(path)  # disk I/O here, not on the scheduler thread
+        except (FileNotFoundError, OSError, ValueError) as exc:
+            raise EngineError(f"cannot read checkpoint {path}: {exc}", param="path") from exc
+        try:
+            new_version = engine.scheduler.reload(state, version)
+        except (ValueError, RuntimeError) as exc:
+            raise EngineError(f"checkpoint does not fit the served model: {exc}", param="path") from exc
+        return jsonify({"policy_version": new_version, "path": path, "engine_id": engine.engine_id,
+                        "load_s": round(time.perf_counter() - started, 3)})
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Turnstile embedded CPU inference engine")
+    parser.add_argument("--model", default=os.environ.get("TURNSTILE_ENGINE_MODEL", "smollm2"),
+                        help="tiny | smollm2 | checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8200)
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--engine-id")
+    parser.add_argument("--policy-version", type=int)
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    app = create_engine_app(args.model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+                            max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+                            engine_id=args.engine_id or f"embedded-{socket.gethostname()}-{args.port}",
+                            policy_version=args.policy_version)
+    from werkzeug.serving import make_server
+
+    server = make_server(args.host, args.port, app, threaded=True)
+    log.info("engine %s serving %s on http://%s:%d", app.config["ENGINE"].engine_id, args.model, args.host, args.port)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
