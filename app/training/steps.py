@@ -153,6 +153,7 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
         completed_before = s.scalar(select(TrainingStep.id).where(
             TrainingStep.run_id == run_id, TrainingStep.step < step, TrainingStep.status == "completed").limit(1)) is not None
 
+    resident = _RESIDENT.trainer is not None and _RESIDENT.run_id == run_id
     trainer, own = _restore(run_id, step, spec, config, completed_before)
     if own is not None:
         state = _read_state(own)
@@ -171,6 +172,7 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
         metrics["checkpoint_time_s"] = time.perf_counter() - saved
         _RESIDENT.step, _RESIDENT.policy_version = step, policy_version
 
+    metrics["trainer_resident"] = resident  # model + optimizer were already in this process's memory
     synced = time.perf_counter()
     metrics["engine_sync"] = push_weights(engine_urls, path / "model", policy_version)
     metrics["engine_sync_time_s"] = time.perf_counter() - synced
