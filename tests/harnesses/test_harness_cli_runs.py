@@ -1,0 +1,57 @@
+"""Real runs: each of the seven real CLIs, headless, against the real gateway (gunicorn subprocess)
+backed by the check engine (the scripted engine answering the preset's check script).
+
+Per harness: exit 0, at least one Completion row with prompt ids, sampled ids and
+logprobs, the API recorded equals the preset's `api`, the scripted file edit is in
+`git diff`, and no session token appears in any record.  A harness whose CLI is not
+installed is skipped with the install command as the reason.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import create_engine, select
+from sqlalchemy.orm import Session
+
+from app.harnesses import get_preset
+from app.harnesses.base import CHECK_CONTENT, CHECK_FILE
+from app.harnesses.check import run_check
+from app.models import Completion, Episode
+from app.proxy.sessions import TOKEN_PREFIX
+from app.runconfig import HARNESSES
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name", HARNESSES)
+def test_real_cli_through_gateway(name, tmp_path):
+    preset = get_preset(name)
+    if not preset.is_installed():
+        pytest.skip(f"{name} CLI not installed here: `python -m app harness install {name}`")
+    report = run_check(name, timeout_s=60, workdir=tmp_path)
+    assert report.exit_code == 0 and not report.timed_out, report.log_tail
+    assert report.ok, (report.problems, report.log_tail)
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'check.db'}")
+    try:
+        with Session(engine) as s:
+            rows = list(s.execute(select(Completion).order_by(Completion.seq)).scalars())
+            episode = s.execute(select(Episode)).scalar_one()
+            assert rows, "no completion recorded"
+            for row in rows:
+                assert row.episode_id == episode.id
+                assert row.api == preset.api
+                assert row.prompt_ids and row.sampled_ids
+                assert row.logprobs is not None and len(row.logprobs) == len(row.sampled_ids)
+                assert all(lp <= 0 for lp in row.logprobs)
+                record_text = json.dumps([row.raw_request, row.normalized_request, row.response, row.error])
+                assert TOKEN_PREFIX not in record_text  # the session token (tsk-...) is never stored
+            assert len(episode.session_token_hash) == 64  # stored hashed only
+    finally:
+        engine.dispose()
+
+    # The edit the scripted tool call made, seen by `git diff` against the base commit.
+    assert f"b/{CHECK_FILE}" in report.patch and f"+{CHECK_CONTENT}" in report.patch
+    assert (tmp_path / "workspace" / CHECK_FILE).read_text().strip() == CHECK_CONTENT
+    assert report.completions == len(rows) >= 2  # the tool-call turn and the turn after its result
