@@ -1,0 +1,64 @@
+"""Fixtures of the engine tests: a real engine subprocess serving the tiny model.
+
+The subprocess is started with the repository's var dir so the cached SmolLM2 tokenizer
+(created on first use from the packaged GGUF) is shared with the rest of the suite.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.engines.client import EngineClient
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class EngineProcess:
+    """``python -m app.engines.server`` in a subprocess; ``client`` talks to it."""
+
+    def __init__(self, model: str = "tiny", *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"engine-{self.port}.log"), "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "app.engines.server", "--model", model, "--port", str(self.port), *extra],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.client = EngineClient(self.url, timeout=120)
+        try:
+            self.client.health(wait_s=120)
+        except TimeoutError:
+            self.stop()
+            self.log.seek(0)
+            raise RuntimeError(f"engine did not start:\n{self.log.read()[-3000:]}")
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """A running tiny-model engine for the whole test module."""
+    proc = EngineProcess("tiny")
+    try:
+        yield proc
+    finally:
+        proc.stop()

@@ -1,0 +1,170 @@
+"""The engine contract over real HTTP against a real engine subprocess (tiny model)."""
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+
+from app.engines.client import EngineHTTPError
+from app.engines.modeling import build_tiny_model, load_tokenizer
+from app.engines.templates import render_prompt
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+
+
+def recompute_logprobs(model, prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:
+    """Trainer-side recomputation: one plain fp32 forward pass over prompt + completion."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + token_ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1:-1]
+    return logprobs.gather(1, torch.tensor(token_ids)[:, None])[:, 0]
+
+
+def test_prompt_token_ids_equal_tokenizer_rendering(engine):
+    tokenizer = load_tokenizer()
+    out = engine.client.chat(MESSAGES, max_tokens=3, return_token_ids=True, seed=0)
+    expected = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
+    assert out["prompt_token_ids"] == list(expected)
+    assert engine.client.tokenize(MESSAGES) == list(expected)
+    assert out["usage"] == {"prompt_tokens": len(expected), "completion_tokens": 3, "total_tokens": len(expected) + 3}
+    assert out["policy_version"] == 0 and out["engine_id"]
+    assert engine.client.detokenize(out["choices"][0]["token_ids"]) == out["choices"][0]["message"]["content"]
+
+
+def test_logprob_parity_non_stream_and_stream(engine):
+    """Recorded logprobs equal the trainer's recomputation (goal < 1e-4), in both modes."""
+    model = build_tiny_model(0)
+    worst = 0.0
+    for stream in (False, True):
+        fields = dict(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, logprobs=True,
+                      return_token_ids=True, ignore_eos=True)
+        if stream:
+            chunks = list(engine.client.chat(MESSAGES, stream=True, **fields))
+            prompt_ids = chunks[0]["prompt_token_ids"]
+            token_ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+            logprobs = [e["logprob"] for c in chunks for ch in c["choices"]
+                        if ch.get("logprobs") for e in ch["logprobs"]["content"]]
+        else:
+            out = engine.client.chat(MESSAGES, **fields)
+            prompt_ids, token_ids = out["prompt_token_ids"], out["choices"][0]["token_ids"]
+            logprobs = [e["logprob"] for e in out["choices"][0]["logprobs"]["content"]]
+        assert len(token_ids) == len(logprobs) == 24
+        diff = (recompute_logprobs(model, prompt_ids, token_ids) - torch.tensor(logprobs)).abs().max().item()
+        worst = max(worst, diff)
+    print(f"tiny engine logprob parity: max abs diff {worst:.2e}")
+    assert worst < 1e-4
+
+
+def test_seeded_sampling_is_reproducible_and_stream_matches(engine):
+    fields = dict(max_tokens=12, temperature=1.0, seed=123, return_token_ids=True, ignore_eos=True)
+    a = engine.client.chat(MESSAGES, **fields)["choices"][0]["token_ids"]
+    b = engine.client.chat(MESSAGES, **fields)["choices"][0]["token_ids"]
+    c = [t for chunk in engine.client.chat(MESSAGES, stream=True, **fields)
+         for ch in chunk["choices"] for t in ch.get("token_ids", [])]
+    other = engine.client.chat(MESSAGES, **{**fields, "seed": 124})["choices"][0]["token_ids"]
+    assert a == b == c
+    assert other != a
+
+
+def test_concurrent_requests_are_batched_and_exact(engine):
+    """Eight concurrent requests of different lengths; each one's logprobs match a lone forward pass."""
+    model = build_tiny_model(0)
+    results: dict[int, dict] = {}
+
+    def one(i: int) -> None:
+        messages = [{"role": "user", "content": "word " * (1 + 5 * i)}]
+        results[i] = engine.client.chat(messages, max_tokens=10 + i, seed=i, logprobs=True,
+                                        return_token_ids=True, ignore_eos=True)
+
+    before = engine.client.health()["decode_steps"]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    steps = engine.client.health()["decode_steps"] - before
+    total = sum(len(r["choices"][0]["token_ids"]) for r in results.values())
+    assert total == sum(10 + i for i in range(8))
+    assert steps < total - 8, f"{steps} decode steps for {total} tokens: requests were not batched"
+    worst = max((recompute_logprobs(model, r["prompt_token_ids"], r["choices"][0]["token_ids"])
+                 - torch.tensor([e["logprob"] for e in r["choices"][0]["logprobs"]["content"]])).abs().max().item()
+                for r in results.values())
+    print(f"batched logprob parity: max abs diff {worst:.2e} over {total} tokens in {steps} steps")
+    assert worst < 1e-4
+
+
+def test_stop_string_and_max_tokens(engine):
+    full = engine.client.chat(MESSAGES, max_tokens=8, seed=5, return_token_ids=True, ignore_eos=True)
+    text = full["choices"][0]["message"]["content"]
+    assert full["choices"][0]["finish_reason"] == "length"
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), text
+    cut = engine.client.chat(MESSAGES, max_tokens=8, seed=5, stop=[stop], return_token_ids=True, ignore_eos=True)
+    choice = cut["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    assert choice["message"]["content"] == text[: text.find(stop)]
+    assert choice["token_ids"] == full["choices"][0]["token_ids"][: len(choice["token_ids"])]
+
+
+def test_context_limit_is_a_400_with_vllm_wording(engine):
+    with pytest.raises(EngineHTTPError) as err:
+        engine.client.chat(MESSAGES, max_tokens=8190)
+    assert err.value.status == 400
+    message = err.value.body["error"]["message"]
+    assert message.startswith("This model's maximum context length is 8192 tokens. However, you requested")
+    assert "in the messages, 8190 in the completion" in message
+    long = [{"role": "user", "content": "hello " * 9000}]
+    with pytest.raises(EngineHTTPError) as err:
+        engine.client.chat(long, max_tokens=1)
+    assert err.value.status == 400 and "maximum context length is 8192" in err.value.body["error"]["message"]
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"messages": MESSAGES, "n": 2}, "n=1"),
+    ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
+    ({"messages": MESSAGES, "top_logprobs": 50, "logprobs": True}, "top_logprobs"),
+])
+def test_bad_requests_get_400_in_openai_error_shape(engine, body, needle):
+    response = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert needle in error["message"] and error["code"] == 400 and error["type"] == "BadRequestError"
+
+
+def test_tools_are_rendered_with_the_tool_template(engine):
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                               "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+    out = engine.client.chat(MESSAGES, tools=tools, max_tokens=2, return_token_ids=True)
+    assert out["prompt_token_ids"] == render_prompt(load_tokenizer(), MESSAGES, tools)
+    assert "<tools>" in engine.client.detokenize(out["prompt_token_ids"])
+
+
+def test_models_health_and_version_routes(engine):
+    models = httpx.get(f"{engine.url}/v1/models").json()
+    assert models["data"][0]["max_model_len"] == 8192
+    assert engine.client.policy_version() == engine.client.health()["policy_version"]
+
+
+def test_openai_sdk_against_engine(engine):
+    """The real openai SDK, stream and non-stream, with vLLM extension fields via extra_body."""
+    client = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="unused")
+    out = client.chat.completions.create(model="anything", messages=MESSAGES, max_tokens=4, seed=1,
+                                         logprobs=True, top_logprobs=3,
+                                         extra_body={"return_token_ids": True, "ignore_eos": True})
+    extra = out.model_extra
+    assert out.model == "anything" and out.choices[0].finish_reason == "length"
+    assert len(out.choices[0].logprobs.content) == 4
+    assert len(out.choices[0].logprobs.content[0].top_logprobs) == 3
+    assert extra["prompt_token_ids"] and extra["policy_version"] == 0
+    chunks = list(client.chat.completions.create(model="anything", messages=MESSAGES, max_tokens=4, seed=1,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"return_token_ids": True, "ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == out.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
+    client.close()
