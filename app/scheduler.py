@@ -285,27 +285,44 @@ def _close_complete_groups(s, run: Run, cfg: RunConfig) -> None:
         if len(usable) < math.ceil(sched.min_accept_fraction * len(eps)) or not usable:
             group.status, group.reason = "rejected", f"{len(usable)}/{len(eps)} usable episodes"
             continue
-        started = [e.policy_version for e in usable if e.policy_version is not None]
-        lag = run.policy_version - min(started) if started else 0
-        if lag > sched.max_staleness:
-            if sched.stale_policy == "drop":
-                group.status, group.reason = "dropped", f"stale: started at version {min(started)}, policy is {run.policy_version}"
-                continue
-            group.weight = 1.0 / (1 + lag - sched.max_staleness)
         group.status = "accepted"
+        _judge_staleness(s, run, cfg, group)
     s.flush()
+
+
+def _judge_staleness(s, run: Run, cfg: RunConfig, group: Group) -> bool:
+    """Drop or down-weight an accepted group whose episodes started too many versions ago.
+
+    Lag = current policy version − the oldest version any of its usable episodes started
+    under.  Checked when the group completes and again when a step is about to consume it
+    (the policy may have moved on in between).  Returns True if the group is still usable.
+    """
+    sched = cfg.scheduling
+    started = s.scalar(
+        select(func.min(Episode.policy_version)).where(
+            Episode.run_id == run.id, Episode.group_index == group.group_index, Episode.status == "completed"
+        )
+    )
+    lag = run.policy_version - started if started is not None else 0
+    if lag <= sched.max_staleness:
+        return True
+    if sched.stale_policy == "drop":
+        group.status, group.reason = "dropped", f"stale: started at version {started}, policy is {run.policy_version}"
+        return False
+    group.weight = 1.0 / (1 + lag - sched.max_staleness)
+    return True
 
 
 def _maybe_create_step(s, run: Run, cfg: RunConfig) -> int | None:
     steps = _steps(s, run.id)
     if len(steps) >= cfg.steps or any(st.status in ("pending", "training") for st in steps):
         return None
-    accepted = s.scalars(
+    candidates = s.scalars(
         select(Group)
         .where(Group.run_id == run.id, Group.status == "accepted")
         .order_by(Group.completed_at, Group.group_index)
-        .limit(cfg.tasks_per_step)
     ).all()
+    accepted = [g for g in candidates if _judge_staleness(s, run, cfg, g)][: cfg.tasks_per_step]
     if len(accepted) < cfg.tasks_per_step:
         return None
     step = len(steps)
