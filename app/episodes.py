@@ -49,6 +49,7 @@ def _load(episode_id: int) -> tuple[Episode, Run] | None:
         ep = s.get(Episode, episode_id)
         if ep is None:
             return None
+        _ = ep.instance  # load the relationship now: prepare/grade read ep.instance.record after the session closes
         return ep, s.get(Run, ep.run_id)
 
 
