@@ -14,7 +14,9 @@ itself, so it is deterministic however many side calls a harness makes:
 Replies use the scripted engine's reply format ({"text", "tool_calls": [{"name", "arguments"}]}),
 and token ids / logprobs come from the scripted engine unchanged.
 
-Run: `python -m app.harnesses.check_engine --harness NAME --port N [--max-model-len L]`.
+Run: `python -m app.harnesses.check_engine --harness NAME|auto --port N [--max-model-len L]`
+(`auto`: the script of the harness named in the calling episode's run config, read
+from the database at DATABASE_URL).
 """
 from __future__ import annotations
 
@@ -45,29 +47,63 @@ def choose_reply(turns: list[ScriptedTurn], body: dict) -> dict:
     return scripted_reply(turns[min(made, len(turns) - 1)])
 
 
-class CheckScripted(Scripted):
-    """Scripted engine state whose replies follow `choose_reply` for one harness's turns."""
+def harness_of_episode(episode_id: int) -> str | None:
+    """The harness named in the run config of `episode_id` (read from SQL via DATABASE_URL)."""
+    from app.db import session_scope
+    from app.models import Episode, Run
 
-    def __init__(self, turns: list[ScriptedTurn], **kwargs) -> None:
+    with session_scope() as s:
+        ep = s.get(Episode, episode_id)
+        run = s.get(Run, ep.run_id) if ep is not None else None
+        return (run.config or {}).get("harness") if run is not None else None
+
+
+class CheckScripted(Scripted):
+    """Scripted engine state whose replies follow `choose_reply`.
+
+    `turns` fixes one harness's script; with `turns=None` the script is chosen per
+    call from the episode's run config (the gateway names the episode in the
+    `x-turnstile-episode` header), so one engine serves checks of every harness.
+    """
+
+    def __init__(self, turns: list[ScriptedTurn] | None, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.turns = list(turns)
+        self.turns = list(turns) if turns is not None else None
+        self._by_episode: dict[str, list[ScriptedTurn]] = {}
+
+    def turns_for(self, episode: str | None) -> list[ScriptedTurn] | None:
+        if self.turns is not None:
+            return self.turns
+        if not episode or not episode.isdigit():
+            return None
+        if episode not in self._by_episode:
+            from app.harnesses import PRESETS
+
+            name = harness_of_episode(int(episode))
+            if name not in PRESETS:
+                return None
+            with self.lock:
+                self._by_episode[episode] = PRESETS[name].check_script()
+        return self._by_episode[episode]
 
     def reply_for(self, body: dict, episode: str | None) -> dict:
-        return choose_reply(self.turns, body)
+        turns = self.turns_for(episode)
+        return choose_reply(turns, body) if turns else {}
 
 
 def main(argv: list[str] | None = None) -> None:
     from app.harnesses import get_preset
 
     ap = argparse.ArgumentParser(description="Scripted engine answering a harness's check script")
-    ap.add_argument("--harness", required=True)
+    ap.add_argument("--harness", required=True, help="a preset name, or 'auto' (by the episode's run config)")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
     # Scripted token ids are bytes, so real harness prompts (20-60 KB) need a large window.
     ap.add_argument("--max-model-len", type=int, default=4_000_000)
     ap.add_argument("--model", default=MODEL)
     args = ap.parse_args(argv)
-    state = CheckScripted(get_preset(args.harness).check_script(), max_model_len=args.max_model_len,
+    turns = None if args.harness == "auto" else get_preset(args.harness).check_script()
+    state = CheckScripted(turns, max_model_len=args.max_model_len,
                           model=args.model)
     srv = ScriptedServer((args.host, args.port), state)
     print(f"check engine for {args.harness} on http://{args.host}:{args.port}", flush=True)
