@@ -18,7 +18,8 @@ Replies come from (first match wins):
   3. a minimal JSON value when JSON output is requested, else the text "ok".
 
 A reply is a JSON object: text, reasoning, reasoning_field ("reasoning" | "reasoning_content"),
-tool_calls [{name, arguments, id?}], refusal, error {status, message}, prefill_delay, token_delay (s),
+tool_calls [{name, arguments, id?}], refusal, error {status, message}, prefill_delay (after the response
+headers, like vLLM), header_delay (before them), token_delay (s),
 abort_after (chunks, then close without [DONE]), error_after (chunks, then an error chunk),
 quirk ("no_type" | "repeat_id" | "same_index" | "args_at_end" | "args_in_header"), split_bytes (send SSE bytes in 1-byte
 writes that split UTF-8 characters), policy_version.
@@ -328,7 +329,9 @@ class Handler(BaseHTTPRequestHandler):
             steps = apply_quirk(steps, reply.get("quirk"))
         version = reply.get("policy_version", st.policy_version)
         extra = {"policy_version": version} if version is not None else {}
-        if reply.get("prefill_delay"):
+        if reply.get("header_delay"):  # a server that answers nothing at all while it prefills
+            time.sleep(float(reply["header_delay"]))
+        if reply.get("prefill_delay") and not body.get("stream"):
             time.sleep(float(reply["prefill_delay"]))
         if body.get("stream"):
             return self.stream(body, reply, steps, finish, stop_reason, prompt_ids, extra)
@@ -386,6 +389,9 @@ class Handler(BaseHTTPRequestHandler):
         def send(obj) -> None:
             self._chunk(b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n", split)
 
+        if reply.get("prefill_delay"):  # like vLLM: headers first, first token after the prefill
+            self.wfile.flush()
+            time.sleep(float(reply["prefill_delay"]))
         first = {**base, **extra, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}]}
         if body.get("return_token_ids"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import threading
 import time
 from typing import Iterator
 
@@ -196,20 +197,70 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
             raise GatewayError("internal", "The gateway could not record this completion; please retry") from None
         return json_response(body_out)
     writer = module.Stream(norm, resp_id)
-    try:
-        handle = up.open_stream(engine, upstream_body, info.episode_id)
-    except GatewayError as err:
+    opening = PendingOpen(lambda: up.open_stream(engine, upstream_body, info.episode_id))
+    # Wait briefly for the engine to accept: a rejection (context overflow...) is then a plain
+    # HTTP error in the client's shape.  An engine that says nothing while it prefills gets a
+    # 200 stream with keep-alives instead, and any later rejection arrives in-stream.
+    outcome = opening.wait(gateway_settings().keepalive_s)
+    if isinstance(outcome, GatewayError):
         if route.api != "responses":
-            raise
+            raise outcome
         # Codex reads errors from the stream: response.created, then response.failed (B25).
-        frames = writer.opening() + writer.fail(err, ChunkNormalizer().result)
+        frames = writer.opening() + writer.fail(outcome, ChunkNormalizer().result)
         return Response(iter(frames), mimetype="text/event-stream", headers=SSE_HEADERS)
-    cap.t_accepted = time.perf_counter()
-    return Response(stream_answer(writer, handle, cap, resp_id), mimetype="text/event-stream",
+    return Response(stream_answer(writer, opening, cap, resp_id), mimetype="text/event-stream",
                     headers=SSE_HEADERS, direct_passthrough=True)
 
 
-def stream_answer(writer, handle: StreamHandle, cap: record.Capture, resp_id: str) -> Iterator[bytes]:
+class PendingOpen:
+    """Opens the upstream stream in a helper thread so the client can get keep-alives meanwhile."""
+
+    def __init__(self, open_fn) -> None:
+        self._q: queue.Queue = queue.Queue(maxsize=1)
+        self._cancelled = False
+        self._lock = threading.Lock()
+        self.result: StreamHandle | GatewayError | None = None
+        self.t_done: float | None = None
+        threading.Thread(target=self._run, args=(open_fn,), name="upstream-open", daemon=True).start()
+
+    def _run(self, open_fn) -> None:
+        try:
+            out = open_fn()
+        except GatewayError as err:
+            out = err
+        except Exception as exc:  # noqa: BLE001
+            out = GatewayError("upstream", f"Could not reach the engine: {exc}")
+        self.t_done = time.perf_counter()
+        with self._lock:
+            if self._cancelled and isinstance(out, StreamHandle):
+                out.close()  # the client left while the engine was still accepting
+                return
+            self._q.put(out)
+
+    def wait(self, timeout: float) -> StreamHandle | GatewayError | None:
+        """The handle or error once known; None while the engine has not answered yet."""
+        if self.result is None:
+            try:
+                self.result = self._q.get(timeout=timeout)
+            except queue.Empty:
+                return None
+        return self.result
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if isinstance(self.result, StreamHandle):
+                self.result.close()
+            else:
+                try:
+                    got = self._q.get_nowait()
+                    if isinstance(got, StreamHandle):
+                        got.close()
+                except queue.Empty:
+                    pass
+
+
+def stream_answer(writer, opening: PendingOpen, cap: record.Capture, resp_id: str) -> Iterator[bytes]:
     """Engine stream -> client SSE frames, with keep-alives while the engine is silent.
 
     The completion is recorded before the terminal frames are sent; if the client goes
@@ -222,7 +273,12 @@ def stream_answer(writer, handle: StreamHandle, cap: record.Capture, resp_id: st
     try:
         yield from writer.opening()
         error: GatewayError | None = None
-        while True:
+        while (handle := opening.wait(keepalive)) is None:
+            yield writer.keepalive()
+        cap.t_accepted = opening.t_done
+        if isinstance(handle, GatewayError):
+            error, handle = handle, None
+        while handle is not None:
             try:
                 item = handle.queue.get(timeout=keepalive)
             except queue.Empty:
@@ -256,6 +312,8 @@ def stream_answer(writer, handle: StreamHandle, cap: record.Capture, resp_id: st
             frames += writer.finish(r)
         else:
             frames = writer.fail(error, r)
+        if not norm.first_chunk_seen:
+            cap.written = True  # the engine never started this answer: nothing to record
         try:
             record.write_completion(cap, r, writer.final_body(r), resp_id, partial=error is not None,
                                     error=error.message if error else None)
@@ -263,8 +321,8 @@ def stream_answer(writer, handle: StreamHandle, cap: record.Capture, resp_id: st
             log.exception("could not record streamed completion")
         yield b"".join(frames)
     finally:
-        handle.close()
-        if not cap.written:
+        opening.cancel()
+        if not cap.written and norm.first_chunk_seen:
             try:
                 record.write_completion(cap, r, writer.final_body(r), resp_id, partial=True,
                                         error="client disconnected before the answer was complete")
