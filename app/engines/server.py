@@ -274,6 +274,11 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
     def _http_error(exc: HTTPException):
         return jsonify(EngineError(exc.description or exc.name, exc.code or 500).body()), exc.code or 500
 
+    @app.errorhandler(Exception)
+    def _internal_error(exc: Exception):
+        log.exception("unhandled engine error")
+        return jsonify(EngineError(f"internal engine error: {exc}", 500).body()), 500
+
     @app.post("/v1/chat/completions")
     def chat_completions():
         return _chat(engine)
@@ -327,7 +332,7 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
         started = time.perf_counter()
         try:
             state = read_state_dict(path)  # disk I/O here, not on the scheduler thread
-        except (FileNotFoundError, OSError, ValueError) as exc:
+        except Exception as exc:  # safetensors raises its own SafetensorError on corrupt files
             raise EngineError(f"cannot read checkpoint {path}: {exc}", param="path") from exc
         try:
             new_version = engine.scheduler.reload(state, version)

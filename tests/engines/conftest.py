@@ -32,7 +32,10 @@ class EngineProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"engine-{self.port}.log"), "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app.engines.server", "--model", model, "--port", str(self.port), *extra],
+            # One torch thread: on a shared 2-core box OpenMP's spinning barriers make
+            # 2 threads up to 20x slower whenever another process holds a core.
+            [sys.executable, "-m", "app.engines.server", "--model", model, "--port", str(self.port),
+             "--threads", "1", *extra],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(ROOT)})
         self.client = EngineClient(self.url, timeout=120)
