@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 
 class StepError(RuntimeError):
-    """A step that cannot run: failed before, another process trains the run, or a missing checkpoint."""
+    """A step that cannot run: it failed before, or the checkpoint it must resume from is missing."""
 
 
 @dataclass
@@ -108,13 +108,17 @@ def train_step(run_id: int, step: int, episode_ids: list[int] | None = None) -> 
 
     `episode_ids`: the graded episodes of the step's groups; optional when the
     `TrainingStep` row already lists them (the scheduler creates the row).  A completed step
-    returns its stored metrics without doing anything.  Raises `LookupError` (unknown run or
+    returns its stored metrics without doing anything; while another process holds the run's
+    training lock it returns `{"skipped": …}`.  Raises `LookupError` (unknown run or
     episode), `ValueError` (bad training config, no episodes), `StepError` (see the class).
     On an error the row keeps status `training` with `error` set, so calling again resumes.
     """
     with checkpoints.run_lock(run_id) as acquired:
         if not acquired:
-            raise StepError(f"run {run_id} is being trained by another process")
+            # A duplicate message: the process holding the lock finishes (or fails) the step,
+            # so this one must not report a failure for it.
+            log.warning("run=%s step=%s is being trained by another process; skipping", run_id, step)
+            return {"skipped": "another process is training this run"}
         try:
             return _train_step(run_id, step, episode_ids)
         except BaseException as exc:

@@ -186,3 +186,14 @@ def test_lora_update_moves_only_adapters_and_saved_merged_weights_match(tmp_path
     for a, b in zip(lora_lp, plain_trainer.logprobs(seqs)):
         assert torch.allclose(a, b, atol=1e-5)
     assert not torch.allclose(lora_lp[0], Trainer(TrainingConfig(), build_tiny_model(0)).logprobs(seqs)[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_kl_to_reference_is_zero_at_start_and_grows_after_updates(lora):
+    model = build_tiny_model(seed=0)
+    prompt = [1, 11, 12, 2, 1]
+    seqs = [make_sequence(model, prompt, 6, seed=s, advantage=a) for s, a in ((0, 1.0), (1, -1.0))]
+    trainer = Trainer(TrainingConfig(learning_rate=1e-2, kl_coef=0.1, lora=lora, lora_r=4, lora_alpha=8), model)
+    assert trainer.update(seqs)["kl"] == pytest.approx(0.0, abs=1e-7)
+    trainer.update(seqs)
+    assert trainer.update(seqs)["kl"] > 1e-6
