@@ -197,3 +197,23 @@ def test_kl_to_reference_is_zero_at_start_and_grows_after_updates(lora):
     assert trainer.update(seqs)["kl"] == pytest.approx(0.0, abs=1e-7)
     trainer.update(seqs)
     assert trainer.update(seqs)["kl"] > 1e-6
+
+
+def test_lora_checkpoint_round_trip_restores_adapters_and_optimizer(tmp_path):
+    prompt = [1, 21, 22, 2, 1]
+    config = TrainingConfig(learning_rate=1e-2, lora=True, lora_r=4, lora_alpha=8)
+    first = Trainer(config, build_tiny_model(seed=0))
+    seqs = [make_sequence(build_tiny_model(0), prompt, 6, seed=s, advantage=a) for s, a in ((0, 1.0), (1, -1.0))]
+    first.update(seqs)
+    first.update(seqs)
+    first.save(tmp_path / "ckpt", {"policy_version": 2})
+    second = Trainer(config, build_tiny_model(seed=0))  # a new process: base model + fresh adapters
+    assert second.load(tmp_path / "ckpt") == {"policy_version": 2}
+    for a, b in zip(first.logprobs(seqs), second.logprobs(seqs)):
+        assert torch.equal(a, b)
+    state_a, state_b = first.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]
+    assert state_a.keys() == state_b.keys() and all(torch.equal(state_a[k]["exp_avg"], state_b[k]["exp_avg"]) for k in state_a)
+    first.update(seqs)
+    second.update(seqs)
+    for a, b in zip(first.logprobs(seqs), second.logprobs(seqs)):
+        assert torch.equal(a, b)
