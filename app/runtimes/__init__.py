@@ -6,7 +6,7 @@
 """
 from app.runtimes.docker import DockerRuntime, docker_available
 from app.runtimes.errors import RuntimeClosed, RuntimeSetupError
-from app.runtimes.local import LocalRuntime
+from app.runtimes.local import LocalRuntime, cleanup_stale_runtimes
 from app.runtimes.materialize import materialize_base
 from app.runtimes.patch import PatchError, patch_from_workspace
 from app.runtimes.paths import RuntimePaths
@@ -25,5 +25,5 @@ def attach_runtime(state: dict) -> "LocalRuntime | DockerRuntime":
 __all__ = [
     "LocalRuntime", "DockerRuntime", "docker_available", "bwrap_available", "RuntimeSetupError",
     "RuntimeClosed", "materialize_base", "patch_from_workspace", "PatchError", "RuntimePaths", "Limits",
-    "Mount", "RunResult", "attach_runtime",
+    "Mount", "RunResult", "attach_runtime", "cleanup_stale_runtimes",
 ]

@@ -289,3 +289,22 @@ class LocalRuntime:
         return f"LocalRuntime(id={self.id!r}, instance={self.instance_id!r}, confined={self.confined})"
 
 
+
+
+def cleanup_stale_runtimes(max_age_s: float, *, keep: Sequence[str] = (), settings: Settings | None = None) -> list[str]:
+    """Delete runtime folders older than `max_age_s` seconds whose id is not in `keep`.
+
+    For a janitor task: a worker killed mid-episode never reaches `close()`; the
+    episode rows that are still live name the runtimes to keep.  Returns the
+    removed ids.
+    """
+    root = RuntimePaths.from_settings(settings).runtimes
+    removed: list[str] = []
+    if not root.is_dir():
+        return removed
+    now = time.time()
+    for child in root.iterdir():
+        if child.is_dir() and child.name not in keep and now - child.stat().st_mtime > max_age_s:
+            _rmtree(child)
+            removed.append(child.name)
+    return removed

@@ -164,7 +164,8 @@ def prlimit_prefix(limits: Limits) -> list[str]:
     args = [exe, f"--data={limits.memory_mb * mib}", f"--fsize={limits.fsize_mb * mib}",
             f"--nofile={limits.nofile}", "--core=0"]
     if limits.cpu_s:
-        args.append(f"--cpu={limits.cpu_s}")
+        # SIGXCPU at the soft limit (catchable: a harness can still save its work), SIGKILL 5 s later.
+        args.append(f"--cpu={limits.cpu_s}:{limits.cpu_s + 5}")
     if os.geteuid() != 0:
         args.append(f"--nproc={limits.nproc}")
     return args + ["--"]

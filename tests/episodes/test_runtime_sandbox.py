@@ -174,3 +174,29 @@ def test_close_removes_everything_and_is_idempotent(settings):
     assert not root.exists()
     again.close()
     rt.close()
+
+
+def test_memory_and_cpu_limits(settings):
+    from app.runtimes import Limits
+
+    rec = load_task_set("synthetic").get("synthetic__inflection-5")
+    with LocalRuntime.prepare(rec, settings=settings, limits=Limits(memory_mb=256, cpu_s=2)) as rt:
+        res = rt.run("python -c 'x = bytearray(1024 ** 3); print(len(x))'")
+        assert res.exit_code != 0 and "MemoryError" in res.stderr
+        res = rt.run("python -c 'while True: pass'", timeout_s=60)
+        # RLIMIT_CPU: SIGXCPU (24) at the soft limit, well before the wall-clock timeout.
+        assert not res.timed_out and res.exit_code == 128 + 24 and res.duration_s < 30
+
+
+def test_stale_runtimes_are_swept_but_kept_ones_stay(settings):
+    from app.runtimes import cleanup_stale_runtimes
+
+    rec = load_task_set("synthetic").get("synthetic__inflection-5")
+    live = LocalRuntime.prepare(rec, settings=settings)
+    orphan = LocalRuntime.prepare(rec, settings=settings)  # as if its worker died before close()
+    try:
+        assert cleanup_stale_runtimes(3600, settings=settings) == []  # too young
+        removed = cleanup_stale_runtimes(0, keep=[live.id], settings=settings)
+        assert removed == [orphan.id] and not orphan.root.exists() and live.root.exists()
+    finally:
+        live.close()
