@@ -19,7 +19,7 @@ Replies come from (first match wins):
 
 A reply is a JSON object: text, reasoning, reasoning_field ("reasoning" | "reasoning_content"),
 tool_calls [{name, arguments, id?}], refusal, error {status, message}, prefill_delay (after the response
-headers, like vLLM), header_delay (before them), token_delay (s),
+headers, like vLLM), header_delay (before them), slow_first (delay only the first identical request), token_delay (s),
 abort_after (chunks, then close without [DONE]), error_after (chunks, then an error chunk),
 quirk ("no_type" | "repeat_id" | "same_index" | "args_at_end" | "args_in_header"), split_bytes (send SSE bytes in 1-byte
 writes that split UTF-8 characters), policy_version.
@@ -329,6 +329,13 @@ class Handler(BaseHTTPRequestHandler):
             steps = apply_quirk(steps, reply.get("quirk"))
         version = reply.get("policy_version", st.policy_version)
         extra = {"policy_version": version} if version is not None else {}
+        if reply.get("slow_first"):  # only the first request with this exact body is slow (retry tests)
+            key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+            with st.lock:
+                seen = st.counters.get(key, 0)
+                st.counters[key] = seen + 1
+            if seen == 0:
+                time.sleep(float(reply["slow_first"]))
         if reply.get("header_delay"):  # a server that answers nothing at all while it prefills
             time.sleep(float(reply["header_delay"]))
         if reply.get("prefill_delay") and not body.get("stream"):

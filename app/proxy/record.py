@@ -11,9 +11,10 @@ the finish reason, engine id, policy version and timings:
 
 Exactly one row per call: SDKs retry the same body (openai/anthropic SDKs retry
 twice on 5xx/timeouts), so rows are keyed by `request_key` = sha256(episode,
-path, body, Idempotency-Key).  A retry overwrites the earlier attempt in place
-(keeping its `seq`), because the harness continues from the answer it finally
-received.  `seq` (order within the episode) is allocated as max+1 and retried on
+path, body, Idempotency-Key).  The latest attempt (by arrival time,
+`raw_request.received_at`) replaces earlier ones in place (keeping their `seq`),
+because the harness continues from the answer it finally received; a slow earlier
+attempt that finishes last does not overwrite it.  `seq` (order within the episode) is allocated as max+1 and retried on
 a unique-constraint race, so concurrent calls of one episode never collide.
 """
 from __future__ import annotations
@@ -102,6 +103,8 @@ def write_completion(cap: Capture, result: Result, response: dict | None, respon
                 existing = s.execute(select(Completion).where(Completion.episode_id == cap.episode_id,
                                                               Completion.request_key == cap.request_key)).scalar()
                 if existing is not None:
+                    if (existing.raw_request or {}).get("received_at", 0) > cap.raw_request.get("received_at", 0):
+                        return existing.id  # a later attempt (the one the client used) is already stored
                     for k, v in values.items():
                         setattr(existing, k, v)
                     s.flush()

@@ -180,7 +180,8 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     cap = record.Capture(
         episode_id=info.episode_id, api=route.api, model=norm.model, stream=norm.stream,
         request_key=record.request_key(info.episode_id, request.path, raw, request.headers.get("idempotency-key")),
-        raw_request={"method": request.method, "path": request.path, "query": record.scrub_query(request.args),
+        raw_request={"received_at": time.time(), "method": request.method, "path": request.path,
+                     "query": record.scrub_query(request.args),
                      "headers": record.scrub_headers(request.headers), "body": body},
         normalized_request=upstream_body, policy_version_fallback=info.policy_version, engine_id=engine.id, t0=t0)
     resp_id = ID_PREFIX[route.api] + new_id("", 12) if route.api != "gemini" else new_id("", 10)
