@@ -1,0 +1,130 @@
+"""vLLM adapter: the ``vllm serve`` command line Turnstile uses and the weight-reload client.
+
+Serving (GPU boxes; pinned in ``requirements-gpu.txt``)::
+
+    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port 8200 --served-model-name policy \\
+        --enable-auto-tool-choice --tool-call-parser hermes [--reasoning-parser qwen3] \\
+        --max-model-len 8192 --enable-sleep-mode \\
+        --worker-extension-cls app.engines.vllm_worker.TurnstileWorkerExtension
+
+Why each flag (https://docs.vllm.ai/en/latest/serving/openai_compatible_server/):
+``--enable-auto-tool-choice --tool-call-parser hermes`` parses Qwen/Hermes ``<tool_call>`` output
+into OpenAI ``tool_calls`` (without them ``tool_choice: auto`` is a 400); ``--reasoning-parser``
+splits ``<think>`` into ``reasoning``; token ids come per request (``return_token_ids: true``,
+vLLM ≥ 0.10.2); ``VLLM_SERVER_DEV_MODE=1`` exposes ``/collective_rpc``, ``/reset_prefix_cache``,
+``/sleep``, ``/wake_up``; ``--enable-sleep-mode`` lets a colocated trainer free GPU memory.
+
+Weight reload (``VLLMReloader.reload``), the vLLM counterpart of the embedded engine's
+``POST /v1/load_weights``:
+
+1. ``POST /pause?mode=wait`` where the server has it (2026 builds): running requests finish on
+   the old weights, new ones are held;
+2. ``POST /collective_rpc`` → ``TurnstileWorkerExtension.turnstile_load_weights(DIR)`` on every worker;
+3. ``POST /reset_prefix_cache``: cached KV blocks were computed with the old weights;
+4. ``POST /resume``.
+
+vLLM does not know Turnstile's policy version, so responses carry none: the gateway tags a
+completion with the version of the last reload that finished before the completion's first
+token arrived (exact when step 1 is available, since generation is then never split across
+weights).  Runtime LoRA is the alternative for adapter training: ``--enable-lora`` with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``POST /v1/load_lora_adapter`` (``lora_adapter_args``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+WORKER_EXTENSION = "app.engines.vllm_worker.TurnstileWorkerExtension"
+
+
+@dataclass
+class VLLMServeConfig:
+    """Inputs of ``serve_command``; defaults are what Turnstile uses for Qwen-family policies."""
+
+    model: str
+    port: int = 8200
+    host: str = "127.0.0.1"
+    served_model_name: str = "policy"
+    tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None   # "qwen3" for Qwen3 thinking models
+    max_model_len: int = 8192
+    dtype: str = "auto"                   # "float32" for logprob-parity checks
+    gpu_memory_utilization: float = 0.85
+    enable_sleep_mode: bool = True
+    enable_lora: bool = False
+    seed: int = 0
+    extra_args: list[str] = field(default_factory=list)
+
+
+def serve_command(config: VLLMServeConfig) -> tuple[list[str], dict[str, str]]:
+    """``(argv, extra environment)`` to start vLLM's OpenAI server for Turnstile."""
+    argv = ["vllm", "serve", config.model, "--host", config.host, "--port", str(config.port),
+            "--served-model-name", config.served_model_name,
+            "--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser,
+            "--max-model-len", str(config.max_model_len), "--dtype", config.dtype,
+            "--gpu-memory-utilization", str(config.gpu_memory_utilization),
+            "--seed", str(config.seed), "--worker-extension-cls", WORKER_EXTENSION]
+    if config.reasoning_parser:
+        argv += ["--reasoning-parser", config.reasoning_parser]
+    if config.enable_sleep_mode:
+        argv.append("--enable-sleep-mode")
+    if config.enable_lora:
+        argv.append("--enable-lora")
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if config.enable_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    return argv + list(config.extra_args), env
+
+
+class VLLMReloadError(RuntimeError):
+    """A reload step failed; the message names the step and the server's answer."""
+
+
+class VLLMReloader:
+    """Weight reload for a running ``vllm serve`` started with ``serve_command`` (dev mode).
+
+    Args:
+        base_url: server root, e.g. ``http://127.0.0.1:8200`` (no ``/v1``).
+    """
+
+    def __init__(self, base_url: str, timeout: float = 600.0) -> None:
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+        self.policy_version: int | None = None
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _post(self, step: str, path: str, **kwargs) -> httpx.Response:
+        response = self._http.post(path, **kwargs)
+        if response.status_code >= 400:
+            raise VLLMReloadError(f"{step}: {path} answered {response.status_code}: {response.text[:500]}")
+        return response
+
+    def reload(self, directory: str, policy_version: int) -> dict:
+        """Load the checkpoint ``directory`` into every worker; return timings and receipts.
+
+        Raises:
+            VLLMReloadError: the load or the prefix-cache reset failed (the server is resumed
+                in any case when it was paused).
+        """
+        started = time.perf_counter()
+        paused = self._http.post("/pause", params={"mode": "wait"}).status_code < 400
+        try:
+            receipt = self._post("load", "/collective_rpc", json={
+                "method": "turnstile_load_weights", "args": [str(directory)]}).json()
+            self._post("reset_prefix_cache", "/reset_prefix_cache")
+        finally:
+            if paused:
+                self._http.post("/resume")
+        self.policy_version = int(policy_version)
+        return {"policy_version": self.policy_version, "paused": paused,
+                "load_s": round(time.perf_counter() - started, 3), "workers": receipt.get("results")}
+
+    def sleep(self, level: int = 1) -> None:
+        """Free GPU memory for a colocated trainer (level 1: offload weights, drop KV cache)."""
+        self._post("sleep", "/sleep", params={"level": level})
+
+    def wake_up(self) -> None:
+        self._post("wake_up", "/wake_up")
