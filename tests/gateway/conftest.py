@@ -68,7 +68,7 @@ def start_gateway(port: int, db_url: str, engine_urls: str, log_path: Path, **en
     e = dict(os.environ, DATABASE_URL=db_url, TURNSTILE_ENGINE_URLS=engine_urls,
              TURNSTILE_GATEWAY_BIND=f"127.0.0.1:{port}", TURNSTILE_GATEWAY_WORKERS="2",
              TURNSTILE_GATEWAY_THREADS="16", TURNSTILE_GATEWAY_KEEPALIVE_S="0.3",
-             TURNSTILE_GATEWAY_SESSION_CACHE_S="0.2", **env)
+             TURNSTILE_GATEWAY_SESSION_CACHE_S="0.2", TURNSTILE_GATEWAY_MAX_BODY_BYTES=str(4 * 1024 * 1024), **env)
     return subprocess.Popen([str(ROOT / ".venv/bin/gunicorn"), "-c", "workers/gateway_conf.py",
                              "app.proxy:create_gateway_app()"], cwd=ROOT, env=e,
                             stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
