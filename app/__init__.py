@@ -6,13 +6,16 @@ those names first and must find the Celery instance in `app/celery.py`.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flask import Flask
+if TYPE_CHECKING:  # imported lazily so `app.*` modules load where Flask is absent (GPU check boxes)
+    from flask import Flask
 
 
 def create_app(overrides: dict[str, Any] | None = None) -> Flask:
     """Build the API + dashboard Flask app (served by gunicorn on :8000)."""
+    from flask import Flask
+
     from app.api import register_api
 
     flask_app = Flask(__name__)
