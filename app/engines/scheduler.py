@@ -95,6 +95,7 @@ class BatchScheduler:
     def __init__(self, model: PreTrainedModel, max_batch: int = 8, prefill_chunk: int = 512,
                  policy_version: int = 0) -> None:
         self.model = model
+        self.device = next(model.parameters()).device
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.policy_version = policy_version
@@ -220,8 +221,8 @@ class BatchScheduler:
             return
         start = row.prefilled
         chunk = request.prompt_ids[start:start + self.prefill_chunk]
-        ids = torch.tensor([chunk], dtype=torch.long)
-        positions = torch.arange(start, start + len(chunk), dtype=torch.long).unsqueeze(0)
+        ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(chunk), dtype=torch.long, device=self.device).unsqueeze(0)
         out = self.model(input_ids=ids, position_ids=positions, past_key_values=row.cache,
                          use_cache=True, logits_to_keep=1)
         row.prefilled += len(chunk)
@@ -230,7 +231,7 @@ class BatchScheduler:
             return
         self._prefilling.remove(row)
         row.num_tokens = row.prefilled
-        sample = sample_batch(out.logits[:, -1, :], [request.params])[0]
+        sample = sample_batch(out.logits[:, -1, :].cpu(), [request.params])[0]
         if not self._emit(row, sample):
             self._join_batch(row)
 
@@ -239,16 +240,17 @@ class BatchScheduler:
         if not self._active:
             return
         rows = self._active
-        ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long)
-        positions = torch.tensor([[r.num_tokens] for r in rows], dtype=torch.long)
-        mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
+        ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[r.num_tokens] for r in rows], dtype=torch.long, device=self.device)
+        mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=torch.long, device=self.device)], dim=1)
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                          past_key_values=self._cache, use_cache=True)
         self._mask = mask
         self._cache = out.past_key_values
         for row in rows:
             row.num_tokens += 1
-        samples = sample_batch(out.logits[:, -1, :], [r.request.params for r in rows])
+        # Sampling runs on CPU: per-request torch.Generator objects live there.
+        samples = sample_batch(out.logits[:, -1, :].cpu(), [r.request.params for r in rows])
         self.stats["decode_steps"] += 1
         finished = [row for row, sample in zip(rows, samples) if self._emit(row, sample)]
         self._drop_rows(finished)
@@ -275,7 +277,7 @@ class BatchScheduler:
         row.cache = None
         if not self._active:
             self._cache = DynamicCache(ddp_cache_data=new_layers)
-            self._mask = torch.ones(1, new_len, dtype=torch.long)
+            self._mask = torch.ones(1, new_len, dtype=torch.long, device=self.device)
             self._active = [row]
             return
         old_len = self._mask.shape[1]
@@ -290,7 +292,7 @@ class BatchScheduler:
                            torch.cat([pad(layer.values, total - old_len), pad(v, total - new_len)])))
         self._cache = DynamicCache(ddp_cache_data=layers)
         self._mask = torch.cat([F.pad(self._mask, (total - old_len, 0)),
-                                F.pad(torch.ones(1, new_len, dtype=torch.long), (total - new_len, 0))])
+                                F.pad(torch.ones(1, new_len, dtype=torch.long, device=self.device), (total - new_len, 0))])
         self._active.append(row)
 
     def _drop_rows(self, rows: list[_Row]) -> None:
@@ -301,7 +303,7 @@ class BatchScheduler:
         if not keep:
             self._cache, self._mask = None, None
             return
-        index = torch.tensor(keep, dtype=torch.long)
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
         mask = self._mask.index_select(0, index)
         start = int(mask.any(dim=0).long().argmax())  # first column any row still uses
         self._mask = mask[:, start:]

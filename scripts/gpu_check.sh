@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU check of Turnstile's engines (see scripts/gpu_check.py for what it checks).
+# On a machine without an NVIDIA GPU it prints that it was not run and exits 0.
+# Usage: scripts/gpu_check.sh            (uses $PYTHON, else .venv/bin/python, else python3)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "GPU check NOT RUN: no NVIDIA GPU on this machine (nvidia-smi missing or failing)."
+    exit 0
+fi
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+    if [ -x .venv/bin/python ] && .venv/bin/python -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+        PY=.venv/bin/python
+    else
+        PY=python3
+    fi
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+exec "$PY" scripts/gpu_check.py "$@"
