@@ -13,7 +13,10 @@ import copy
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+# Sampled positions whose logits are computed at once (4096 x 49152 fp32 logits = 0.8 GB).
+HEAD_CHUNK = 4096
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -57,19 +60,33 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def token_logprobs(model, input_ids, attention_mask, rows, cols, targets) -> torch.Tensor:
+def token_logprobs(model, input_ids, attention_mask, rows, cols, targets, head_chunk: int = HEAD_CHUNK) -> torch.Tensor:
     """Log-probabilities (nats, float32 [N]) of `targets` under `model`.
 
     `input_ids`, `attention_mask`: int64 [B, T] right-padded rows; `rows`, `cols`: int64 [N],
     the position whose output predicts each target (the target sits at `cols + 1`);
-    `targets`: int64 [N].  Only the N selected positions go through the LM head and the
-    log-softmax, not all B*T: context tokens never need logits, and the head (49k-vocab for
-    SmolLM2) would otherwise dominate memory.
+    `targets`: int64 [N].  Only the N selected positions go through the LM head, not all
+    B*T: context tokens never need logits.  The [N, vocab] logits are computed `head_chunk`
+    positions at a time; with gradients on, each chunk is recomputed in the backward pass
+    (activation checkpointing), so a long merged chain never holds all its logits at once.
     """
     lm = causal_lm(model)
     hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     selected = hidden[rows, cols]
-    logits = lm.lm_head(selected).float()
+    if selected.shape[0] <= head_chunk:
+        return _head_logprobs(lm.lm_head, selected, targets)
+    parts = []
+    for start in range(0, selected.shape[0], head_chunk):
+        h, t = selected[start : start + head_chunk], targets[start : start + head_chunk]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_head_logprobs, lm.lm_head, h, t, use_reentrant=False))
+        else:
+            parts.append(_head_logprobs(lm.lm_head, h, t))
+    return torch.cat(parts)
+
+
+def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 

@@ -217,3 +217,21 @@ def test_lora_checkpoint_round_trip_restores_adapters_and_optimizer(tmp_path):
     second.update(seqs)
     for a, b in zip(first.logprobs(seqs), second.logprobs(seqs)):
         assert torch.equal(a, b)
+
+
+def test_chunked_lm_head_gives_same_logprobs_and_gradients():
+    from app.training import policy
+    from app.training.batching import make_micro_batches
+
+    model = build_tiny_model(seed=0)
+    seq = make_sequence(model, [1, 31, 32, 2, 1], 10, seed=3, advantage=1.0)
+    (mb,) = make_micro_batches([seq], 1024, "token")
+    results = []
+    for chunk in (policy.HEAD_CHUNK, 3):
+        model.zero_grad()
+        lp = policy.token_logprobs(model, mb.input_ids, mb.attention_mask, mb.rows, mb.cols, mb.targets, head_chunk=chunk)
+        lp.sum().backward()
+        results.append((lp.detach(), model.lm_head.weight.grad.clone()))
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
+    diff = (results[0][1] - results[1][1]).abs().max(); scale = results[0][1].abs().max()
+    assert diff <= 1e-5 * scale, (diff, scale)
