@@ -2,7 +2,8 @@
 
 What the sandbox enforces (bwrap 0.8, Debian package `bubblewrap`):
   * Filesystem: a fresh tmpfs root holding read-only binds of /usr (with the
-    /bin, /lib, /lib64, /sbin links), /etc and the Python installation the venv
+    /bin, /lib, /lib64, /sbin links), an allowlist of /etc (`ETC_ALLOW`: no
+    shadow, SSH keys or service configs) and the Python installation the venv
     was made from (its global site-packages hidden by an empty tmpfs), plus
     exactly the `Mount`s given: for an episode the workspace (read-write at
     /testbed), the scratch HOME (read-write) and the venv (read-only at /venv).
@@ -12,7 +13,7 @@ What the sandbox enforces (bwrap 0.8, Debian package `bubblewrap`):
     namespace, so `kill -9 -1` or ps see only the sandbox, and every process
     dies when the command's top process ends or on timeout.  `--die-with-parent`
     kills it when the worker dies; `--new-session` stops TIOCSTI tricks.
-    Capabilities are dropped (bwrap's default inside the user namespace).
+    Every capability is dropped (`--cap-drop ALL`), also when the worker is root.
   * Network: `none` = a network namespace with only loopback (no route out, no
     DNS); `gateway` = the same, plus a listener on 127.0.0.1:<gateway port>
     inside that is piped through a bind-mounted Unix socket to the gateway's
@@ -28,8 +29,8 @@ What the sandbox enforces (bwrap 0.8, Debian package `bubblewrap`):
 
 Not enforced: disk usage inside the workspace (only per-file size), total
 memory across processes (no cgroup delegation in this container), kernel
-exploits (bwrap shares the host kernel), and reads of world-readable files
-under /usr and /etc.  Without bwrap (`bwrap_available()` False) commands run
+exploits (bwrap shares the host kernel), and reads of files under /usr and
+the allowlisted /etc entries.  Without bwrap (`bwrap_available()` False) commands run
 directly with the same limits and timeout, and `RunResult.confined` is False.
 """
 from __future__ import annotations
@@ -118,6 +119,29 @@ def _root_links() -> list[str]:
     return args
 
 
+# /etc entries the sandbox sees (read-only): what shells, git, Python, Node and TLS need.
+# An allowlist, because the sandbox's root is the host's root mapped into a user
+# namespace and can read root-only files: /etc/shadow, SSH host keys, service
+# configs with passwords (/etc/redis, /etc/postgresql, ...) must not be there.
+ETC_ALLOW = (
+    "alternatives", "bash.bashrc", "ca-certificates", "ca-certificates.conf", "debian_version", "environment",
+    "gai.conf", "group", "host.conf", "hosts", "inputrc", "issue", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
+    "locale.alias", "locale.gen", "localtime", "login.defs", "magic", "magic.mime", "mime.types", "networks",
+    "nsswitch.conf", "os-release", "passwd", "perl", "profile", "profile.d", "protocols", "python3",
+    "python3.11", "resolv.conf", "services", "shells", "ssl/certs", "ssl/openssl.cnf", "terminfo", "timezone",
+    "xdg",
+)
+
+
+def _etc_binds() -> list[str]:
+    args = ["--perms", "0555", "--dir", "/etc"]
+    for name in ETC_ALLOW:
+        p = Path("/etc") / name
+        if p.exists():
+            args += ["--ro-bind", str(p), str(p)]
+    return args
+
+
 def bwrap_argv(
     command: Sequence[str],
     *,
@@ -130,10 +154,13 @@ def bwrap_argv(
     gateway_port: int | None = None,
 ) -> list[str]:
     """The full `bwrap ... -- command` argv (see the module docstring for what it sets up)."""
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    # --cap-drop ALL matters when the worker is root: bwrap then keeps every
+    # capability inside the sandbox by default, and CAP_SYS_ADMIN there can
+    # `mount -o remount,rw,bind` a read-only bind and write to the host (checked).
+    argv = ["bwrap", "--unshare-all", "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
     if network == "host":
         argv.append("--share-net")
-    argv += ["--ro-bind", "/usr", "/usr", *_root_links(), "--ro-bind", "/etc", "/etc",
+    argv += ["--ro-bind", "/usr", "/usr", *_root_links(), *_etc_binds(),
              "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
     for prefix in python_prefixes:
         if str(prefix).startswith("/usr/"):

@@ -13,6 +13,7 @@ import os
 import socketserver
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -83,7 +84,7 @@ def test_agent_cannot_read_outside_its_workspace(two_runtimes, settings):
 
     for target in [db, b.workspace / "inflection" / "__init__.py", b.root / "grading" / "eval.sh", sdist,
                    ROOT / "data" / "tasks" / "synthetic.jsonl", ROOT / "app" / "config.py",
-                   "/root/.cache/pip", paths.bases]:
+                   "/root/.cache/pip", paths.bases, "/etc/shadow", "/etc/ssh", "/etc/redis", "/etc/postgresql"]:
         failed, res = _fails(a, f"cat {target} || ls {target}")
         assert failed, f"agent could read {target}: {res.stdout[:200]}"
         assert "SECRET" not in res.stdout
@@ -139,6 +140,11 @@ def test_writes_only_in_workspace_home_and_tmp(two_runtimes):
     for target in ["/usr/pwned", "/etc/pwned", "/venv/pwned", "/venv/lib/python3.11/site-packages/pwned.pth"]:
         failed, _ = _fails(a, f"touch {target}")
         assert failed, target
+    # With capabilities, a root sandbox could remount a read-only bind read-write.
+    res = a.run("mount -o remount,rw,bind /venv; touch /venv/pwned; "
+                "mount -o remount,rw,bind /usr; touch /usr/pwned; grep CapEff /proc/self/status")
+    assert res.stdout.split()[-1] == "0000000000000000"
+    assert not (Path(a.describe()["venv"]) / "pwned").exists() and not Path("/usr/pwned").exists()
     res = a.run("touch /testbed/new_file $HOME/x /tmp/y && echo ok")
     assert res.stdout.strip() == "ok"
     assert (a.workspace / "new_file").exists() and (a.home / "x").exists()
