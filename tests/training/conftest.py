@@ -2,7 +2,9 @@
 
 `engine` is a small stdlib HTTP server in a thread implementing the engine's
 `POST /v1/load_weights` contract with the engine package's own loader
-(`app.engines.modeling.load_weights_into`); the full engine server is tested by its owner.
+(`app.engines.modeling.load_weights_into`).  It is used where a test must hold the reload
+request open at a precise moment (killing the trainer mid-sync) or inspect the loaded
+tensors; test_training_engine_loop.py runs the real engine server as a subprocess.
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 from sqlalchemy import func, select
 
@@ -52,7 +53,15 @@ def test_train_step_end_to_end_records_everything_and_is_idempotent(var_dir, eng
     ckpt = checkpoint_dir(run_id, 0)
     for name in ("model/model.safetensors", "model/config.json", "optimizer.pt", "trainer_state.json"):
         assert (ckpt / name).is_file(), name
-    assert list(tensorboard_dir(run_id).glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tensorboard_dir(run_id)))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    for tag in ("train/loss", "train/reward_mean", "train/logprob_gap_max_abs", "train/merge/chains"):
+        assert tag in scalars, tag
+    (loss,) = events.Scalars("train/loss")
+    assert loss.step == 0 and loss.value == pytest.approx(metrics["loss"], rel=1e-6)
     # The engine loaded exactly the trained weights.
     assert engine.loaded == [(str(ckpt / "model"), 1)]
     trained = steps._RESIDENT.trainer.model
