@@ -185,15 +185,25 @@ class LocalRuntime:
 
     @property
     def gateway_url(self) -> str:
-        """The gateway's URL as seen from inside (`network="gateway"` runs): loopback, same port and path."""
+        """The gateway's URL as seen from inside (`network="gateway"` runs): http://127.0.0.1:<port><path>.
+
+        Same port as the gateway (18100 when that is below 1024) and same path.  The
+        bridge forwards raw TCP, so a plain-HTTP gateway is assumed (an https gateway
+        would need its TLS name to be 127.0.0.1).  Unconfined: the configured URL.
+        """
         url = urlsplit(self._state["gateway_url"])
         if not self.confined:
             return self._state["gateway_url"]
-        return urlunsplit(("http", f"127.0.0.1:{self._gateway_port()}", url.path, url.query, ""))
+        return urlunsplit(("http", f"127.0.0.1:{self._inside_port()}", url.path, url.query, ""))
 
     def _gateway_port(self) -> int:
         url = urlsplit(self._state["gateway_url"])
         return url.port or (443 if url.scheme == "https" else 80)
+
+    def _inside_port(self) -> int:
+        # Without capabilities the sandbox cannot bind ports below 1024.
+        port = self._gateway_port()
+        return port if port >= 1024 else 18100
 
     def add_ro_bind(self, host_path: str | Path, sandbox_path: str | None = None) -> None:
         """Make `host_path` visible read-only at `sandbox_path` (default: same path) in later runs."""
@@ -248,7 +258,7 @@ class LocalRuntime:
         mounts += list(extra_mounts)
         port = None
         if network == "gateway":
-            port = self._gateway_port()
+            port = self._inside_port()
             mounts += [Mount(INIT_SOURCE, INIT_PATH, False), Mount(self.root / "gateway.sock", BRIDGE_SOCKET, False)]
         argv = bwrap_argv(argv, mounts=mounts, workdir=SANDBOX_REPO, env=full_env, network=network,
                           python_prefixes=[Path(self._state["python_prefix"])],
@@ -256,7 +266,7 @@ class LocalRuntime:
         if network != "gateway":
             return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network, stdin=stdin)
         gw = urlsplit(self._state["gateway_url"])
-        with GatewayBridge(self.root / "gateway.sock", gw.hostname or "127.0.0.1", port):
+        with GatewayBridge(self.root / "gateway.sock", gw.hostname or "127.0.0.1", self._gateway_port()):
             return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network, stdin=stdin)
 
     # --- results and cleanup ------------------------------------------------------------
