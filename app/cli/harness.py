@@ -5,6 +5,8 @@
   subprocess) backed by the check engine, and prints: exit status, completions
   captured (with token ids), API spoken, merge fidelity, the diff, seconds.
   `--json` prints one JSON object per harness instead.  Exit code 1 when any check fails.
+  `--pipeline` instead submits a `collect` run per harness through the REST API to a
+  real Celery worker (sandboxed runtime of a real task instance, grading, trajectories).
 * `list` shows the presets, pinned versions, APIs and whether each is installed.
 """
 from __future__ import annotations
@@ -70,9 +72,53 @@ def _print_report(r) -> None:
         print("    --- CLI output (tail) ---\n" + "\n".join("    " + line for line in r.log_tail.splitlines()[-25:]))
 
 
+def _check_redis_url(explicit: str | None) -> str:
+    """Redis DB for the pipeline check's queues: --redis-url, TURNSTILE_CHECK_REDIS_URL, else DB 15 of REDIS_URL."""
+    import os
+    from urllib.parse import urlsplit, urlunsplit
+
+    from app.config import get_settings
+
+    url = explicit or os.environ.get("TURNSTILE_CHECK_REDIS_URL")
+    if url:
+        return url
+    parts = urlsplit(get_settings().redis_url)
+    return urlunsplit((parts.scheme, parts.netloc, "/15", "", ""))
+
+
+def cmd_check_pipeline(args) -> int:
+    from app.harnesses.pipeline_check import run_pipeline_checks
+
+    names = [n for n in _names(args.name)]
+    missing = [n for n in names if not get_preset(n).is_installed()]
+    if missing:
+        print(f"FAIL not installed: {', '.join(missing)} (python -m app harness install NAME)", file=sys.stderr)
+        return 1
+    redis_url = _check_redis_url(args.redis_url)
+    print(f"pipeline check of {', '.join(names)} (collect runs on task set {args.task_set}; queues on {redis_url})",
+          flush=True)
+    reports = run_pipeline_checks(names, redis_url=redis_url, task_set=args.task_set, instance=args.instance,
+                                  timeout_s=max(300.0, args.timeout * len(names)), agent_s=int(args.timeout))
+    for r in reports:
+        if args.json:
+            print(json.dumps(r.as_dict()), flush=True)
+            continue
+        merge = (r.merge_stats or {}).get("prefix_merging") or {}
+        print(f"{'PASS' if r.ok else 'FAIL'} {r.harness}: episode {r.episode_status}, {r.exit_status}, "
+              f"rollout {r.rollout_seconds} s; completions {r.completions} ({r.completions_with_ids} with ids); "
+              f"API {','.join(r.apis) or '-'} (expected {r.api_expected}); merge: {merge.get('chains')} chains, "
+              f"{merge.get('completions_merged')} merged, cuts {merge.get('cut_reasons')}; "
+              f"edit in patch: {r.edit_in_patch}", flush=True)
+        for problem in r.problems:
+            print(f"    problem: {problem}")
+    return 0 if all(r.ok for r in reports) else 1
+
+
 def cmd_check(args) -> int:
     from app.harnesses.check import run_check
 
+    if args.pipeline:
+        return cmd_check_pipeline(args)
     failed = 0
     for name in _names(args.name):
         t0 = time.monotonic()
@@ -104,6 +150,13 @@ def register(sub) -> None:
     q.add_argument("name", help=f"one of {names}, or all")
     q.add_argument("--timeout", type=float, default=120.0, help="seconds the CLI may run (default 120)")
     q.add_argument("--json", action="store_true", help="print one JSON report per harness")
+    q.add_argument("--pipeline", action="store_true",
+                   help="go through the real pipeline: a collect run per harness via the REST API and a Celery "
+                        "worker, in the sandboxed runtime of a real task instance")
+    q.add_argument("--task-set", default="synthetic", help="task set of the pipeline check (default synthetic)")
+    q.add_argument("--instance", default=None, help="instance id of the pipeline check (default: the first)")
+    q.add_argument("--redis-url", default=None,
+                   help="Redis DB for the pipeline check's queues (default: DB 15 of REDIS_URL; never a deployment's)")
     q.set_defaults(handler=cmd_check)
 
     q = hs.add_parser("list", help="list the presets and whether they are installed")
