@@ -449,6 +449,12 @@ class ScriptedServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 256
 
+    def handle_error(self, request, client_address) -> None:
+        import sys
+        if isinstance(sys.exc_info()[1], (ConnectionError, BrokenPipeError)):
+            return  # clients closing idle keep-alive connections
+        super().handle_error(request, client_address)
+
     def __init__(self, addr, state: Scripted) -> None:
         self.state = state
         super().__init__(addr, Handler)

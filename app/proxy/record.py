@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from app.db import session_scope
+from app.db import get_engine, session_scope
 from app.models import Completion
 from app.proxy.canonical import Result
 
@@ -51,6 +51,15 @@ def request_key(episode_id: int, path: str, body: bytes, idempotency_key: str | 
     h.update(f"{episode_id}\0{path}\0{idempotency_key or ''}\0".encode())
     h.update(body)
     return h.hexdigest()
+
+
+_T = Completion.__table__
+# Built once (compiled once): one statement allocates the next seq and inserts.  SQLite
+# serializes writers; on PostgreSQL a concurrent insert may take the same seq -> unique
+# violation -> retry.
+_INSERT = insert(_T).values(seq=select(func.coalesce(func.max(_T.c.seq), -1) + 1)
+                            .where(_T.c.episode_id == bindparam("seq_episode")).scalar_subquery()
+                            ).returning(_T.c.id)
 
 
 @dataclass
@@ -97,26 +106,25 @@ def write_completion(cap: Capture, result: Result, response: dict | None, respon
         queue_ms=cap.ms(cap.t_accepted), first_token_ms=cap.ms(cap.t_first), total_ms=cap.ms(time.perf_counter()),
         partial=partial, error=error,
     )
-    for _attempt in range(20):
+    values["request_key"] = cap.request_key
+    values["episode_id"] = cap.episode_id
+    params = {**values, "seq_episode": cap.episode_id}
+    for attempt in range(50):
         try:
-            with session_scope() as s:
-                existing = s.execute(select(Completion).where(Completion.episode_id == cap.episode_id,
-                                                              Completion.request_key == cap.request_key)).scalar()
-                if existing is not None:
-                    if (existing.raw_request or {}).get("received_at", 0) > cap.raw_request.get("received_at", 0):
-                        return existing.id  # a later attempt (the one the client used) is already stored
-                    for k, v in values.items():
-                        setattr(existing, k, v)
-                    s.flush()
-                    return existing.id
-                seq = s.execute(select(func.coalesce(func.max(Completion.seq), -1) + 1)
-                                .where(Completion.episode_id == cap.episode_id)).scalar_one()
-                row = Completion(episode_id=cap.episode_id, seq=seq, request_key=cap.request_key, **values)
-                s.add(row)
-                s.flush()
-                return row.id
+            with get_engine().begin() as conn:
+                return conn.execute(_INSERT, params).scalar_one()
         except IntegrityError:
-            time.sleep(0.002 * (_attempt + 1))  # another call took this seq (or key): read again
+            pass
+        with get_engine().begin() as conn:  # the key exists (a retried call) or the seq was taken
+            existing = conn.execute(select(_T.c.id, _T.c.raw_request).where(
+                _T.c.episode_id == cap.episode_id, _T.c.request_key == cap.request_key)).first()
+            if existing is not None:
+                if (existing.raw_request or {}).get("received_at", 0) > cap.raw_request.get("received_at", 0):
+                    return existing.id  # a later attempt (the one the client used) is already stored
+                fields = {k: v for k, v in values.items() if k not in ("request_key", "episode_id")}
+                conn.execute(update(_T).where(_T.c.id == existing.id).values(**fields))
+                return existing.id
+        time.sleep(0.001 * (attempt + 1))
     raise RuntimeError(f"could not allocate a completion seq for episode {cap.episode_id}")
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
-import threading
 import time
 from typing import Iterator
 
@@ -25,7 +23,7 @@ from app.proxy.detect import Route, api_from_headers, detect
 from app.proxy.errors import GatewayError, error_body
 from app.proxy.sessions import SessionInfo, resolve_session_info
 from app.proxy.sse import dumps
-from app.proxy.upstream import DONE, EOF, StreamHandle, get_upstream
+from app.proxy.upstream import DONE, EOF, PendingStream, get_upstream
 
 log = logging.getLogger("turnstile.gateway")
 MODULES = {"anthropic": anthropic, "chat": chat, "responses": responses, "gemini": gemini}
@@ -198,11 +196,11 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
             raise GatewayError("internal", "The gateway could not record this completion; please retry") from None
         return json_response(body_out)
     writer = module.Stream(norm, resp_id)
-    opening = PendingOpen(lambda: up.open_stream(engine, upstream_body, info.episode_id))
     # Wait briefly for the engine to accept: a rejection (context overflow...) is then a plain
     # HTTP error in the client's shape.  An engine that says nothing while it prefills gets a
     # 200 stream with keep-alives instead, and any later rejection arrives in-stream.
-    outcome = opening.wait(gateway_settings().keepalive_s)
+    opening = up.open_stream(engine, upstream_body, info.episode_id, gateway_settings().keepalive_s)
+    outcome = opening.result
     if isinstance(outcome, GatewayError):
         if route.api != "responses":
             raise outcome
@@ -213,55 +211,23 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
                     headers=SSE_HEADERS, direct_passthrough=True)
 
 
-class PendingOpen:
-    """Opens the upstream stream in a helper thread so the client can get keep-alives meanwhile."""
-
-    def __init__(self, open_fn) -> None:
-        self._q: queue.Queue = queue.Queue(maxsize=1)
-        self._cancelled = False
-        self._lock = threading.Lock()
-        self.result: StreamHandle | GatewayError | None = None
-        self.t_done: float | None = None
-        threading.Thread(target=self._run, args=(open_fn,), name="upstream-open", daemon=True).start()
-
-    def _run(self, open_fn) -> None:
-        try:
-            out = open_fn()
-        except GatewayError as err:
-            out = err
-        except Exception as exc:  # noqa: BLE001
-            out = GatewayError("upstream", f"Could not reach the engine: {exc}")
-        self.t_done = time.perf_counter()
-        with self._lock:
-            if self._cancelled and isinstance(out, StreamHandle):
-                out.close()  # the client left while the engine was still accepting
-                return
-            self._q.put(out)
-
-    def wait(self, timeout: float) -> StreamHandle | GatewayError | None:
-        """The handle or error once known; None while the engine has not answered yet."""
-        if self.result is None:
-            try:
-                self.result = self._q.get(timeout=timeout)
-            except queue.Empty:
-                return None
-        return self.result
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._cancelled = True
-            if isinstance(self.result, StreamHandle):
-                self.result.close()
-            else:
-                try:
-                    got = self._q.get_nowait()
-                    if isinstance(got, StreamHandle):
-                        got.close()
-                except queue.Empty:
-                    pass
+def _upstream_item(item, r, error: GatewayError | None) -> tuple[GatewayError | None, bool]:
+    """(error, finished) for one item from the upstream reader; finished=False means a chunk."""
+    if item is DONE:
+        return error, True
+    if item is EOF:
+        if r.finish_reason is None:
+            return GatewayError("upstream", "The engine closed the stream before it finished"), True
+        return error, True
+    if isinstance(item, Exception):
+        return GatewayError("upstream", f"The engine stream failed: {item}"), True
+    if isinstance(item.get("error"), dict) or item.get("object") == "error":
+        err = item.get("error") if isinstance(item.get("error"), dict) else item
+        return GatewayError("upstream", f"The engine reported an error: {err.get('message')}"), True
+    return error, False
 
 
-def stream_answer(writer, opening: PendingOpen, cap: record.Capture, resp_id: str) -> Iterator[bytes]:
+def stream_answer(writer, opening: PendingStream, cap: record.Capture, resp_id: str) -> Iterator[bytes]:
     """Engine stream -> client SSE frames, with keep-alives while the engine is silent.
 
     The completion is recorded before the terminal frames are sent; if the client goes
@@ -279,31 +245,23 @@ def stream_answer(writer, opening: PendingOpen, cap: record.Capture, resp_id: st
         cap.t_accepted = opening.t_done
         if isinstance(handle, GatewayError):
             error, handle = handle, None
-        while handle is not None:
-            try:
-                item = handle.queue.get(timeout=keepalive)
-            except queue.Empty:
+        finished = handle is None
+        while not finished:
+            items = handle.poll(keepalive)  # everything received so far, relayed in one write
+            if items is None:
                 yield writer.keepalive()
                 continue
-            if item is DONE:
-                break
-            if item is EOF:
-                if r.finish_reason is None:
-                    error = GatewayError("upstream", "The engine closed the stream before it finished")
-                break
-            if isinstance(item, Exception):
-                error = GatewayError("upstream", f"The engine stream failed: {item}")
-                break
-            if isinstance(item.get("error"), dict) or (item.get("object") == "error"):
-                err = item.get("error") if isinstance(item.get("error"), dict) else item
-                error = GatewayError("upstream", f"The engine reported an error: {err.get('message')}")
-                break
-            events = norm.feed(item)
-            if cap.t_first is None and r.sampled_ids:
-                cap.t_first = time.perf_counter()
-            frames = writer.start(r)
-            for ev in events:
-                frames += writer.on_event(ev, r)
+            frames = []
+            for item in items:
+                error, finished = _upstream_item(item, r, error)
+                if finished:
+                    break
+                events = norm.feed(item)
+                if cap.t_first is None and r.sampled_ids:
+                    cap.t_first = time.perf_counter()
+                frames += writer.start(r)
+                for ev in events:
+                    frames += writer.on_event(ev, r)
             if frames:
                 yield b"".join(frames)
         if error is None:

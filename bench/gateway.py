@@ -1,0 +1,228 @@
+"""Gateway overhead benchmark: the gateway (gunicorn, recording every call) vs the engine directly.
+
+Both sides run in this one invocation against the same fast scripted engine, so the ratios are
+measured side by side:
+
+* added latency of a non-stream call (p50 / p99) and of time-to-first-token of a stream;
+* throughput (calls/s) at 1, 8 and 32 concurrent sessions, with the engine simulating decode
+  time (`--token-delay` per token) so that capacity, not the load generator, is measured.
+
+Usage: `.venv/bin/python bench/gateway.py [--n 300] [--seconds 6] [--database-url URL]`
+(default database: a temporary SQLite file, WAL, like a single-box deployment).
+Goal (issue 3): < 2 ms p50 added per call, no throughput loss at 32 sessions on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(url: str) -> None:
+    for _ in range(300):
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise SystemExit(f"{url} did not start")
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def make_sessions(n: int) -> list[str]:
+    from app.db import get_engine, session_scope
+    from app.models import Base, Episode, Run, TaskInstance
+    from app.proxy.sessions import issue_session
+    Base.metadata.create_all(get_engine())
+    tokens = []
+    with session_scope() as s:
+        run = Run(kind="collect", config={})
+        s.add(run)
+        s.flush()
+        for i in range(n):
+            ti = TaskInstance(task_set="bench", instance_id=f"b{time.time_ns()}{i}", repo="r", record={})
+            s.add(ti)
+            s.flush()
+            ep = Episode(run_id=run.id, instance_id=ti.id, group_index=i, sample_index=0, status="running")
+            s.add(ep)
+            s.flush()
+            tokens.append(issue_session(s, ep.id))
+    return tokens
+
+
+def direct_body(text: str, stream: bool, model: str) -> dict:
+    # What the gateway sends upstream for the same chat call.
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 64,
+            "return_token_ids": True, "logprobs": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def timed_call(client: httpx.Client, url: str, body: dict, headers: dict, stream: bool) -> tuple[float, float]:
+    """(total seconds, seconds to the first content token)."""
+    t0 = time.perf_counter()
+    if not stream:
+        r = client.post(url, json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        dt = time.perf_counter() - t0
+        return dt, dt
+    first = None
+    with client.stream("POST", url, json=body, headers=headers) as r:
+        assert r.status_code == 200
+        for chunk in r.iter_raw():
+            if first is None and b'"content":"' in chunk and b'"content":""' not in chunk:
+                first = time.perf_counter() - t0
+    return time.perf_counter() - t0, first if first is not None else time.perf_counter() - t0
+
+
+def latency(n: int, engine: str, gateway: str, token: str, model: str, reply: str) -> dict:
+    from app.engines.scripted import directive
+    out = {}
+    for stream in (False, True):
+        res = {"direct": [], "gateway": []}
+        cd, cg = httpx.Client(timeout=30), httpx.Client(timeout=30)
+        for i in range(n + 20):
+            text = f"bench {i} {stream} " + directive({"text": reply})
+            d = timed_call(cd, f"{engine}/v1/chat/completions", direct_body(text, stream, model), {}, stream)
+            g = timed_call(cg, f"{gateway}/v1/chat/completions",
+                           {"model": "gpt-bench", "messages": [{"role": "user", "content": text}], "max_tokens": 64,
+                            "stream": stream}, {"authorization": f"Bearer {token}"}, stream)
+            if i >= 20:  # warm-up excluded
+                res["direct"].append(d[1] if stream else d[0])
+                res["gateway"].append(g[1] if stream else g[0])
+        cd.close()
+        cg.close()
+        out["ttft" if stream else "non-stream"] = res
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of the processes and their children threads (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError):
+            pass
+    return total
+
+
+def gunicorn_pids(master: int) -> list[int]:
+    kids = open(f"/proc/{master}/task/{master}/children").read().split()
+    return [master, *map(int, kids)]
+
+
+def throughput(sessions: int, seconds: float, url_for, headers_for, body_for) -> float:
+    stop = time.monotonic() + seconds
+    counts = [0] * sessions
+
+    def worker(k: int) -> None:
+        with httpx.Client(timeout=60) as c:
+            i = 0
+            while time.monotonic() < stop:
+                r = c.post(url_for(k), json=body_for(k, i), headers=headers_for(k))
+                assert r.status_code == 200, r.text
+                counts[k] += 1
+                i += 1
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(sessions)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.monotonic() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=300, help="calls per latency series")
+    ap.add_argument("--seconds", type=float, default=6.0, help="duration of each throughput run")
+    ap.add_argument("--token-delay", type=float, default=0.02,
+                    help="engine decode time per token (s); 20 ms = 50 tokens/s, a typical GPU decode rate")
+    ap.add_argument("--database-url", default=None)
+    ap.add_argument("--workers", default="2")
+    ap.add_argument("--threads", default="64")
+    args = ap.parse_args()
+
+    tmp = tempfile.mkdtemp(prefix="gwbench-")
+    db_url = args.database_url or f"sqlite:///{tmp}/bench.db"
+    os.environ["DATABASE_URL"] = db_url
+    eport, gport = free_port(), free_port()
+    engine, gateway = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
+    env = dict(os.environ, TURNSTILE_ENGINE_URLS=engine, TURNSTILE_GATEWAY_BIND=f"127.0.0.1:{gport}",
+               TURNSTILE_GATEWAY_WORKERS=args.workers, TURNSTILE_GATEWAY_THREADS=args.threads,
+               TURNSTILE_LOG_LEVEL="warning")
+    procs = [subprocess.Popen([sys.executable, "-m", "app.engines.scripted", "--port", str(eport)], cwd=ROOT)]
+    try:
+        wait(f"{engine}/health")
+        tokens = make_sessions(33)
+        procs.append(subprocess.Popen([str(ROOT / ".venv/bin/gunicorn"), "-c", "workers/gateway_conf.py",
+                                       "app.proxy:create_gateway_app()"], cwd=ROOT, env=env,
+                                      stderr=open(f"{tmp}/gateway.log", "wb")))
+        wait(f"{gateway}/health")
+        model = httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
+        from app.engines.scripted import directive
+
+        print(f"gateway: gunicorn gthread workers={args.workers} threads={args.threads}; db={db_url.split(':')[0]}; "
+              f"cores={os.cpu_count()}")
+        lat = latency(args.n, engine, gateway, tokens[32], model, "The quick brown fox jumps over it.")
+        print(f"\n{'latency (ms)':<22}{'direct p50':>11}{'gw p50':>9}{'added p50':>11}"
+              f"{'direct p99':>12}{'gw p99':>9}{'added p99':>11}{'ratio p50':>11}")
+        for name, res in lat.items():
+            d50, g50 = pct(res["direct"], 50) * 1e3, pct(res["gateway"], 50) * 1e3
+            d99, g99 = pct(res["direct"], 99) * 1e3, pct(res["gateway"], 99) * 1e3
+            print(f"{name:<22}{d50:>11.2f}{g50:>9.2f}{g50 - d50:>11.2f}{d99:>12.2f}{g99:>9.2f}{g99 - d99:>11.2f}"
+                  f"{g50 / d50:>11.2f}")
+
+        reply = {"text": "x" * 24, "token_delay": args.token_delay}
+        print(f"\nthroughput (calls/s; engine decode {args.token_delay * 1e3:.1f} ms/token x 24 tokens, streamed)")
+        print(f"{'sessions':<10}{'direct':>10}{'gateway':>10}{'ratio':>8}{'gw CPU ms/call':>16}")
+        gw_pids = gunicorn_pids(procs[1].pid)
+        for sessions in (1, 8, 32):
+            body_direct = lambda k, i: direct_body(f"s{k} {i} " + directive(reply), True, model)
+            body_gw = lambda k, i: {"model": "gpt-bench", "stream": True, "max_tokens": 64,
+                                    "messages": [{"role": "user", "content": f"s{k} {i} " + directive(reply)}]}
+            d = throughput(sessions, args.seconds, lambda k: f"{engine}/v1/chat/completions", lambda k: {},
+                           body_direct)
+            cpu0 = cpu_seconds(gw_pids)
+            g = throughput(sessions, args.seconds, lambda k: f"{gateway}/v1/chat/completions",
+                           lambda k: {"authorization": f"Bearer {tokens[k]}"}, body_gw)
+            cpu_ms = (cpu_seconds(gw_pids) - cpu0) * 1e3 / max(1.0, g * args.seconds)
+            print(f"{sessions:<10}{d:>10.1f}{g:>10.1f}{g / d:>8.2f}{cpu_ms:>16.2f}")
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+if __name__ == "__main__":
+    main()
