@@ -100,8 +100,9 @@ def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.
 class _Servers:
     """The check engine and the gateway as subprocesses (own process groups; killed on exit)."""
 
-    def __init__(self, harness: str, database_url: str, workdir: Path):
+    def __init__(self, harness: str, database_url: str, workdir: Path, max_model_len: int | None = None):
         self.harness, self.database_url, self.workdir = harness, database_url, workdir
+        self.max_model_len = max_model_len
         self.procs: list[tuple[subprocess.Popen, object]] = []
 
     def _start(self, argv: list[str], env: dict, name: str) -> tuple[subprocess.Popen, Path]:
@@ -118,8 +119,10 @@ class _Servers:
         self.engine_url = f"http://127.0.0.1:{eport}"
         self.gateway_url = f"http://127.0.0.1:{gport}"
         try:
-            proc, log = self._start([sys.executable, "-m", "app.harnesses.check_engine", "--harness", self.harness,
-                                     "--port", str(eport)], env, "engine")
+            argv = [sys.executable, "-m", "app.harnesses.check_engine", "--harness", self.harness, "--port", str(eport)]
+            if self.max_model_len:
+                argv += ["--max-model-len", str(self.max_model_len)]
+            proc, log = self._start(argv, env, "engine")
             _wait_http(self.engine_url + "/health", proc, log)
             genv = {**env, "TURNSTILE_ENGINE_URLS": self.engine_url, "TURNSTILE_GATEWAY_BIND": f"127.0.0.1:{gport}",
                     "TURNSTILE_GATEWAY_WORKERS": "1", "TURNSTILE_GATEWAY_THREADS": "16",
@@ -208,11 +211,12 @@ def evaluate(report: CheckReport, preset: HarnessPreset, rows: list[Completion],
 
 
 def run_check(name: str, *, timeout_s: float = 120.0, workdir: Path | None = None,
-              budget: Budget | None = None) -> CheckReport:
+              budget: Budget | None = None, max_model_len: int | None = None) -> CheckReport:
     """Run harness `name` once against a fresh gateway + check engine; returns a `CheckReport`.
 
     Uses its own SQLite database under `workdir` (a temporary folder by default,
-    removed afterwards unless given).  Raises `HarnessInstallError` when the CLI is
+    removed afterwards unless given).  `max_model_len` shrinks the check engine's
+    context window (token = byte there) to provoke context-overflow errors.  Raises `HarnessInstallError` when the CLI is
     not installed, RuntimeError when a server does not start.
     """
     from app.harnesses import get_preset
@@ -235,7 +239,7 @@ def run_check(name: str, *, timeout_s: float = 120.0, workdir: Path | None = Non
         workspace, home = work / "workspace", work / "home"
         make_workspace(workspace)
         home.mkdir()
-        with _Servers(name, url, work) as servers:
+        with _Servers(name, url, work, max_model_len) as servers:
             preset.write_config(home, servers.gateway_url, token, CHECK_MODEL, budget)
             env = preset.env(home, servers.gateway_url, token, CHECK_MODEL)
             env["PATH"] = os.pathsep.join([*preset.path_prepend(), os.environ.get("PATH", "/usr/bin:/bin")])

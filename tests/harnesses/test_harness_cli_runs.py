@@ -55,3 +55,16 @@ def test_real_cli_through_gateway(name, tmp_path):
     assert f"b/{CHECK_FILE}" in report.patch and f"+{CHECK_CONTENT}" in report.patch
     assert (tmp_path / "workspace" / CHECK_FILE).read_text().strip() == CHECK_CONTENT
     assert report.completions == len(rows) >= 2  # the tool-call turn and the turn after its result
+
+
+@pytest.mark.parametrize("name", HARNESSES)
+def test_context_overflow_ends_the_cli_instead_of_hanging(name, tmp_path):
+    """A prompt larger than the engine's window gets the engine's 400 in the CLI's own API; the CLI
+    must end by itself (exit code aside: Pi answers an overflow by compacting and exits 0)."""
+    preset = get_preset(name)
+    if not preset.is_installed():
+        pytest.skip(f"{name} CLI not installed here: `python -m app harness install {name}`")
+    report = run_check(name, timeout_s=60, workdir=tmp_path, max_model_len=2000)
+    assert not report.timed_out, report.log_tail
+    assert f"+{CHECK_CONTENT}" not in report.patch  # no reply ever carried the scripted edit
+    assert all(n < 2000 for n in report.prompt_tokens)  # only calls that fit were answered and recorded
