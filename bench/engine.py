@@ -37,6 +37,9 @@ PROMPTS = ["Write a short poem about the sea.", "Explain what a linked list is."
 
 def baseline(model, tokenizer, tokens: int, runs: int) -> float:
     """Tokens/s of plain ``model.generate`` with one request at a time (sampling, KV cache)."""
+    warm = tokenizer("Hello", return_tensors="pt")
+    with torch.no_grad():  # first-call costs (allocator, kernels) are not throughput
+        model.generate(**warm, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     total, started = 0, time.perf_counter()
     for i in range(runs):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
@@ -79,10 +82,12 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-engine-{port}.log"
     server = subprocess.Popen([sys.executable, "-m", "app.engines.server", "--model", args.model, "--port", str(port),
                                "--threads", str(args.threads), "--max-batch", "8"],
                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    print(f"engine log: {log_path}")
     try:
         started = time.perf_counter()
         model, tokenizer = load_model(args.model)
@@ -100,6 +105,8 @@ def main() -> None:
         base_after = baseline(model, tokenizer, args.tokens, 1)
         print(f"{'plain model.generate, re-measured':<34} {base_after:8.2f} tok/s   (noise check: shared CPU)")
     finally:
+        if server.poll() is not None:
+            print(f"engine exited early with status {server.returncode}; see {log_path}")
         server.terminate()
         server.wait(10)
 

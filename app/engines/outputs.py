@@ -98,6 +98,12 @@ class ChoiceAssembler:
         self.options = options
         self.token_ids: list[int] = []
         self._text = ""
+        # Incremental detokenization: ids before _stable_at decode to _stable_text and end on a
+        # character boundary, so only the tail is decoded per token (byte-level BPE decoding is
+        # concatenative when clean_up_tokenization_spaces is off, as for SmolLM2 and Qwen).
+        self._stable_at = 0
+        self._stable_text = ""
+        self._windowed = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self._emitted = 0
         self._parser = ToolCallParser() if options.parse_tools else None
         self.finished = False
@@ -117,11 +123,14 @@ class ChoiceAssembler:
         self.token_ids.append(event.sample.token_id)
         if self.options.logprobs:
             delta.logprobs.append(self._logprob_entry(event))
-        with self.texts.lock:  # HF fast tokenizers are not safe for concurrent use
-            full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.options.skip_special_tokens)
         done = event.finish_reason is not None
-        if not full.endswith("\ufffd") or done:
+        start = self._stable_at if self._windowed else 0
+        with self.texts.lock:  # HF fast tokenizers are not safe for concurrent use
+            tail = self.tokenizer.decode(self.token_ids[start:], skip_special_tokens=self.options.skip_special_tokens)
+        full = (self._stable_text if self._windowed else "") + tail
+        if not full.endswith("\ufffd") or done:  # hold back an incomplete UTF-8 character
             self._text = full
+            self._stable_at, self._stable_text = len(self.token_ids), full
         text_end, stop_hit = self._visible_end(done)
         piece = self._text[self._emitted:text_end]
         self._emitted = text_end

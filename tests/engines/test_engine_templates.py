@@ -125,3 +125,22 @@ def test_template_errors_are_clear(tokenizer):
         render_prompt(tokenizer, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(TemplateError, match="function.name"):
         render_prompt(tokenizer, [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
+
+
+@pytest.mark.parametrize("stop", [[], ["🎉 d"]])
+def test_incremental_detokenization_of_multibyte_text(tokenizer, stop):
+    """Token-by-token text equals the full decode (split emoji/CJK bytes are held back), and a
+    stop string spanning tokens cuts the text exactly before it."""
+    text = "Hello , world . ünïcödé 日本語 🎉🎉 done"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assembler = ChoiceAssembler(tokenizer, TokenTexts(tokenizer), ChatOptions(model="m", stop=stop))
+    pieces = []
+    for i, token in enumerate(ids):
+        delta = assembler.add(TokenEvent(TokenSample(token, 0.0, ()), "length" if i == len(ids) - 1 else None))
+        assert "\ufffd" not in delta.content
+        pieces.append(delta.content)
+        if delta.finish_reason:
+            break
+    expected = text[: text.find(stop[0])] if stop else text
+    assert "".join(pieces) == expected
+    assert delta.finish_reason == ("stop" if stop else "length")
