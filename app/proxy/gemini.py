@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 from app.proxy import common as c
-from app.proxy.canonical import Result, new_id
+from app.proxy.canonical import Result
 from app.proxy.errors import GatewayError, error_body
 from app.proxy.sse import frame
 

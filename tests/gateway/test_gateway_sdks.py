@@ -260,3 +260,37 @@ def test_gemini_text_tools_multiturn(sdk, episode, stream):
     assert [m["role"] for m in sent] == ["system", "user", "assistant", "user", "assistant", "tool", "tool", "user"]
     assert sent[5]["content"] == "sunny" and sent[5]["tool_call_id"] == calls[0][0]
     assert len(sdk.validated()) == (3 if stream else 0)
+
+
+@pytest.mark.parametrize("which", ["anthropic", "chat", "responses", "gemini"])
+def test_sdks_accept_keepalives_during_prefill(sdk, episode, which):
+    """Each SDK silently skips the gateway's keep-alive frames (ping / comment / repeated
+    response.in_progress / candidate-less chunk) sent while the engine prefills."""
+    _, token = episode
+    text = "after a long prefill " + directive({"text": "réady", "prefill_delay": 1.0})
+    if which == "anthropic":
+        with sdk.anthropic(token).messages.stream(model="c", max_tokens=50,
+                                                  messages=[{"role": "user", "content": text}]) as s:
+            out = s.get_final_message().content[0].text
+    elif which == "chat":
+        out = "".join(c.choices[0].delta.content or "" for c in sdk.openai(token).chat.completions.create(
+            model="m", stream=True, messages=[{"role": "user", "content": text}]) if c.choices)
+    elif which == "responses":
+        with sdk.openai(token).responses.stream(model="m", input=text) as s:
+            out = s.get_final_response().output_text
+    else:
+        out = "".join(r.text or "" for r in sdk.gemini(token).models.generate_content_stream(
+            model="gemini-x", contents=text))
+    assert out == "réady"
+    [(api, _)] = sdk.validated()
+    raw = bytes(sdk.streams[0][1])
+    assert raw.count({"anthropic": b"event: ping", "chat": b": keep-alive",
+                      "responses": b"response.in_progress", "gemini": b'data: {"modelVersion"'}[api]) >= 2
+
+
+def test_responses_retrieve_returns_the_stored_response(sdk, episode):
+    _, token = episode
+    client = sdk.openai(token)
+    created = client.responses.create(model="m", input="hi " + directive({"text": "stored"}))
+    got = client.responses.retrieve(created.id)
+    assert got.id == created.id and got.output_text == "stored"
