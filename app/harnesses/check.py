@@ -217,7 +217,7 @@ def run_check(name: str, *, timeout_s: float = 120.0, workdir: Path | None = Non
     Uses its own SQLite database under `workdir` (a temporary folder by default,
     removed afterwards unless given).  `max_model_len` shrinks the check engine's
     context window (token = byte there) to provoke context-overflow errors.  Raises `HarnessInstallError` when the CLI is
-    not installed, RuntimeError when a server does not start.
+    not installed, RuntimeError when a server does not start, ValueError for a non-empty `workdir`.
     """
     from app.harnesses import get_preset
     from app.proxy.sessions import issue_session
@@ -228,6 +228,8 @@ def run_check(name: str, *, timeout_s: float = 120.0, workdir: Path | None = Non
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix=f"turnstile-check-{name}-")) if own else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
+    if any(work.iterdir()):
+        raise ValueError(f"workdir {work} must be empty (each check uses a fresh database and workspace)")
     report = CheckReport(harness=name, version=preset.version, api_expected=preset.api)
     url = f"sqlite:///{work / 'check.db'}"
     engine = create_engine(url)
