@@ -44,13 +44,13 @@ class Claim:
     policy_version: int
 
 
-def _load(episode_id: int) -> tuple[Episode, Run] | None:
+def _load(episode_id: int) -> tuple[Episode, Run, dict] | None:
+    """The episode, its run and its instance record (loaded now: the session closes on return)."""
     with session_scope() as s:
         ep = s.get(Episode, episode_id)
         if ep is None:
             return None
-        _ = ep.instance  # load the relationship now: prepare/grade read ep.instance.record after the session closes
-        return ep, s.get(Run, ep.run_id)
+        return ep, s.get(Run, ep.run_id), dict(ep.instance.record)
 
 
 def _fail(episode_id: int, run_id: int, error: str) -> None:
@@ -84,7 +84,7 @@ def prepare(episode_id: int) -> None:
     loaded = _load(episode_id)
     if loaded is None:
         return
-    ep, run = loaded
+    ep, run, record = loaded
     if ep.status != "preparing":
         return  # already prepared, running, done or cancelled
     cfg = RunConfig.model_validate(run.config)
@@ -95,7 +95,7 @@ def prepare(episode_id: int) -> None:
         else:
             from app.pipeline import prepare_runtime
 
-            runtime = prepare_runtime(ep.instance.record, episode_id, cfg)
+            runtime = prepare_runtime(record, episode_id, cfg)
     except Exception as exc:
         _fail(episode_id, ep.run_id, f"prepare failed: {type(exc).__name__}: {exc}")
         return
@@ -213,7 +213,7 @@ def grade(episode_id: int) -> None:
     loaded = _load(episode_id)
     if loaded is None:
         return
-    ep, run = loaded
+    ep, run, record = loaded
     if ep.status != "grading":
         return
     cfg = RunConfig.model_validate(run.config)
@@ -225,7 +225,7 @@ def grade(episode_id: int) -> None:
         else:
             from app.pipeline import grade_and_build
 
-            resolved, reward, report, merge_stats = grade_and_build(ep.instance.record, ep.patch or "", episode_id, cfg)
+            resolved, reward, report, merge_stats = grade_and_build(record, ep.patch or "", episode_id, cfg)
     except Exception as exc:
         _fail(episode_id, ep.run_id, f"grading failed: {type(exc).__name__}: {exc}")
         return

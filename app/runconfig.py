@@ -74,6 +74,8 @@ class Scheduling(BaseModel):
     min_accept_fraction: float = Field(0.5, ge=0, le=1)
     rollout_slots: int = Field(4, ge=1, le=1024, description="episodes running at once for this run")
     ready_depth: int = Field(2, ge=0, le=1024, description="prepared runtimes kept waiting in the READY buffer")
+    max_failed_episodes: int | None = Field(
+        None, ge=1, description="fail the run once this many episodes failed (default: 2 x group_size x tasks_per_step)")
 
 
 class RunConfig(BaseModel):

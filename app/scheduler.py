@@ -161,6 +161,8 @@ def _tick_locked(run_id: int) -> None:
         if run.status != "running":
             return
         cfg = RunConfig.model_validate(run.config)
+        if _too_many_failures(s, run, cfg):
+            return
         _close_complete_groups(s, run, cfg)
         if cfg.kind == "train":
             _plan_train(s, run, cfg)
@@ -182,6 +184,27 @@ def _tick_locked(run_id: int) -> None:
         enqueue_train_step(run_id, step_to_train, simulated=cfg.simulate is not None)
     if finished:
         log.info("run=%s event=finished", run_id)
+
+
+def _too_many_failures(s, run: Run, cfg: RunConfig) -> bool:
+    """Fail the run (with the latest episode error) instead of retrying a broken setup forever."""
+    limit = cfg.scheduling.max_failed_episodes or 2 * cfg.group_size * cfg.tasks_per_step
+    failed = s.scalar(select(func.count()).where(Episode.run_id == run.id, Episode.status == "failed"))
+    if failed < limit:
+        return False
+    last = s.scalar(select(Episode.error).where(Episode.run_id == run.id, Episode.status == "failed")
+                    .order_by(Episode.finished_at.desc()).limit(1))
+    _cancel_unfinished(s, run.id, "run failed: too many failed episodes")
+    run.summary = {**(run.summary or {}), **_summary(s, run.id)}
+    transition(s, Run, run.id, "failed", finished_at=utcnow(),
+               error=f"{failed} episodes failed (limit {limit}); last error: {last}")
+    return True
+
+
+def _summary(s, run_id: int) -> dict:
+    from app.summary import summarize_run
+
+    return summarize_run(s, run_id)
 
 
 def _new_group(s, run: Run, instance_ids: list[int], group_index: int, group_size: int, step: int) -> None:
@@ -354,9 +377,7 @@ def _maybe_finish(s, run: Run, cfg: RunConfig) -> bool:
         unfinished = s.scalar(select(func.count()).where(Episode.run_id == run.id, Episode.status.not_in(TERMINAL)))
         if unfinished:
             return False
-    from app.summary import summarize_run
-
-    run.summary = {**(run.summary or {}), **summarize_run(s, run.id)}
+    run.summary = {**(run.summary or {}), **_summary(s, run.id)}
     return transition(s, Run, run.id, "completed", finished_at=utcnow())
 
 
