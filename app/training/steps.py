@@ -122,6 +122,8 @@ def train_step(run_id: int, step: int, episode_ids: list[int] | None = None) -> 
         try:
             return _train_step(run_id, step, episode_ids)
         except BaseException as exc:
+            # The resident weights may be half-updated: the next attempt reloads a checkpoint.
+            reset_resident()
             with session_scope() as s:
                 s.execute(update(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.step == step,
                                                      TrainingStep.status == "training")
@@ -183,8 +185,10 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
 
     with session_scope() as s:
         row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.step == step))
-        transition(s, TrainingStep, row.id, "completed", expect=("training",), metrics=metrics,
-                   policy_version=policy_version, checkpoint_path=str(path), finished_at=utcnow(), error=None)
+        if not transition(s, TrainingStep, row.id, "completed", expect=("training",), metrics=metrics,
+                          policy_version=policy_version, checkpoint_path=str(path), finished_at=utcnow(), error=None):
+            log.warning("run=%s step=%s left `training` while it ran (now %s); its checkpoint stays", run_id, step,
+                        row.status)
         s.execute(update(Run).where(Run.id == run_id, Run.policy_version < policy_version)
                   .values(policy_version=policy_version))
     _log_tensorboard(run_id, step, metrics)

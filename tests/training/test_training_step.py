@@ -130,3 +130,17 @@ def test_worker_killed_during_weight_sync_resumes_without_retraining(var_dir, da
     finally:
         hold.set()
         engine.close()
+
+
+def test_failed_step_keeps_its_row_with_the_error_and_bad_config_is_reported(var_dir, engine, data):
+    run_id = data.run([engine.url])
+    good = data.group(run_id, 0, [1.0, 0.0], seed=1)
+    with pytest.raises(LookupError, match=r"episodes \[999999\] are not episodes of run"):
+        steps.train_step(run_id, 0, good + [999999])
+    with session_scope() as s:
+        row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id))
+        assert row.status == "training" and row.error.startswith("LookupError: episodes [999999]")
+    assert steps._RESIDENT.trainer is None  # nothing half-trained stays resident
+    other = data.run([engine.url], training={"clip_hgh": 0.3})
+    with pytest.raises(ValueError, match=r"unknown training option\(s\) \['clip_hgh'\]"):
+        steps.train_step(other, 0, good)
