@@ -38,6 +38,21 @@ def test_b01_b02_parallel_tool_calls_stream_equals_non_stream(gw, episode, api):
             assert a.stop == TOOL_STOP[api]
             assert len(set(a.call_ids)) == len(calls)
         assert answers[0].calls == answers[1].calls and answers[0].text == answers[1].text == ""
+        if api != "chat":  # (chat streams carry usage only when asked)
+            assert answers[0].usage == answers[1].usage  # usage of a stream matches the non-stream
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("stream", BOTH)
+def test_vllm_only_fields_never_reach_clients(gw, episode, api, stream):
+    """prompt_token_ids, token_ids, per-choice stop_reason and policy_version stay in the record."""
+    _, token = episode
+    a = ask(gw, token, api, stream, "x " + directive({"text": "hi", "policy_version": 5}), ["f"])
+    for field in (b"token_ids", b"policy_version", b"token_id:", b"x-turnstile"):
+        assert field not in a.raw
+    if api != "anthropic":  # Anthropic's own answer legitimately has stop_reason
+        assert b"stop_reason" not in a.raw
+    assert completions(episode[0])[-1].policy_version == 5  # the engine's version wins over the run's
 
 
 @pytest.mark.parametrize("api", APIS)
