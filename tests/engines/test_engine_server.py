@@ -168,3 +168,20 @@ def test_openai_sdk_against_engine(engine):
     assert text == out.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
     client.close()
+
+
+def test_client_disconnect_frees_the_batch_slot(engine):
+    """Closing a stream mid-way cancels generation instead of running to max_tokens."""
+    import time
+
+    before = engine.client.health()["generated_tokens"]
+    with httpx.stream("POST", f"{engine.url}/v1/chat/completions", timeout=60,
+                      json={"messages": MESSAGES, "stream": True, "max_tokens": 3000, "ignore_eos": True}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 30
+    while engine.client.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    health = engine.client.health()
+    assert health["running"] == 0
+    assert health["generated_tokens"] - before < 3000
