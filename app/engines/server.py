@@ -356,7 +356,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--served-model-name")
     parser.add_argument("--engine-id")
     parser.add_argument("--policy-version", type=int)
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("TURNSTILE_ENGINE_THREADS", "1")),
+                        help="torch intra-op threads (default $TURNSTILE_ENGINE_THREADS or 1: on a shared box "
+                             "OpenMP's spinning barriers make 2 threads up to 10x slower whenever another "
+                             "process holds a core; raise it only where the engine owns its cores)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
