@@ -265,3 +265,35 @@ def build_response(options: ChatOptions, prompt_ids: list[int], deltas: list[Cho
     if options.return_token_ids:
         out["prompt_token_ids"] = prompt_ids
     return out
+
+
+# ---------------------------------------------------------------- legacy completions (token-id prompts)
+def legacy_logprobs(deltas: list[ChoiceDelta], with_top: bool) -> dict:
+    """OpenAI legacy completions logprobs ``{tokens, token_logprobs, top_logprobs, text_offset}``."""
+    entries = [e for d in deltas for e in d.logprobs]
+    offsets, position = [], 0
+    for entry in entries:
+        offsets.append(position)
+        position += len(entry["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries] if with_top else None,
+            "text_offset": offsets}
+
+
+def completion_choice(options: ChatOptions, deltas: list[ChoiceDelta]) -> dict:
+    """One ``text_completion`` choice (also used, with a single delta, for stream chunks)."""
+    choice: dict[str, Any] = {"index": 0, "text": "".join(d.content for d in deltas),
+                              "logprobs": legacy_logprobs(deltas, options.top_logprobs > 0) if options.logprobs else None,
+                              "finish_reason": deltas[-1].finish_reason if deltas else None}
+    if deltas and deltas[-1].finish_reason is not None:
+        choice["stop_reason"] = deltas[-1].stop_reason
+    if options.return_token_ids:
+        choice["token_ids"] = [t for d in deltas for t in d.token_ids]
+    return choice
+
+
+def completion_object(options: ChatOptions, completion_id: str, created: int, policy_version: int,
+                      engine_id: str, choices: list[dict]) -> dict:
+    out = _envelope("text_completion", completion_id, created, options, policy_version, engine_id)
+    out["choices"] = choices
+    return out

@@ -13,6 +13,8 @@ Routes (shapes follow vLLM's OpenAI server, https://docs.vllm.ai/en/latest/servi
   ``return_tokens_as_token_ids``, ``chat_template_kwargs``; Turnstile adds ``policy_version`` and
   ``engine_id`` to every response and chunk.  ``n`` must be 1.  ``presence_penalty``,
   ``frequency_penalty``, ``logit_bias`` and ``response_format`` are accepted and ignored.
+* ``POST /v1/completions``: legacy completions with ``prompt`` as a string or a list of token ids
+  (the "tokens in, tokens out" path: the caller renders the template, no re-tokenization).
 * ``POST /tokenize`` / ``POST /detokenize``, ``GET /v1/models``, ``GET /health``.
 * ``POST /v1/load_weights {"path", "policy_version"}`` → ``{"policy_version"}`` and
   ``GET /v1/policy_version``: see ``BatchScheduler.reload`` for the in-flight rule.
@@ -39,7 +41,17 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from app.engines.modeling import load_model, read_metadata, read_state_dict
-from app.engines.outputs import ChatOptions, ChoiceAssembler, ChunkBuilder, TokenTexts, build_response
+from app.engines.outputs import (
+    ChatOptions,
+    ChoiceAssembler,
+    ChunkBuilder,
+    TokenTexts,
+    build_response,
+    completion_choice,
+    completion_object,
+    new_completion_id,
+    usage,
+)
 from app.engines.sampling import SamplingParams
 from app.engines.scheduler import BatchScheduler, Failed, GenerationRequest, Started, TokenEvent
 from app.engines.templates import TemplateError, render_prompt
@@ -228,6 +240,94 @@ def _chat(engine: Engine) -> Response:
         req.cancel()
 
 
+def _completion_prompt(engine: Engine, body: dict) -> list[int]:
+    """``prompt`` as a string (tokenized, special tokens added) or one list of token ids (used verbatim)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        with engine.tokenizer_lock:
+            return list(engine.tokenizer(prompt, add_special_tokens=_get(body, "add_special_tokens", bool, True))["input_ids"])
+    if (isinstance(prompt, list) and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(engine.tokenizer) for t in prompt)):
+        return prompt
+    raise EngineError("'prompt' must be a string or one non-empty list of valid token ids", param="prompt")
+
+
+def _completions(engine: Engine) -> Response:
+    """``POST /v1/completions``: the tokens-in path (prompt ids rendered by the caller, no template)."""
+    body = _json_body()
+    if _get(body, "n", int, 1) != 1:
+        raise EngineError("only n=1 is supported", param="n")
+    if _get(body, "echo", bool, False):
+        raise EngineError("'echo' is not supported", param="echo")
+    prompt_ids = _completion_prompt(engine, body)
+    max_tokens = _max_tokens(body, len(prompt_ids), engine.max_model_len)
+    top = _get(body, "logprobs", int)
+    if top is not None and not 0 <= top <= 20:
+        raise EngineError("'logprobs' must be between 0 and 20", param="logprobs")
+    params = _sampling({**body, "logprobs": top is not None, "top_logprobs": top or 0})
+    stop_ids = set() if _get(body, "ignore_eos", bool, False) else set(engine.stop_token_ids)
+    options = ChatOptions(model=_get(body, "model", str, engine.served_model_name) or engine.served_model_name,
+                          stop=_stop_list(body), logprobs=top is not None, top_logprobs=top or 0,
+                          return_token_ids=_get(body, "return_token_ids", bool, False),
+                          skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+                          include_usage=bool(_get(body, "stream_options", dict, {}).get("include_usage")))
+    req = engine.scheduler.submit(GenerationRequest(prompt_ids, max_tokens, params, frozenset(stop_ids)))
+    assembler = ChoiceAssembler(engine.tokenizer, engine.texts, options)
+    completion_id, created = new_completion_id().replace("chatcmpl", "cmpl"), int(time.time())
+
+    def events():
+        version = None
+        while not assembler.finished:
+            event = _next_event(req)
+            if isinstance(event, Started):
+                version = event.policy_version
+                yield version, None
+            elif isinstance(event, Failed):
+                raise EngineError(event.message, status=500)
+            elif isinstance(event, TokenEvent):
+                yield version, assembler.add(event)
+
+    if not _get(body, "stream", bool, False):
+        try:
+            deltas, version = [], None
+            for version, delta in events():
+                if delta is not None:
+                    deltas.append(delta)
+            out = completion_object(options, completion_id, created, version, engine.engine_id,
+                                    [completion_choice(options, deltas)])
+            out["usage"] = usage(len(prompt_ids), len(assembler.token_ids))
+            if options.return_token_ids:
+                out["prompt_token_ids"] = prompt_ids
+            return jsonify(out)
+        finally:
+            req.cancel()
+
+    def stream() -> Iterator[str]:
+        version = None
+        try:
+            for version, delta in events():
+                if delta is None:
+                    continue
+                chunk = completion_object(options, completion_id, created, version, engine.engine_id,
+                                          [completion_choice(options, [delta])])
+                if options.return_token_ids and len(assembler.token_ids) == 1:
+                    chunk["prompt_token_ids"] = prompt_ids
+                yield _sse(chunk)
+            if options.include_usage:
+                chunk = completion_object(options, completion_id, created, version, engine.engine_id, [])
+                chunk["usage"] = usage(len(prompt_ids), len(assembler.token_ids))
+                yield _sse(chunk)
+        except EngineError as exc:
+            yield _sse(exc.body())
+        finally:
+            req.cancel()
+        yield "data: [DONE]\n\n"
+
+    return Response(stream(), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -282,6 +382,10 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
     @app.post("/v1/chat/completions")
     def chat_completions():
         return _chat(engine)
+
+    @app.post("/v1/completions")
+    def completions():
+        return _completions(engine)
 
     @app.post("/tokenize")
     def tokenize():

@@ -185,3 +185,29 @@ def test_client_disconnect_frees_the_batch_slot(engine):
     health = engine.client.health()
     assert health["running"] == 0
     assert health["generated_tokens"] - before < 3000
+
+
+def test_completions_with_token_id_prompt_is_exact(engine):
+    """Tokens in, tokens out: /v1/completions takes the rendered ids verbatim; stream = non-stream."""
+    prompt_ids = engine.client.tokenize(MESSAGES)
+    body = {"prompt": prompt_ids, "max_tokens": 10, "seed": 9, "logprobs": 2, "return_token_ids": True,
+            "ignore_eos": True}
+    out = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=60).json()
+    choice = out["choices"][0]
+    assert out["object"] == "text_completion" and out["prompt_token_ids"] == prompt_ids
+    assert len(choice["token_ids"]) == 10 and len(choice["logprobs"]["top_logprobs"][0]) == 2
+    diff = (recompute_logprobs(build_tiny_model(0), prompt_ids, choice["token_ids"])
+            - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max().item()
+    assert diff < 1e-4
+    chat = engine.client.chat(MESSAGES, max_tokens=10, seed=9, return_token_ids=True, ignore_eos=True)
+    assert chat["choices"][0]["token_ids"] == choice["token_ids"]  # same ids as the chat path
+    with httpx.stream("POST", f"{engine.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        frames = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    import json
+
+    chunks = [json.loads(f) for f in frames[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    bad = httpx.post(f"{engine.url}/v1/completions", json={"prompt": [10**9]}, timeout=30)
+    assert bad.status_code == 400 and "prompt" in bad.json()["error"]["message"]
