@@ -108,6 +108,7 @@ def start_run(run_id: int) -> bool:
             return False
         cfg = RunConfig.model_validate(run.config)
         has_plan = bool((run.summary or {}).get("instance_ids"))
+    _claim_run_dir(run_id, run.created_at.isoformat())
     if not has_plan:
         try:
             instance_ids = _load_instances(cfg)
@@ -121,6 +122,31 @@ def start_run(run_id: int) -> bool:
     log.info("run=%s event=start won=%s", run_id, won)
     tick(run_id)
     return True
+
+
+def _claim_run_dir(run_id: int, created_at: str) -> None:
+    """Make `<var_dir>/runs/<id>/` this run's own: move aside a folder left by another database's run `id`.
+
+    Checkpoint resume reads that folder, so a stale one (same id, other DB or a
+    wiped DB) must never be mistaken for this run's progress.
+    """
+    import json
+    import time
+
+    settings = get_settings()
+    root = settings.var_dir / "runs" / str(run_id)
+    marker = root / "run.json"
+    identity = {"database": settings.database_url, "created_at": created_at}
+    if root.exists():
+        try:
+            mine = json.loads(marker.read_text()) == identity
+        except (OSError, ValueError):
+            mine = False
+        if mine:
+            return
+        root.rename(root.with_name(f"{run_id}.stale-{int(time.time())}"))
+    root.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(identity))
 
 
 def _load_instances(cfg: RunConfig) -> list[int]:

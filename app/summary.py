@@ -70,8 +70,20 @@ def summarize_run(s: Session, run_id: int) -> dict:
         total = (last - first).total_seconds()
         busy = sum((b - a).total_seconds() for a, b in train_spans) / total if total > 0 else 1.0
 
+    merge = {"completions": 0, "chains": 0, "merged": 0, "cut": 0, "rejected": 0}
+    for e in eps:
+        for stats in (e.merge_stats or {}).values():
+            merge["completions"] += stats.get("completions", 0)
+            merge["chains"] += stats.get("chains", 0)
+            merge["merged"] += stats.get("completions_merged", 0)
+            merge["cut"] += stats.get("chains_cut", 0)
+            merge["rejected"] += stats.get("rejected", 0)
+    gaps = [st.metrics.get("logprob_gap_max_abs") for st in steps if st.metrics and st.metrics.get("logprob_gap_max_abs") is not None]
+
     return {
         "episodes_by_status": by_status,
+        "merge": merge,
+        "logprob_gap_max_abs": max(gaps) if gaps else None,
         "reward_mean": statistics.fmean([e.reward for e in graded]) if graded else None,
         "resolved_rate": (sum(1 for e in graded if e.resolved) / len(graded)) if graded else None,
         "pass_at_k": {k: any(v) for k, v in sorted(per_instance.items())},

@@ -21,13 +21,13 @@ def render_summary(run: dict, console: Console) -> None:
         console.print(f"error: {run['error']}")
     if summary.get("steps"):
         table = Table(title="training steps")
-        for col in ("step", "version", "episodes", "reward mean", "resolved", "loss", "logprob gap (max)", "tokens", "train s"):
+        for col in ("step", "ver", "eps", "reward", "resolved", "loss", "lp gap", "tokens", "train s"):
             table.add_column(col)
         for st in summary["steps"]:
             m = st.get("metrics") or {}
             table.add_row(str(st["step"]), _fmt(st.get("policy_version")), _fmt(st.get("episodes")),
                           _fmt(st.get("reward_mean")), _fmt(st.get("resolved_rate")), _fmt(m.get("loss"), ".4f"),
-                          _fmt(m.get("logprob_gap_max"), ".2e"), _fmt(m.get("tokens_trained")), _fmt(st.get("train_s"), ".1f"))
+                          _fmt(m.get("logprob_gap_max_abs"), ".1e"), _fmt(m.get("tokens_trained")), _fmt(st.get("train_s"), ".1f"))
         console.print(table)
     if summary.get("pass_at_k") and run["kind"] != "train":
         table = Table(title=f"pass@{run['config'].get('group_size')} per instance")
@@ -46,7 +46,9 @@ def render_summary(run: dict, console: Console) -> None:
     merge = summary.get("merge") or {}
     if merge:
         facts.add_row("prefix merging", f"{merge.get('completions', 0)} completions -> {merge.get('chains', 0)} chains "
-                                        f"({merge.get('merged', 0)} merged, {merge.get('cut', 0)} cut)")
+                                        f"({merge.get('merged', 0)} merged, {merge.get('cut', 0)} cut, {merge.get('rejected', 0)} rejected)")
+    if summary.get("logprob_gap_max_abs") is not None:
+        facts.add_row("trainer vs rollout logprob gap", f"max |Δ| {summary['logprob_gap_max_abs']:.2e} nats")
     stages = summary.get("stage_seconds") or {}
     facts.add_row("stage seconds (p50)", f"prepare {_fmt(stages.get('prepare_p50'), '.1f')}, rollout {_fmt(stages.get('rollout_p50'), '.1f')}"
                                          f" (p99 {_fmt(stages.get('rollout_p99'), '.1f')}), grade {_fmt(stages.get('grade_p50'), '.1f')}")
