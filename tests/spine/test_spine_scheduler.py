@@ -1,0 +1,160 @@
+"""Scheduler rules on real SQL + Redis: staleness bound, early stopping, group rejection,
+completion-order training, and priority of eval runs on shared queues."""
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from sqlalchemy import select
+
+from app import scheduler
+from app.db import session_scope
+from app.models import Episode, Group, Run, TaskInstance, TrainingStep
+from app.runconfig import RunConfig
+from support import celery_worker_args, wait_for
+
+REDIS_DB = 10
+
+
+@pytest.fixture(autouse=True)
+def _fresh_redis(redis_db):
+    scheduler.reset_redis()
+    yield
+    scheduler.reset_redis()
+
+
+def _train_run(s, **scheduling) -> Run:
+    cfg = RunConfig.model_validate({"kind": "train", "group_size": 4, "tasks_per_step": 1, "steps": 5,
+                                    "simulate": {}, "scheduling": scheduling})
+    inst = TaskInstance(task_set="simulated", instance_id="sim-0", repo="simulated", record={})
+    run = Run(kind="train", config=cfg.model_dump(mode="json"), status="running")
+    s.add_all([inst, run])
+    s.flush()
+    run.summary = {"instance_ids": [inst.id]}
+    return run
+
+
+def _group(s, run: Run, index: int, statuses: list[str], started_version: int = 0, completed_at=None) -> Group:
+    g = Group(run_id=run.id, group_index=index, instance_id=run.summary["instance_ids"][0],
+              policy_version=started_version, completed_at=completed_at)
+    s.add(g)
+    for k, status in enumerate(statuses):
+        s.add(Episode(run_id=run.id, instance_id=g.instance_id, group_index=index, sample_index=k, status=status,
+                      policy_version=started_version, reward=1.0 if status == "completed" and k % 2 else
+                      (0.0 if status == "completed" else None)))
+    s.flush()
+    return g
+
+
+def _cfg(run: Run) -> RunConfig:
+    return RunConfig.model_validate(run.config)
+
+
+def test_stale_group_is_dropped(database):
+    with session_scope() as s:
+        run = _train_run(s, max_staleness=2)
+        run.policy_version = 3
+        fresh = _group(s, run, 0, ["completed"] * 4, started_version=1)
+        stale = _group(s, run, 1, ["completed"] * 4, started_version=0)
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        assert fresh.status == "accepted"
+        assert stale.status == "dropped" and "started at version 0, policy is 3" in stale.reason
+
+
+def test_stale_group_can_be_downweighted(database):
+    with session_scope() as s:
+        run = _train_run(s, max_staleness=1, stale_policy="downweight")
+        run.policy_version = 3
+        g = _group(s, run, 0, ["completed"] * 4, started_version=0)
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        assert g.status == "accepted" and g.weight == pytest.approx(1 / 3)
+
+
+def test_staleness_is_checked_again_when_a_step_consumes_groups(database):
+    with session_scope() as s:
+        run = _train_run(s, max_staleness=1)
+        g = _group(s, run, 0, ["completed"] * 4, started_version=0)
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        assert g.status == "accepted"
+        run.policy_version = 2  # two updates happened before a step could take the group
+        assert scheduler._maybe_create_step(s, run, _cfg(run)) is None
+        assert g.status == "dropped"
+
+
+def test_stragglers_are_cancelled_once_enough_episodes_are_graded(database, redis_db):
+    with session_scope() as s:
+        run = _train_run(s, min_usable=3, cancel_stragglers=True)
+        g = _group(s, run, 0, ["completed", "completed", "completed", "running"])
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        eps = s.scalars(select(Episode).where(Episode.group_index == 0).order_by(Episode.sample_index)).all()
+        assert eps[3].status == "cancelled" and "straggler" in eps[3].error
+        assert redis_db.exists(scheduler.cancel_key(eps[3].id))  # the rollout sees the flag and stops
+        assert g.status == "accepted"
+
+
+def test_stragglers_run_on_without_early_stopping(database):
+    with session_scope() as s:
+        run = _train_run(s, min_usable=3, cancel_stragglers=False)
+        g = _group(s, run, 0, ["completed", "completed", "completed", "running"])
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        assert g.status == "open"
+
+
+def test_group_with_too_few_usable_episodes_is_rejected(database):
+    with session_scope() as s:
+        run = _train_run(s, min_accept_fraction=0.5)
+        g = _group(s, run, 0, ["completed", "failed", "failed", "cancelled"])
+        ok = _group(s, run, 1, ["completed", "completed", "failed", "failed"])
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        assert g.status == "rejected" and g.reason == "1/4 usable episodes"
+        assert ok.status == "accepted"
+
+
+def test_steps_take_groups_in_completion_order(database):
+    now = dt.datetime.now(dt.timezone.utc)
+    with session_scope() as s:
+        run = _train_run(s)
+        late = _group(s, run, 0, ["completed"] * 4, completed_at=now)
+        early = _group(s, run, 1, ["completed"] * 4, completed_at=now - dt.timedelta(seconds=5))
+        late.status = early.status = "accepted"
+        step = scheduler._maybe_create_step(s, run, _cfg(run))
+        assert step == 0 and early.status == "trained" and late.status == "accepted"
+        row = s.scalars(select(TrainingStep).where(TrainingStep.run_id == run.id)).one()
+        assert set(row.episode_ids) == set(s.scalars(select(Episode.id).where(Episode.group_index == 1)))
+
+
+def test_eval_run_jumps_the_rollout_queue(database, spawn):
+    """A train run fills one rollout process; an eval run created later starts before the train's backlog."""
+    from app import create_app
+
+    env = {"DATABASE_URL": database, "REDIS_URL": "redis://127.0.0.1:6379/10"}
+    client = create_app().test_client()
+    cpu = spawn(celery_worker_args("control,prepare,grade,gpu", concurrency=2, name="cpu"), env, "cpu")
+    train = client.post("/api/runs", json={"kind": "train", "group_size": 6, "tasks_per_step": 1, "steps": 1,
+                                           "simulate": {"episode_median_s": 0.5},
+                                           "scheduling": {"rollout_slots": 6, "ready_depth": 0}}).get_json()["id"]
+
+    def queued_rollouts():
+        with session_scope() as s:
+            return s.scalar(select(Episode.id).where(Episode.run_id == train, Episode.status == "running")
+                            .offset(5).limit(1))
+
+    wait_for(queued_rollouts, 60, what=f"6 train rollouts queued\n{cpu.output()[-2000:]}")
+    evaluation = client.post("/api/runs", json={"kind": "eval", "group_size": 2, "simulate": {"episode_median_s": 0.5},
+                                                "scheduling": {"rollout_slots": 2, "ready_depth": 0}}).get_json()["id"]
+
+    def eval_queued():
+        with session_scope() as s:
+            return s.scalar(select(Episode.id).where(Episode.run_id == evaluation, Episode.status == "running")
+                            .offset(1).limit(1))
+
+    wait_for(eval_queued, 60, what="eval rollouts queued")
+    rollout = spawn(celery_worker_args("rollout", concurrency=1, name="rollout"), env, "rollout")
+    wait_for(lambda: client.get(f"/api/runs/{evaluation}").get_json()["status"] == "completed", 90,
+             what=f"eval run to finish\n{rollout.output()[-2000:]}")
+    with session_scope() as s:
+        eval_start = max(s.scalars(select(Episode.started_at).where(Episode.run_id == evaluation)))
+        train_starts = sorted(s.scalars(select(Episode.started_at).where(Episode.run_id == train,
+                                                                          Episode.started_at.is_not(None))))
+    # With one rollout process, at most the train message already reserved ran before the eval ones.
+    assert sum(1 for t in train_starts if t < eval_start) <= 1, (eval_start, train_starts)
