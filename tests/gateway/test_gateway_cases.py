@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import completions
+from gateway_support import completions
 from gateway_calls import APIS, ask, post, request_for
 
 from app.engines.scripted import directive, encode

@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from conftest import completions, make_episode
+from gateway_support import completions, make_episode
 from gateway_calls import auth_headers, request_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -12,7 +12,7 @@ import sys
 
 import httpx
 import pytest
-from conftest import ROOT, completions, free_port, make_episode, start_gateway, stop, wait_http
+from gateway_support import ROOT, completions, free_port, make_episode, start_gateway, stop, wait_http
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def real(gw_stack, tmp_path_factory):
 
 
 def test_sdks_through_gateway_match_the_engine_token_for_token(gw, real):
-    from conftest import SDKs
+    from gateway_support import SDKs
     engine, gateway = real
     ep, token = make_episode()
     sdks = SDKs(gateway)

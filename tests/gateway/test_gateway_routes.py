@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import completions
+from gateway_support import completions
 from gateway_calls import auth_headers
 
 from app.engines.scripted import encode, render_prompt

@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from conftest import completions, free_port, make_episode, start_engine, start_gateway, stop, wait_http
+from gateway_support import completions, free_port, make_episode, start_engine, start_gateway, stop, wait_http
 from gateway_calls import APIS, ask
 
 from app.proxy.upstream import Upstream

@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import completions
+from gateway_support import completions
 
 from app.engines.scripted import directive, encode, logprob, plan, render_prompt
 

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from conftest import completions, make_episode
+from gateway_support import completions, make_episode
 from gateway_calls import APIS, ask, post, request_for
 from sqlalchemy import select, text
 
