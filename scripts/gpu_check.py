@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.engines.modeling import build_tiny_model, load_state_into, load_tokenizer, save_weights  # noqa: E402
+from app.engines.modeling import build_tiny_model, load_tokenizer, save_weights  # noqa: E402
 from app.engines.sampling import SamplingParams  # noqa: E402
 from app.engines.scheduler import BatchScheduler, GenerationRequest, TokenEvent  # noqa: E402
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
 from app.engines.modeling import load_model, read_metadata, read_state_dict
@@ -52,25 +52,20 @@ from app.engines.outputs import (
     new_completion_id,
     usage,
 )
-from app.engines.sampling import SamplingParams
 from app.engines.scheduler import BatchScheduler, Failed, GenerationRequest, Started, TokenEvent
 from app.engines.templates import TemplateError, render_prompt
+from app.engines.validation import (
+    EngineError,
+    get_field,
+    json_body,
+    resolve_max_tokens,
+    sampling_params,
+    stop_strings,
+)
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
 EVENT_TIMEOUT_S = 900.0
-
-
-class EngineError(Exception):
-    """A request error with an HTTP status; rendered in vLLM's error body."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.param = status, param
-
-    def body(self) -> dict:
-        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "InternalServerError")
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.status}}
 
 
 @dataclass
@@ -113,80 +108,13 @@ def build_engine(model_spec: str, *, max_batch: int = 8, prefill_chunk: int = 51
 
 
 # ---------------------------------------------------------------- request parsing
-def _get(body: dict, name: str, kind: type | tuple, default: Any = None) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise EngineError(f"'{name}' must be of type {names}", param=name)
-    return value
-
-
-def _json_body() -> dict:
-    body = request.get_json(silent=True)
-    if not isinstance(body, dict):
-        raise EngineError("request body must be a JSON object")
-    return body
-
-
-def _sampling(body: dict) -> SamplingParams:
-    temperature = _get(body, "temperature", float, 1.0)
-    top_p = _get(body, "top_p", float, 1.0)
-    top_k = _get(body, "top_k", int, 0)
-    seed = _get(body, "seed", int)
-    if temperature < 0:
-        raise EngineError("'temperature' must be >= 0", param="temperature")
-    if not 0 < top_p <= 1:
-        raise EngineError("'top_p' must be in (0, 1]", param="top_p")
-    logprobs = _get(body, "logprobs", bool, False)
-    top_logprobs = _get(body, "top_logprobs", int, 0)
-    if not 0 <= top_logprobs <= 20:
-        raise EngineError("'top_logprobs' must be between 0 and 20", param="top_logprobs")
-    return SamplingParams(temperature, top_p, top_k, seed, top_logprobs if logprobs else 0)
-
-
-def _stop_list(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop] if stop else []
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return [s for s in stop if s]
-    raise EngineError("'stop' must be a string or a list of strings", param="stop")
-
-
-def _max_tokens(body: dict, prompt_len: int, limit: int) -> int:
-    """Resolve ``max_completion_tokens``/``max_tokens`` against the context limit (vLLM's messages)."""
-    requested = _get(body, "max_completion_tokens", int)
-    if requested is None:
-        requested = _get(body, "max_tokens", int)
-    if requested is not None and requested < 1:
-        raise EngineError("'max_tokens' must be at least 1", param="max_tokens")
-    if prompt_len >= limit:
-        raise EngineError(f"This model's maximum context length is {limit} tokens. However, your request has "
-                          f"{prompt_len} input tokens. Please reduce the length of the input messages.",
-                          param="messages")
-    if requested is None:
-        return limit - prompt_len
-    if prompt_len + requested > limit:
-        raise EngineError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                          f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the "
-                          f"completion). Please reduce the length of the messages or completion.",
-                          param="max_tokens")
-    return requested
-
-
 def _render(engine: Engine, body: dict, default_generation_prompt: bool = True) -> list[int]:
     tools = body.get("tools")
-    kwargs = _get(body, "chat_template_kwargs", dict, {})
+    kwargs = get_field(body, "chat_template_kwargs", dict, {})
     with engine.tokenizer_lock:
         try:
             return render_prompt(engine.tokenizer, body.get("messages"), tools,
-                                 _get(body, "add_generation_prompt", bool, default_generation_prompt), kwargs)
+                                 get_field(body, "add_generation_prompt", bool, default_generation_prompt), kwargs)
         except TemplateError as exc:
             raise EngineError(str(exc), param="messages") from exc
 
@@ -200,29 +128,29 @@ def _next_event(req: GenerationRequest):
 
 # ---------------------------------------------------------------- chat completions
 def _chat(engine: Engine) -> Response:
-    body = _json_body()
-    if _get(body, "n", int, 1) != 1:
+    body = json_body()
+    if get_field(body, "n", int, 1) != 1:
         raise EngineError("only n=1 is supported", param="n")
     prompt_ids = _render(engine, body)
-    max_tokens = _max_tokens(body, len(prompt_ids), engine.max_model_len)
-    params = _sampling(body)
-    stop_ids = set() if _get(body, "ignore_eos", bool, False) else set(engine.stop_token_ids)
-    extra_stops = _get(body, "stop_token_ids", list, [])
+    max_tokens = resolve_max_tokens(body, len(prompt_ids), engine.max_model_len)
+    params = sampling_params(body)
+    stop_ids = set() if get_field(body, "ignore_eos", bool, False) else set(engine.stop_token_ids)
+    extra_stops = get_field(body, "stop_token_ids", list, [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in extra_stops):
         raise EngineError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
     stop_ids |= set(extra_stops)
-    stream_options = _get(body, "stream_options", dict, {})
+    stream_options = get_field(body, "stream_options", dict, {})
     options = ChatOptions(
-        model=_get(body, "model", str, engine.served_model_name) or engine.served_model_name,
-        stop=_stop_list(body), logprobs=params.top_logprobs > 0 or _get(body, "logprobs", bool, False),
-        top_logprobs=params.top_logprobs, return_token_ids=_get(body, "return_token_ids", bool, False),
-        return_tokens_as_token_ids=_get(body, "return_tokens_as_token_ids", bool, False),
-        skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+        model=get_field(body, "model", str, engine.served_model_name) or engine.served_model_name,
+        stop=stop_strings(body), logprobs=params.top_logprobs > 0 or get_field(body, "logprobs", bool, False),
+        top_logprobs=params.top_logprobs, return_token_ids=get_field(body, "return_token_ids", bool, False),
+        return_tokens_as_token_ids=get_field(body, "return_tokens_as_token_ids", bool, False),
+        skip_special_tokens=get_field(body, "skip_special_tokens", bool, True),
         parse_tools=bool(body.get("tools")) and body.get("tool_choice") != "none",
         include_usage=bool(stream_options.get("include_usage")))
     req = engine.scheduler.submit(GenerationRequest(prompt_ids, max_tokens, params, frozenset(stop_ids)))
     assembler = ChoiceAssembler(engine.tokenizer, engine.texts, options)
-    if _get(body, "stream", bool, False):
+    if get_field(body, "stream", bool, False):
         return Response(_stream(engine, req, assembler, options, prompt_ids), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
@@ -247,7 +175,7 @@ def _completion_prompt(engine: Engine, body: dict) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         with engine.tokenizer_lock:
-            return list(engine.tokenizer(prompt, add_special_tokens=_get(body, "add_special_tokens", bool, True))["input_ids"])
+            return list(engine.tokenizer(prompt, add_special_tokens=get_field(body, "add_special_tokens", bool, True))["input_ids"])
     if (isinstance(prompt, list) and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(engine.tokenizer) for t in prompt)):
         return prompt
@@ -256,23 +184,23 @@ def _completion_prompt(engine: Engine, body: dict) -> list[int]:
 
 def _completions(engine: Engine) -> Response:
     """``POST /v1/completions``: the tokens-in path (prompt ids rendered by the caller, no template)."""
-    body = _json_body()
-    if _get(body, "n", int, 1) != 1:
+    body = json_body()
+    if get_field(body, "n", int, 1) != 1:
         raise EngineError("only n=1 is supported", param="n")
-    if _get(body, "echo", bool, False):
+    if get_field(body, "echo", bool, False):
         raise EngineError("'echo' is not supported", param="echo")
     prompt_ids = _completion_prompt(engine, body)
-    max_tokens = _max_tokens(body, len(prompt_ids), engine.max_model_len)
-    top = _get(body, "logprobs", int)
+    max_tokens = resolve_max_tokens(body, len(prompt_ids), engine.max_model_len)
+    top = get_field(body, "logprobs", int)
     if top is not None and not 0 <= top <= 20:
         raise EngineError("'logprobs' must be between 0 and 20", param="logprobs")
-    params = _sampling({**body, "logprobs": top is not None, "top_logprobs": top or 0})
-    stop_ids = set() if _get(body, "ignore_eos", bool, False) else set(engine.stop_token_ids)
-    options = ChatOptions(model=_get(body, "model", str, engine.served_model_name) or engine.served_model_name,
-                          stop=_stop_list(body), logprobs=top is not None, top_logprobs=top or 0,
-                          return_token_ids=_get(body, "return_token_ids", bool, False),
-                          skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
-                          include_usage=bool(_get(body, "stream_options", dict, {}).get("include_usage")))
+    params = sampling_params({**body, "logprobs": top is not None, "top_logprobs": top or 0})
+    stop_ids = set() if get_field(body, "ignore_eos", bool, False) else set(engine.stop_token_ids)
+    options = ChatOptions(model=get_field(body, "model", str, engine.served_model_name) or engine.served_model_name,
+                          stop=stop_strings(body), logprobs=top is not None, top_logprobs=top or 0,
+                          return_token_ids=get_field(body, "return_token_ids", bool, False),
+                          skip_special_tokens=get_field(body, "skip_special_tokens", bool, True),
+                          include_usage=bool(get_field(body, "stream_options", dict, {}).get("include_usage")))
     req = engine.scheduler.submit(GenerationRequest(prompt_ids, max_tokens, params, frozenset(stop_ids)))
     assembler = ChoiceAssembler(engine.tokenizer, engine.texts, options)
     completion_id, created = new_completion_id().replace("chatcmpl", "cmpl"), int(time.time())
@@ -289,7 +217,7 @@ def _completions(engine: Engine) -> Response:
             elif isinstance(event, TokenEvent):
                 yield version, assembler.add(event)
 
-    if not _get(body, "stream", bool, False):
+    if not get_field(body, "stream", bool, False):
         try:
             deltas, version = [], None
             for version, delta in events():
@@ -389,23 +317,23 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
 
     @app.post("/tokenize")
     def tokenize():
-        body = _json_body()
+        body = json_body()
         if "messages" in body:
             ids = _render(engine, body)
         elif isinstance(body.get("prompt"), str):
             with engine.tokenizer_lock:
-                ids = engine.tokenizer(body["prompt"], add_special_tokens=_get(body, "add_special_tokens", bool, True))["input_ids"]
+                ids = engine.tokenizer(body["prompt"], add_special_tokens=get_field(body, "add_special_tokens", bool, True))["input_ids"]
         else:
             raise EngineError("give 'messages' or a string 'prompt'")
         out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids)}
-        if _get(body, "return_token_strs", bool, False):
+        if get_field(body, "return_token_strs", bool, False):
             with engine.tokenizer_lock:
                 out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(list(ids))
         return jsonify(out)
 
     @app.post("/detokenize")
     def detokenize():
-        tokens = _get(_json_body(), "tokens", list)
+        tokens = get_field(json_body(), "tokens", list)
         if tokens is None or not all(isinstance(t, int) and 0 <= t < len(engine.tokenizer) for t in tokens):
             raise EngineError("'tokens' must be a list of token ids", param="tokens")
         with engine.tokenizer_lock:
@@ -428,11 +356,11 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
 
     @app.post("/v1/load_weights")
     def load_weights():
-        body = _json_body()
-        path = _get(body, "path", str)
+        body = json_body()
+        path = get_field(body, "path", str)
         if not path or not os.path.isdir(path):
             raise EngineError(f"checkpoint directory {path!r} does not exist", param="path")
-        version = _get(body, "policy_version", int, engine.scheduler.policy_version + 1)
+        version = get_field(body, "policy_version", int, engine.scheduler.policy_version + 1)
         started = time.perf_counter()
         try:
             state = read_state_dict(path)  # disk I/O here, not on the scheduler thread
