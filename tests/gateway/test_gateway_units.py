@@ -103,3 +103,14 @@ def test_multibyte_characters_split_across_tcp_reads(gw, episode, api):
     _, token = episode
     a = ask(gw, token, api, True, "x " + directive({"text": TEXT, "split_bytes": True}))
     assert a.text == TEXT and "\ufffd" not in a.raw.decode("utf-8")
+
+
+def test_gateway_imports_no_ml_stack():
+    """The gateway runs on small CPU boxes: building its app must not import torch/transformers."""
+    import subprocess
+    import sys
+    code = ("import sys; from app.proxy import create_gateway_app; create_gateway_app(); "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'app')"
+            " and (m.startswith(('torch', 'transformers', 'app.training', 'app.engines')))]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
