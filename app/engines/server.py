@@ -90,11 +90,18 @@ class Engine:
 
 def build_engine(model_spec: str, *, max_batch: int = 8, prefill_chunk: int = 512,
                  max_model_len: int = DEFAULT_MAX_MODEL_LEN, served_model_name: str | None = None,
-                 engine_id: str | None = None, policy_version: int | None = None) -> Engine:
+                 engine_id: str | None = None, policy_version: int | None = None,
+                 threads: int | None = None) -> Engine:
     """Load the model and start the scheduler thread.
 
     ``policy_version`` defaults to the checkpoint's ``turnstile.json`` value, else 0.
+    ``threads`` (torch intra-op threads) defaults to ``$TURNSTILE_ENGINE_THREADS`` or 1: on a
+    shared box OpenMP's spinning barriers make 2 threads up to 10x slower whenever another
+    process holds a core; raise it only where the engine owns its cores.
     """
+    if threads is None:
+        threads = int(os.environ.get("TURNSTILE_ENGINE_THREADS", "1"))
+    torch.set_num_threads(threads)
     started = time.perf_counter()
     model, tokenizer = load_model(model_spec)
     log.info("loaded model %s in %.2fs", model_spec, time.perf_counter() - started)
@@ -388,18 +395,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--served-model-name")
     parser.add_argument("--engine-id")
     parser.add_argument("--policy-version", type=int)
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("TURNSTILE_ENGINE_THREADS", "1")),
-                        help="torch intra-op threads (default $TURNSTILE_ENGINE_THREADS or 1: on a shared box "
-                             "OpenMP's spinning barriers make 2 threads up to 10x slower whenever another "
-                             "process holds a core; raise it only where the engine owns its cores)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default $TURNSTILE_ENGINE_THREADS or 1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     app = create_engine_app(args.model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
                             max_model_len=args.max_model_len, served_model_name=args.served_model_name,
                             engine_id=args.engine_id or f"embedded-{socket.gethostname()}-{args.port}",
-                            policy_version=args.policy_version)
+                            policy_version=args.policy_version, threads=args.threads)
     from werkzeug.serving import make_server
 
     server = make_server(args.host, args.port, app, threaded=True)
