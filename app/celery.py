@@ -62,6 +62,10 @@ app.conf.update(
     worker_cancel_long_running_tasks_on_connection_loss=True,
     broker_connection_retry_on_startup=True,
     timezone="UTC",
+    beat_schedule={
+        "watchdog": {"task": "control.watchdog", "schedule": 30.0, "options": {"expires": 25}},
+    },
+    beat_schedule_filename=str(_settings.var_dir / "celerybeat-schedule"),
 )
 
 

@@ -26,6 +26,14 @@ def cancel_run(run_id: int) -> None:
     scheduler.tick(run_id)
 
 
+@shared_task(name="control.watchdog", acks_late=True)
+def watchdog() -> dict:
+    """Periodic backstop (Celery beat): re-send orphaned training steps, tick running runs."""
+    from app.watchdog import watchdog as run_watchdog
+
+    return run_watchdog()
+
+
 @shared_task(name="control.step_failed")
 def step_failed(request, exc, traceback, run_id: int, step: int) -> None:
     """Errback of a training step: record the failure so the run fails with the reason."""
@@ -56,7 +64,8 @@ def simulated_train_step(run_id: int, step: int) -> None:
     """
     with session_scope() as s:
         row = s.query(TrainingStep).filter_by(run_id=run_id, step=step).one()
-        if not transition(s, TrainingStep, row.id, "training", expect=("pending",), started_at=utcnow()):
+        # pending, or training left behind by a killed worker and re-sent by the watchdog
+        if not transition(s, TrainingStep, row.id, "training", expect=("pending", "training"), started_at=utcnow()):
             return
         train_s = (s.get(Run, run_id).config.get("simulate") or {}).get("train_s", 0.0)
     time.sleep(train_s)

@@ -106,13 +106,16 @@ def test_other_harnesses_complete_a_train_run(stack):
             assert {e.status for e in eps} == {"completed"}, name
             comps = s.scalars(select(Completion).join(Episode).where(Episode.run_id == run_id)).all()
             api = get_preset(name).api
-            assert comps and {c.api for c in comps} == {api}, (name, [(c.api, c.error) for c in comps])
-            # Either the policy sampled (ids + logprobs recorded) or the prompt overflowed the 8k
-            # context and the harness got its API's context error: both end graded, never hung.
+            assert {c.api for c in comps} <= {api}, (name, [c.api for c in comps])
             for c in comps:
-                if c.sampled_ids:
-                    assert len(c.sampled_ids) == len(c.logprobs)
-                else:
-                    assert c.error and "context" in c.error.lower(), (name, c.error)
+                assert c.sampled_ids and len(c.sampled_ids) == len(c.logprobs), (name, c.error)
+            if not comps:
+                # The harness's prompt did not fit the 8k context: the gateway answered with its
+                # API's context-overflow error (nothing recorded for a rejected call), the harness
+                # said so and exited, and the episode was still graded.
+                logs = [p.read_text() for e in eps for p in
+                        (Path(stack.env["TURNSTILE_VAR_DIR"]) / "runs" / str(run_id) / "episodes" / str(e.id)).glob("harness-*.log")]
+                assert logs and all("context" in text.lower() for text in logs), (name, logs[:1])
+                assert all(e.reward == 0.0 and e.exit_status for e in eps), name
             step = s.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id)).one()
             assert step.status == "completed" and step.policy_version == s.get(Run, run_id).policy_version

@@ -1,0 +1,48 @@
+"""The watchdog re-sends a training step whose gpu worker died (its early-acked message is gone)."""
+from __future__ import annotations
+
+import datetime as dt
+
+from app import scheduler, watchdog
+from app.db import session_scope
+from app.models import Run, TrainingStep
+from support import celery_worker_args, wait_for
+
+REDIS_DB = 10
+
+
+def _run_with_step(status: str, started_ago_s: float) -> int:
+    with session_scope() as s:
+        run = Run(kind="train", status="running", config={"simulate": {"train_s": 0.0}, "steps": 1})
+        s.add(run)
+        s.flush()
+        s.add(TrainingStep(run_id=run.id, step=0, status=status,
+                           started_at=dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=started_ago_s)))
+        return run.id
+
+
+def test_orphaned_step_is_found_only_when_nobody_holds_it(database):
+    run_id = _run_with_step("training", 120)
+    now = dt.datetime.now(dt.timezone.utc)
+    assert watchdog.find_orphaned_steps(now, set(), 0) == [(run_id, 0, True)]
+    assert watchdog.find_orphaned_steps(now, {(run_id, 0)}, 0) == []  # a worker is on it
+    assert watchdog.find_orphaned_steps(now, set(), 1) == []  # a message is still queued
+    fresh = _run_with_step("pending", 1)
+    assert (fresh, 0, True) not in watchdog.find_orphaned_steps(now, set(), 0)  # within the grace period
+
+
+def test_watchdog_resends_and_a_worker_finishes_the_step(database, redis_db, spawn):
+    scheduler.reset_redis()
+    run_id = _run_with_step("training", 300)  # as left by a gpu worker killed mid-step
+    done = watchdog.watchdog()
+    assert done["resent"] == [(run_id, 0, True)]
+    spawn(celery_worker_args("gpu,control", concurrency=1, name="gpu"),
+          {"DATABASE_URL": database, "REDIS_URL": "redis://127.0.0.1:6379/10"}, "gpu")
+
+    def completed():
+        with session_scope() as s:
+            return s.query(TrainingStep).filter_by(run_id=run_id).one().status == "completed"
+
+    wait_for(completed, 60, what="the re-sent step to complete")
+    with session_scope() as s:
+        assert s.get(Run, run_id).policy_version == 1
