@@ -183,8 +183,8 @@ def test_client_disconnect_frees_the_batch_slot(engine):
     while engine.client.health()["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     health = engine.client.health()
-    assert health["running"] == 0
-    assert health["generated_tokens"] - before < 3000
+    assert health["running"] == 0, health
+    assert health["generated_tokens"] - before < 3000, health
 
 
 def test_completions_with_token_id_prompt_is_exact(engine):
