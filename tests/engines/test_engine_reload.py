@@ -92,8 +92,10 @@ def test_requests_in_flight_and_arriving_during_reload_are_answered(engine, tmp_
     held: dict = {}
     arriving = threading.Thread(target=lambda: held.setdefault("out", engine.client.chat(MESSAGES, max_tokens=4)))
     arriving.start()
-    time.sleep(0.2)
-    assert engine.client.health()["waiting"] >= 1 or not reloader.is_alive()
+    deadline = time.monotonic() + 20
+    while engine.client.health()["waiting"] < 1 and reloader.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert reloader.is_alive(), "the reload finished before the second request arrived: nothing was held"
 
     chunks = [first, *stream]
     arriving.join(120)
