@@ -71,6 +71,19 @@ def _release_runtime_of(episode_id: int) -> None:
         release_runtime(runtime)
 
 
+def _record_ready_wait(run_id: int, episode_id: int) -> None:
+    """READY wait: from the moment this episode's slot was freed to the rollout's start (seconds)."""
+    r = scheduler.redis_client()
+    freed = r.hget(scheduler.slot_wait_key(run_id), episode_id)
+    if freed is not None:
+        r.hdel(scheduler.slot_wait_key(run_id), episode_id)
+        r.rpush(scheduler.ready_waits_key(run_id), max(0.0, time.time() - float(freed)))
+
+
+def _free_slot(run_id: int) -> None:
+    scheduler.redis_client().rpush(scheduler.slot_free_key(run_id), time.time())
+
+
 def is_cancelled(episode_id: int) -> bool:
     """True once the scheduler cancelled the episode (straggler cut or run cancel)."""
     return bool(scheduler.redis_client().exists(scheduler.cancel_key(episode_id)))
@@ -152,6 +165,7 @@ def rollout(episode_id: int) -> None:
     if claimed is None:
         return
     claim, token = claimed
+    _record_ready_wait(claim.run_id, episode_id)
     log.info("episode=%s event=rollout attempt=%s", episode_id, claim.attempt)
     patch, exit_status, timed_out = "", "submitted", False
     try:
@@ -163,10 +177,12 @@ def rollout(episode_id: int) -> None:
             result = run_harness(claim, token, cancelled=lambda: is_cancelled(episode_id))
             patch, exit_status, timed_out = result.patch, result.exit_status, result.timed_out
     except Exception as exc:
+        _free_slot(claim.run_id)
         _fail(episode_id, claim.run_id, f"rollout failed: {type(exc).__name__}: {exc}")
         return
     if is_cancelled(episode_id):
         _release_runtime_of(episode_id)
+        _free_slot(claim.run_id)
         scheduler.tick(claim.run_id)
         return
     with session_scope() as s:
@@ -180,6 +196,7 @@ def rollout(episode_id: int) -> None:
         from app.tasks.episodes import grade_episode
 
         grade_episode.apply_async(args=[episode_id], priority=scheduler.celery_priority(claim.cfg.priority))
+    _free_slot(claim.run_id)
     scheduler.tick(claim.run_id)  # a rollout slot is free
 
 

@@ -59,6 +59,21 @@ def ready_key(run_id: int) -> str:
     return f"turnstile:run:{run_id}:ready"
 
 
+def slot_free_key(run_id: int) -> str:
+    """Redis list of times (unix s) at which a rollout slot of the run became free."""
+    return f"turnstile:run:{run_id}:slot_free"
+
+
+def slot_wait_key(run_id: int) -> str:
+    """Redis hash episode_id -> time its slot became free (for the READY-wait metric)."""
+    return f"turnstile:run:{run_id}:slot_wait"
+
+
+def ready_waits_key(run_id: int) -> str:
+    """Redis list of measured READY waits (s): slot free -> rollout started."""
+    return f"turnstile:run:{run_id}:ready_waits"
+
+
 def cancel_key(episode_id: int) -> str:
     return f"turnstile:episode:{episode_id}:cancel"
 
@@ -289,6 +304,9 @@ def _dispatch(s, run: Run, cfg: RunConfig) -> tuple[list[int], list[int]]:
         episode_id = int(raw)
         if transition(s, Episode, episode_id, "running", expect=("ready",)):
             to_run.append(episode_id)
+            freed = r.lpop(slot_free_key(run.id))
+            if freed is not None:  # refilling a slot that a finished rollout released
+                r.hset(slot_wait_key(run.id), episode_id, freed)
     free = sched.rollout_slots - running - len(to_run)
     in_prep = s.scalar(
         select(func.count()).where(Episode.run_id == run.id, Episode.status.in_(("preparing", "ready")))
@@ -380,9 +398,17 @@ def _maybe_create_step(s, run: Run, cfg: RunConfig) -> int | None:
         select(Episode.id).where(Episode.run_id == run.id, Episode.group_index.in_(indexes), Episode.status == "completed")
         .order_by(Episode.group_index, Episode.sample_index)
     ).all()
+    lags = [run.policy_version - (s.scalar(select(func.min(Episode.policy_version)).where(
+        Episode.run_id == run.id, Episode.group_index == g.group_index, Episode.status == "completed")) or 0)
+        for g in accepted]
     for g in accepted:
         g.status, g.step = "trained", step
-    s.add(TrainingStep(run_id=run.id, step=step, episode_ids=list(episode_ids)))
+    from app.summary import scheduling_metrics
+
+    waits = [float(w) for w in redis_client().lrange(ready_waits_key(run.id), 0, -1)]
+    redis_client().delete(ready_waits_key(run.id))
+    metrics = {"scheduling": scheduling_metrics(s, run.id, cfg.scheduling.rollout_slots, lags, waits)}
+    s.add(TrainingStep(run_id=run.id, step=step, episode_ids=list(episode_ids), metrics=metrics))
     s.flush()
     return step
 

@@ -100,3 +100,51 @@ def summarize_run(s: Session, run_id: int) -> dict:
         "trainer_busy_fraction": busy,
     }
 
+
+
+def scheduling_metrics(s: Session, run_id: int, slots: int, lags: list[int], ready_waits: list[float]) -> dict:
+    """Scheduling health when a step is created (issue 8): trainer busy fraction so far, rollout
+    slot occupancy and episode durations since the previous step, READY waits, staleness of the
+    step's groups, and cumulative dropped/rejected/cancelled counts."""
+    from app.models import utcnow
+
+    now = utcnow()
+    steps = s.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id).order_by(TrainingStep.step)).all()
+    window_start = _aware(steps[-1].created_at) if steps else None
+    eps = s.scalars(select(Episode).where(Episode.run_id == run_id, Episode.started_at.is_not(None))).all()
+    if window_start is None:
+        window_start = min((_aware(e.started_at) for e in eps), default=now)
+    window = max(1e-9, (now - window_start).total_seconds())
+    busy_s = 0.0
+    durations = []
+    for e in eps:
+        start, end = _aware(e.started_at), _aware(e.rollout_finished_at or e.finished_at) or now
+        overlap = (min(end, now) - max(start, window_start)).total_seconds()
+        busy_s += max(0.0, overlap)
+        if e.rollout_finished_at is not None and _aware(e.rollout_finished_at) >= window_start:
+            durations.append((end - start).total_seconds())
+    spans = [(_aware(st.started_at), _aware(st.finished_at)) for st in steps if st.started_at and st.finished_at]
+    trainer_busy = None
+    if spans:
+        total = (now - spans[0][0]).total_seconds()
+        trainer_busy = sum((b - a).total_seconds() for a, b in spans) / total if total > 0 else 1.0
+    groups = s.scalars(select(Group.status).where(Group.run_id == run_id)).all()
+    return {
+        "trainer_busy_fraction": trainer_busy,
+        "rollout_slot_occupancy": min(1.0, busy_s / (slots * window)),
+        "ready_wait_s": {"n": len(ready_waits), "p50": _pct(ready_waits, 0.5), "max": max(ready_waits, default=None)},
+        "episode_duration_s": {"n": len(durations), "p50": _pct(durations, 0.5), "p90": _pct(durations, 0.9),
+                               "p99": _pct(durations, 0.99), "max": max(durations, default=None)},
+        "staleness_hist": {str(k): lags.count(k) for k in sorted(set(lags))},
+        "groups_dropped": groups.count("dropped"),
+        "groups_rejected": groups.count("rejected"),
+        "episodes_cancelled": s.scalar(select(func.count()).where(Episode.run_id == run_id, Episode.status == "cancelled")),
+    }
+
+
+def _aware(value):
+    if value is not None and value.tzinfo is None:
+        import datetime as dt
+
+        return value.replace(tzinfo=dt.timezone.utc)
+    return value

@@ -74,4 +74,4 @@ def simulated_train_step(run_id: int, step: int) -> None:
         run.policy_version += 1
         row = s.query(TrainingStep).filter_by(run_id=run_id, step=step).one()
         transition(s, TrainingStep, row.id, "completed", policy_version=run.policy_version, finished_at=utcnow(),
-                   metrics={"simulated": True, "train_s": train_s})
+                   metrics={**(row.metrics or {}), "simulated": True, "train_s": train_s})

@@ -185,7 +185,8 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
 
     with session_scope() as s:
         row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.step == step))
-        if not transition(s, TrainingStep, row.id, "completed", expect=("training",), metrics=metrics,
+        if not transition(s, TrainingStep, row.id, "completed", expect=("training",),
+                          metrics={**(row.metrics or {}), **metrics},  # keep the scheduler's metrics
                           policy_version=policy_version, checkpoint_path=str(path), finished_at=utcnow(), error=None):
             log.warning("run=%s step=%s left `training` while it ran (now %s); its checkpoint stays", run_id, step,
                         row.status)
