@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from app.engines.modeling import load_state_into
+from app.engines.prefix_cache import PrefixCache
 from app.engines.sampling import SamplingParams, TokenSample, sample_batch
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class _Row:
     num_tokens: int = 0                # real tokens in the KV cache once running
     last_token: int = -1               # sampled, not yet in the cache
     generated: int = 0
+    tokens: list[int] = field(default_factory=list)  # prompt + sampled ids (for the prefix cache)
 
 
 class BatchScheduler:
@@ -90,10 +92,11 @@ class BatchScheduler:
         max_batch: most requests decoded together; more wait in FIFO order.
         prefill_chunk: prompt tokens per prefill forward pass (bounds attention memory).
         policy_version: version stamped on requests until the first reload.
+        prefix_cache_tokens: token budget of the prefix cache (0 disables it).
     """
 
     def __init__(self, model: PreTrainedModel, max_batch: int = 8, prefill_chunk: int = 512,
-                 policy_version: int = 0) -> None:
+                 policy_version: int = 0, prefix_cache_tokens: int = 16384) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.max_batch = max_batch
@@ -106,10 +109,12 @@ class BatchScheduler:
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None      # [B, L] long, 0 = left padding
         self._pending_reload: tuple | None = None
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self._reload_lock = threading.Lock()
         self._running = False
         self._thread: threading.Thread | None = None
-        self.stats = {"decode_steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "reloads": 0}
+        self.stats = {"decode_steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "reloads": 0,
+                      "prefix_hit_tokens": 0}
 
     # ------------------------------------------------------------------ public API
     def start(self) -> "BatchScheduler":
@@ -194,6 +199,7 @@ class BatchScheduler:
         try:
             started = time.perf_counter()
             load_state_into(self.model, state)
+            self.prefix_cache.clear()  # cached KV was computed by the old weights
             self.policy_version = version
             self.stats["reloads"] += 1
             log.info("loaded weights for policy version %d in %.2fs", version, time.perf_counter() - started)
@@ -211,7 +217,7 @@ class BatchScheduler:
                 continue
             request.policy_version = self.policy_version
             request.events.put(Started(self.policy_version))
-            self._prefilling.append(_Row(request, cache=DynamicCache()))
+            self._prefilling.append(_Row(request, cache=DynamicCache(), tokens=list(request.prompt_ids)))
 
     # ------------------------------------------------------------------ model steps
     def _prefill_step(self, row: _Row) -> None:
@@ -219,6 +225,12 @@ class BatchScheduler:
         if request.cancelled.is_set():
             self._prefilling.remove(row)
             return
+        if row.prefilled == 0:
+            hit = self.prefix_cache.lookup(request.prompt_ids)
+            if hit is not None:
+                row.cache = DynamicCache(ddp_cache_data=hit.layers)
+                row.prefilled = hit.length
+                self.stats["prefix_hit_tokens"] += hit.length
         start = row.prefilled
         chunk = request.prompt_ids[start:start + self.prefill_chunk]
         ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
@@ -253,13 +265,14 @@ class BatchScheduler:
         samples = sample_batch(out.logits[:, -1, :].cpu(), [r.request.params for r in rows])
         self.stats["decode_steps"] += 1
         finished = [row for row, sample in zip(rows, samples) if self._emit(row, sample)]
-        self._drop_rows(finished)
+        self._drop_rows(finished, keep_prefix=True)
 
     def _emit(self, row: _Row, sample: TokenSample) -> bool:
         """Send one token event; return True when the row is finished."""
         request = row.request
         row.generated += 1
         row.last_token = sample.token_id
+        row.tokens.append(sample.token_id)
         self.stats["generated_tokens"] += 1
         finish, stop_token = None, None
         if sample.token_id in request.stop_token_ids:
@@ -295,9 +308,15 @@ class BatchScheduler:
                                 F.pad(torch.ones(1, new_len, dtype=torch.long, device=self.device), (total - new_len, 0))])
         self._active.append(row)
 
-    def _drop_rows(self, rows: list[_Row]) -> None:
+    def _drop_rows(self, rows: list[_Row], keep_prefix: bool = False) -> None:
         if not rows:
             return
+        if keep_prefix and self.prefix_cache.max_tokens:
+            for row in rows:  # the row's real tokens are its last num_tokens cache columns
+                i, n = self._active.index(row), row.num_tokens
+                self.prefix_cache.store(row.tokens[:n], [
+                    (layer.keys[i:i + 1, :, -n:].clone(), layer.values[i:i + 1, :, -n:].clone())
+                    for layer in self._cache.layers])
         keep = [i for i, r in enumerate(self._active) if r not in rows]
         self._active = [self._active[i] for i in keep]
         if not keep:

@@ -211,3 +211,21 @@ def test_completions_with_token_id_prompt_is_exact(engine):
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
     bad = httpx.post(f"{engine.url}/v1/completions", json={"prompt": [10**9]}, timeout=30)
     assert bad.status_code == 400 and "prompt" in bad.json()["error"]["message"]
+
+
+def test_second_turn_reuses_the_prefix_cache_exactly(engine):
+    """Turn 2 re-sends turn 1: its prefill starts after the cached prefix and logprobs stay exact."""
+    model = build_tiny_model(0)
+    fields = dict(max_tokens=6, seed=4, logprobs=True, return_token_ids=True, ignore_eos=True)
+    first = engine.client.chat(MESSAGES, **fields)
+    hits_before = engine.client.health()["prefix_hit_tokens"]
+    history = MESSAGES + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                          {"role": "user", "content": "And again?"}]
+    second = engine.client.chat(history, **fields)
+    reused = engine.client.health()["prefix_hit_tokens"] - hits_before
+    assert reused >= len(first["prompt_token_ids"])
+    choice = second["choices"][0]
+    diff = (recompute_logprobs(model, second["prompt_token_ids"], choice["token_ids"])
+            - torch.tensor([e["logprob"] for e in choice["logprobs"]["content"]])).abs().max().item()
+    print(f"prefix-cache hit of {reused} tokens; logprob max abs diff {diff:.2e}")
+    assert diff < 1e-4
