@@ -91,7 +91,7 @@ class Engine:
 def build_engine(model_spec: str, *, max_batch: int = 8, prefill_chunk: int = 512,
                  max_model_len: int = DEFAULT_MAX_MODEL_LEN, served_model_name: str | None = None,
                  engine_id: str | None = None, policy_version: int | None = None,
-                 threads: int | None = None) -> Engine:
+                 threads: int | None = None, prefix_cache_tokens: int = 16384) -> Engine:
     """Load the model and start the scheduler thread.
 
     ``policy_version`` defaults to the checkpoint's ``turnstile.json`` value, else 0.
@@ -108,7 +108,7 @@ def build_engine(model_spec: str, *, max_batch: int = 8, prefill_chunk: int = 51
     if policy_version is None:
         policy_version = int(read_metadata(model_spec).get("policy_version", 0)) if os.path.isdir(model_spec) else 0
     scheduler = BatchScheduler(model, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                               policy_version=policy_version).start()
+                               policy_version=policy_version, prefix_cache_tokens=prefix_cache_tokens).start()
     return Engine(model, tokenizer, scheduler, model_spec,
                   served_model_name or ("SmolLM2-135M-Instruct" if model_spec == "smollm2" else f"turnstile-{os.path.basename(model_spec.rstrip('/'))}"),
                   engine_id or f"embedded-{socket.gethostname()}-{os.getpid()}", max_model_len)
@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    parser.add_argument("--prefix-cache-tokens", type=int, default=16384, help="prefix cache budget (0: off)")
     parser.add_argument("--served-model-name")
     parser.add_argument("--engine-id")
     parser.add_argument("--policy-version", type=int)
@@ -401,7 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     app = create_engine_app(args.model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
                             max_model_len=args.max_model_len, served_model_name=args.served_model_name,
                             engine_id=args.engine_id or f"embedded-{socket.gethostname()}-{args.port}",
-                            policy_version=args.policy_version, threads=args.threads)
+                            policy_version=args.policy_version, threads=args.threads,
+                            prefix_cache_tokens=args.prefix_cache_tokens)
     from werkzeug.serving import make_server
 
     server = make_server(args.host, args.port, app, threaded=True)
