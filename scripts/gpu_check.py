@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -125,7 +126,10 @@ def check_vllm(tmp: Path) -> dict:
     model_path, described = pick_model(tmp)
     port = 8299
     argv, env = serve_command(VLLMServeConfig(model=model_path, port=port, dtype="float32",
-                                              gpu_memory_utilization=0.3, max_model_len=4096))
+                                              gpu_memory_utilization=0.3, max_model_len=4096,
+                                              extra_args=["--enforce-eager"]))  # faster start
+    if shutil.which("vllm") is None:  # vllm installed as wheels on PYTHONPATH: no console script
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, *argv[3:]]
     log = open(tmp / "vllm.log", "w")
     proc = subprocess.Popen(argv, env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, stdout=log, stderr=subprocess.STDOUT)
     out: dict = {"model": described, "command": " ".join(argv)}

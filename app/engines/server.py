@@ -65,7 +65,7 @@ from app.engines.validation import (
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
-EVENT_TIMEOUT_S = 900.0
+EVENT_TIMEOUT_S = 3600.0  # a queued request may wait behind long generations
 
 
 @dataclass
