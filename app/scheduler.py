@@ -97,16 +97,22 @@ def _run_lock(run_id: int) -> Iterator[bool]:
 
 
 def tick(run_id: int) -> None:
-    """Advance run `run_id` as far as its current state allows (idempotent)."""
+    """Advance run `run_id` as far as its current state allows (idempotent).
+
+    Every caller first marks the run dirty, then tries the lock; the holder keeps
+    making passes while the mark is set, and looks once more after releasing the
+    lock.  So a state change that arrives while another process holds the lock is
+    always seen by some pass (no lost wake-up).
+    """
     r = redis_client()
     dirty = f"turnstile:run:{run_id}:dirty"
-    for _ in range(20):
+    r.set(dirty, 1, px=600_000)
+    while True:
         with _run_lock(run_id) as got:
             if not got:
-                r.set(dirty, 1, px=60_000)
-                return
-            r.delete(dirty)
-            _tick_locked(run_id)
+                return  # the holder will see the mark
+            while r.getdel(dirty):
+                _tick_locked(run_id)
         if not r.get(dirty):
             return
 
