@@ -16,6 +16,7 @@ from typing import Iterator
 from flask import Flask, Response, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from app import weight_gate
 from app.proxy import anthropic, chat, gemini, record, responses
 from app.proxy.canonical import ChunkNormalizer, new_id, result_from_completion
 from app.proxy.common import Normalized, gateway_settings
@@ -185,6 +186,7 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     resp_id = ID_PREFIX[route.api] + new_id("", 12) if route.api != "gemini" else new_id("", 10)
     module = MODULES[route.api]
     if not norm.stream:
+        _hold_while_reloading(engine, cap)
         answer = up.complete(engine, upstream_body, info.episode_id)
         cap.t_accepted = cap.t_first = time.perf_counter()
         result = result_from_completion(answer)
@@ -196,6 +198,10 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
             raise GatewayError("internal", "The gateway could not record this completion; please retry") from None
         return json_response(body_out)
     writer = module.Stream(norm, resp_id)
+    if weight_gate.is_reloading(engine.url):
+        # The engine is loading new weights: answer 200 now, send keep-alives while held, then relay.
+        return Response(held_stream(writer, up, engine, upstream_body, info.episode_id, cap, resp_id),
+                        mimetype="text/event-stream", headers=SSE_HEADERS, direct_passthrough=True)
     # Wait briefly for the engine to accept: a rejection (context overflow...) is then a plain
     # HTTP error in the client's shape.  An engine that says nothing while it prefills gets a
     # 200 stream with keep-alives instead, and any later rejection arrives in-stream.
@@ -209,6 +215,32 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
         return Response(iter(frames), mimetype="text/event-stream", headers=SSE_HEADERS)
     return Response(stream_answer(writer, opening, cap, resp_id), mimetype="text/event-stream",
                     headers=SSE_HEADERS, direct_passthrough=True)
+
+
+def _hold_while_reloading(engine, cap: record.Capture) -> None:
+    """Non-stream: wait (bounded) for the engine's weight reload to finish before sending."""
+    if not weight_gate.is_reloading(engine.url):
+        return
+    t0 = time.perf_counter()
+    weight_gate.wait_open(engine.url, weight_gate.GATE_TTL_S)
+    held = time.perf_counter() - t0
+    cap.raw_request["reload_held_ms"] = round(held * 1000, 1)
+    weight_gate.record_hold(engine.url, held)
+
+
+def held_stream(writer, up, engine, body: dict, episode_id: int, cap: record.Capture, resp_id: str) -> Iterator[bytes]:
+    """Stream whose request arrived during a weight reload: opening frames and keep-alives
+    while the gate is closed, then the normal relay (errors after this point go in-stream)."""
+    t0 = time.perf_counter()
+    keepalive = gateway_settings().keepalive_s
+    yield from writer.opening()
+    while not weight_gate.wait_open(engine.url, keepalive):
+        yield writer.keepalive()
+    held = time.perf_counter() - t0
+    cap.raw_request["reload_held_ms"] = round(held * 1000, 1)
+    weight_gate.record_hold(engine.url, held)
+    opening = up.open_stream(engine, body, episode_id, keepalive)
+    yield from stream_answer(writer, opening, cap, resp_id, opened=True)
 
 
 def _upstream_item(item, r, error: GatewayError | None) -> tuple[GatewayError | None, bool]:
@@ -227,7 +259,8 @@ def _upstream_item(item, r, error: GatewayError | None) -> tuple[GatewayError | 
     return error, False
 
 
-def stream_answer(writer, opening: PendingStream, cap: record.Capture, resp_id: str) -> Iterator[bytes]:
+def stream_answer(writer, opening: PendingStream, cap: record.Capture, resp_id: str,
+                  opened: bool = False) -> Iterator[bytes]:
     """Engine stream -> client SSE frames, with keep-alives while the engine is silent.
 
     The completion is recorded before the terminal frames are sent; if the client goes
@@ -238,7 +271,8 @@ def stream_answer(writer, opening: PendingStream, cap: record.Capture, resp_id: 
     r = norm.result
     keepalive = gateway_settings().keepalive_s
     try:
-        yield from writer.opening()
+        if not opened:  # held_stream already sent the opening frames
+            yield from writer.opening()
         error: GatewayError | None = None
         while (handle := opening.wait(keepalive)) is None:
             yield writer.keepalive()

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from app import weight_gate
+
 log = logging.getLogger(__name__)
 
 
@@ -30,20 +32,28 @@ def push_weights(engine_urls: list[str], path: Path, policy_version: int, *, tim
     body = {"path": str(path), "policy_version": int(policy_version)}
     for url in engine_urls:
         endpoint = url.rstrip("/") + "/v1/load_weights"
-        error = "not tried"
-        for attempt in range(attempts):
-            try:
-                response = httpx.post(endpoint, json=body, timeout=timeout_s)
-                if response.status_code == 200 and response.json().get("policy_version") == policy_version:
-                    error = ""
-                    break
-                error = f"HTTP {response.status_code}: {response.text[:200]}"
-                if 400 <= response.status_code < 500:
-                    break  # the engine refused this request; repeating it will not help
-            except (httpx.HTTPError, ValueError) as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            time.sleep(min(2.0**attempt, 10.0))
+        # Close the engine's gate: the gateway holds new harness calls (with keep-alives)
+        # instead of sending them to an engine that is swapping weights.
+        with weight_gate.reloading(url, policy_version):
+            error = _load(endpoint, body, policy_version, timeout_s, attempts)
         results[url] = "ok" if not error else f"error: {error}"
         if error:
             log.error("engine %s did not load policy_version=%s from %s: %s", url, policy_version, path, error)
     return results
+
+
+def _load(endpoint: str, body: dict, policy_version: int, timeout_s: float, attempts: int) -> str:
+    """POST the reload with retries; returns "" on success or the last error."""
+    error = "not tried"
+    for attempt in range(attempts):
+        try:
+            response = httpx.post(endpoint, json=body, timeout=timeout_s)
+            if response.status_code == 200 and response.json().get("policy_version") == policy_version:
+                return ""
+            error = f"HTTP {response.status_code}: {response.text[:200]}"
+            if 400 <= response.status_code < 500:
+                return error  # the engine refused this request; repeating it will not help
+        except (httpx.HTTPError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        time.sleep(min(2.0**attempt, 10.0))
+    return error

@@ -1,0 +1,103 @@
+"""The weight-reload gate shared by the trainer and the gateway.
+
+While an engine loads new weights, the trainer holds a Redis key
+`turnstile:engine:<url>:reloading` (value: the policy version being loaded, with a
+TTL so a dead trainer cannot close the gate forever).  The gateway checks the key
+before sending a new request to that engine and holds the request (streams get
+keep-alives) until the key is gone; requests already running finish on the old
+weights and keep the old version stamp.  Held requests and held seconds are
+counted per engine, so runs can report how long harness calls waited.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Iterator
+
+import redis as redis_lib
+
+from app.config import get_settings
+
+GATE_TTL_S = 600
+_CACHE_S = 0.1  # a request in the first 100 ms of a reload reaches the engine, which holds it itself
+
+_client: redis_lib.Redis | None = None
+_cache: dict[str, tuple[float, bool]] = {}
+_lock = threading.Lock()
+
+
+def _redis() -> redis_lib.Redis:
+    global _client
+    if _client is None:
+        _client = redis_lib.Redis.from_url(get_settings().redis_url, socket_timeout=2)
+    return _client
+
+
+def reset() -> None:
+    """Forget the client and cache (after fork, or when settings change)."""
+    global _client
+    _client = None
+    _cache.clear()
+
+
+def gate_key(engine_url: str) -> str:
+    return f"turnstile:engine:{engine_url.rstrip('/')}:reloading"
+
+
+def stats_key(engine_url: str) -> str:
+    return f"turnstile:engine:{engine_url.rstrip('/')}:held"
+
+
+@contextlib.contextmanager
+def reloading(engine_url: str, policy_version: int) -> Iterator[None]:
+    """Close the gate of `engine_url` for the duration of a weight reload (trainer side)."""
+    r = _redis()
+    r.set(gate_key(engine_url), policy_version, ex=GATE_TTL_S)
+    try:
+        yield
+    finally:
+        r.delete(gate_key(engine_url))
+
+
+def is_reloading(engine_url: str) -> bool:
+    """True while the engine's gate is closed (cached for 100 ms per process; False if Redis is down)."""
+    now = time.monotonic()
+    hit = _cache.get(engine_url)
+    if hit is not None and now - hit[0] < _CACHE_S:
+        return hit[1]
+    try:
+        closed = bool(_redis().exists(gate_key(engine_url)))
+    except redis_lib.RedisError:
+        closed = False  # never fail a harness call because the gate cannot be read
+    with _lock:
+        _cache[engine_url] = (now, closed)
+    return closed
+
+
+def wait_open(engine_url: str, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Block until the gate is open or `timeout_s` passed; returns True when open."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _cache.pop(engine_url, None)
+        if not is_reloading(engine_url):
+            return True
+        time.sleep(poll_s)
+    return not is_reloading(engine_url)
+
+
+def record_hold(engine_url: str, held_s: float) -> None:
+    """Count one held request and its held seconds for the engine."""
+    try:
+        pipe = _redis().pipeline()
+        pipe.hincrby(stats_key(engine_url), "requests", 1)
+        pipe.hincrbyfloat(stats_key(engine_url), "seconds", held_s)
+        pipe.execute()
+    except redis_lib.RedisError:
+        pass
+
+
+def hold_stats(engine_url: str) -> dict:
+    """{"requests": n, "seconds": s} held at the gateway for this engine so far."""
+    raw = _redis().hgetall(stats_key(engine_url))
+    return {"requests": int(raw.get(b"requests", 0)), "seconds": float(raw.get(b"seconds", 0.0))}
