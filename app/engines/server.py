@@ -26,6 +26,7 @@ requested N tokens (P in the messages, M in the completion). …") so harnesses 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -398,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--policy-version", type=int)
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default $TURNSTILE_ENGINE_THREADS or 1)")
     args = parser.parse_args(argv)
+    faulthandler.enable()  # a hard crash (signal) leaves a traceback of every thread in the log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_engine_app(args.model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
                             max_model_len=args.max_model_len, served_model_name=args.served_model_name,

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from app.engines.client import EngineHTTPError
+from app.engines.client import EngineClient, EngineHTTPError
 from app.engines.modeling import build_tiny_model, save_weights
 
 MESSAGES = [{"role": "user", "content": "Count to ten."}]
@@ -72,13 +72,15 @@ def test_requests_in_flight_and_arriving_during_reload_are_answered(engine, tmp_
     start_version = engine.client.policy_version()
     target = start_version + 1
     perturbed_checkpoint(tmp_path / "ckpt", seed=23, version=target)
-    stream = engine.client.chat(MESSAGES, stream=True, max_tokens=1500, ignore_eos=True, return_token_ids=True)
+    # A long client timeout: on a loaded shared CPU the held calls wait for the whole stream.
+    slow = EngineClient(engine.url, timeout=900)
+    stream = slow.chat(MESSAGES, stream=True, max_tokens=600, ignore_eos=True, return_token_ids=True)
     first = next(stream)
     assert first["policy_version"] == start_version
 
     reload_result: dict = {}
     reloader = threading.Thread(target=lambda: reload_result.setdefault(
-        "version", engine.client.reload(str(tmp_path / "ckpt"), target)))
+        "version", slow.reload(str(tmp_path / "ckpt"), target)))
     reloader.start()
     deadline = time.monotonic() + 30
     while True:
@@ -90,7 +92,7 @@ def test_requests_in_flight_and_arriving_during_reload_are_answered(engine, tmp_
     assert health["running"] + health["prefilling"] >= 1, "the long request ended before the reload began"
 
     held: dict = {}
-    arriving = threading.Thread(target=lambda: held.setdefault("out", engine.client.chat(MESSAGES, max_tokens=4)))
+    arriving = threading.Thread(target=lambda: held.setdefault("out", slow.chat(MESSAGES, max_tokens=4)))
     arriving.start()
     deadline = time.monotonic() + 20
     while engine.client.health()["waiting"] < 1 and reloader.is_alive() and time.monotonic() < deadline:
@@ -98,11 +100,12 @@ def test_requests_in_flight_and_arriving_during_reload_are_answered(engine, tmp_
     assert reloader.is_alive(), "the reload finished before the second request arrived: nothing was held"
 
     chunks = [first, *stream]
-    arriving.join(120)
-    reloader.join(120)
+    arriving.join(900)
+    reloader.join(900)
+    slow.close()
     assert {c["policy_version"] for c in chunks} == {start_version}
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert sum(len(ch.get("token_ids", [])) for c in chunks for ch in c["choices"]) == 1500
+    assert sum(len(ch.get("token_ids", [])) for c in chunks for ch in c["choices"]) == 600
     assert reload_result["version"] == target
     assert held["out"]["policy_version"] == target
     assert held["out"]["choices"][0]["finish_reason"] in ("length", "stop")
