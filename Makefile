@@ -41,7 +41,7 @@ harness-demo: venv
 
 ## model: build the SmolLM2 safetensors cache from the packaged GGUF (once)
 model: venv
-	$(BIN)/python -m app.engines.modeling --warm smollm2
+	$(BIN)/python -m app model warm smollm2
 
 ## up: start every process of the Procfile in the foreground (Ctrl-C stops them)
 up: setup

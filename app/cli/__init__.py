@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from app.cli import model as model_cmds
 from app.cli import runs as runs_cmds
 
 
@@ -16,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app", description="Turnstile: GRPO for unmodified coding agents")
     sub = parser.add_subparsers(dest="command", required=True)
     runs_cmds.register(sub)
+    model_cmds.register(sub)
     try:
         from app.cli import harness as harness_cmds
     except ImportError:  # pragma: no cover - harness presets not installed in this checkout
