@@ -12,6 +12,13 @@ from app.runconfig import RunConfig
 def check_run_config(cfg: RunConfig) -> tuple[str, str] | None:
     if cfg.simulate is not None:
         return None  # simulated runs use no harness, task files or engine
+    if cfg.model.checkpoint:
+        from app.scheduler import resolve_checkpoint
+
+        try:
+            resolve_checkpoint(cfg.model.checkpoint)
+        except FileNotFoundError as exc:
+            return "model.checkpoint", str(exc)
     try:
         from app.tasksets import resolve_task_set
     except ImportError:  # pragma: no cover - task sets not built yet

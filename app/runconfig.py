@@ -32,6 +32,9 @@ class ModelChoice(BaseModel):
     name: str = Field("smollm2", min_length=1, description="'smollm2', 'tiny', or a served model name")
     engine: Literal["embedded", "vllm"] = "embedded"
     engine_urls: list[str] = Field(default_factory=list, description="override TURNSTILE_ENGINE_URLS")
+    checkpoint: str | None = Field(
+        None, description="eval/collect only: weights loaded into the engines before the run starts; "
+                          "a checkpoint model folder or 'run:<id>' (that train run's newest checkpoint)")
 
 
 class Budget(BaseModel):
@@ -105,6 +108,9 @@ class RunConfig(BaseModel):
             raise ValueError(f"harness: unknown harness {self.harness!r}; choose one of {', '.join(HARNESSES)}")
         if self.kind == "train" and self.group_size < 2:
             raise ValueError("group_size: GRPO needs at least 2 episodes per group for a train run")
+        if self.model.checkpoint is not None and self.kind == "train":
+            raise ValueError("model.checkpoint: only eval and collect runs load a checkpoint; "
+                             "a train run starts from model.name")
         if self.model.engine == "vllm" and not self.model.engine_urls:
             raise ValueError("model.engine_urls: a vllm model needs at least one engine URL")
         return self

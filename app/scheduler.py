@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from pathlib import Path
 from typing import Iterator
 
 import redis as redis_lib
@@ -132,6 +133,8 @@ def start_run(run_id: int) -> bool:
     _claim_run_dir(run_id, run.created_at.isoformat())
     if not has_plan:
         try:
+            if cfg.model.checkpoint:
+                _load_checkpoint(run_id, cfg)
             instance_ids = _load_instances(cfg)
         except Exception as exc:  # a bad task set fails the run with the reason, not silently
             with session_scope() as s:
@@ -168,6 +171,43 @@ def _claim_run_dir(run_id: int, created_at: str) -> None:
         root.rename(root.with_name(f"{run_id}.stale-{int(time.time())}"))
     root.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps(identity))
+
+
+def resolve_checkpoint(spec: str) -> tuple[Path, int]:
+    """(model folder, policy version) of `spec`: a folder, or 'run:<id>' for a run's newest checkpoint.
+
+    Raises FileNotFoundError when there is no such checkpoint.
+    """
+    import json
+
+    if spec.startswith("run:"):
+        root = get_settings().var_dir / "runs" / spec.removeprefix("run:") / "checkpoints"
+        steps = sorted((p for p in root.glob("step_*") if (p / "model").is_dir()),
+                       key=lambda p: int(p.name.removeprefix("step_")))
+        if not steps:
+            raise FileNotFoundError(f"{spec}: no checkpoint under {root}")
+        folder = steps[-1] / "model"
+    else:
+        folder = Path(spec)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+    meta = folder / "turnstile.json"
+    version = json.loads(meta.read_text()).get("policy_version", 0) if meta.is_file() else 0
+    return folder, int(version or 0)
+
+
+def _load_checkpoint(run_id: int, cfg: RunConfig) -> None:
+    """Load the run's checkpoint into every engine (through the reload gate) before any episode."""
+    from app.training.weight_sync import push_weights
+
+    folder, version = resolve_checkpoint(cfg.model.checkpoint)
+    urls = cfg.model.engine_urls or get_settings().engine_urls
+    results = push_weights(urls, folder, version)
+    failed = {u: r for u, r in results.items() if r != "ok"}
+    if failed:
+        raise RuntimeError(f"engines did not load {folder}: {failed}")
+    with session_scope() as s:
+        s.get(Run, run_id).policy_version = version
 
 
 def _load_instances(cfg: RunConfig) -> list[int]:

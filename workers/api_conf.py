@@ -1,10 +1,17 @@
-"""gunicorn settings for the REST API (:8000). Sync-style work, short requests; gthread copes with exports."""
+"""gunicorn settings for the REST API (:8000).
+
+One thread per worker process, on purpose: the API enqueues Celery tasks, and
+kombu's Redis transport silently dropped messages published from several threads
+of one process (measured here: 4 of 10 `control.start_run` messages lost with
+gthread × 4 threads, 10 of 10 delivered with one thread; tests/spine/
+test_spine_api_server.py guards it).  Concurrency comes from worker processes.
+"""
 import os
 
 bind = os.environ.get("TURNSTILE_API_BIND", "127.0.0.1:8000")
 worker_class = "gthread"
-workers = int(os.environ.get("TURNSTILE_API_WORKERS", "2"))
-threads = 4
+workers = int(os.environ.get("TURNSTILE_API_WORKERS", "4"))
+threads = 1
 timeout = 120
 graceful_timeout = 20
 max_requests = 2000

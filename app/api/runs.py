@@ -175,8 +175,9 @@ def _export_lines(run_id: int) -> Iterator[str]:
                 select(Trajectory).where(Trajectory.episode_id == episode_id).order_by(Trajectory.chain_index)
             ).all()
             record = episode_to_dict(ep)
-            last = ep.completions[-1] if ep.completions else None
-            record["messages"] = _messages_of(last)
+            usable = [c for c in ep.completions if c.rejected_reason is None]
+            record["messages"] = _messages_of(usable[-1] if usable else None,
+                                              (ep.run.config.get("model") or {}).get("name"))
             record["completions"] = comps
             record["trajectories"] = [
                 {
@@ -195,14 +196,23 @@ def _export_lines(run_id: int) -> Iterator[str]:
         session.close()
 
 
-def _messages_of(completion: Completion | None) -> list | None:
-    """The full conversation of the episode's last call: its normalized messages + the answer."""
+def _messages_of(completion: Completion | None, model_name: str | None) -> list | None:
+    """The episode's conversation for SFT: its last call's messages (Chat Completions form, as the
+    engine saw them) plus the final answer.  The answer is the policy's own raw text: the decoded
+    sampled ids (tool-call markup included) for the embedded models, else the Chat answer."""
     if completion is None or not completion.normalized_request:
         return None
     messages = list(completion.normalized_request.get("messages", []))
-    answer = (completion.response or {}).get("_normalized_message")
-    if answer:
-        messages.append(answer)
+    text = None
+    if model_name in ("tiny", "smollm2") and completion.sampled_ids:
+        from app.engines.modeling import load_tokenizer
+
+        text = load_tokenizer().decode(completion.sampled_ids, skip_special_tokens=False)
+    elif completion.api == "chat" and completion.response:
+        choice = (completion.response.get("choices") or [{}])[0]
+        text = (choice.get("message") or {}).get("content")
+    if text is not None:
+        messages.append({"role": "assistant", "content": text})
     return messages
 
 

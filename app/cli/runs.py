@@ -200,6 +200,35 @@ def register(sub) -> None:
     p.add_argument("--timeout", type=float, default=3600)
     p.set_defaults(handler=cmd_demo)
 
+    p = sub.add_parser("compare", help="before/after table of two eval runs (e.g. base model vs a checkpoint)")
+    p.add_argument("before", type=int)
+    p.add_argument("after", type=int)
+    p.set_defaults(handler=cmd_compare)
+
     p = sub.add_parser("cancel", help="cancel a run")
     p.add_argument("run_id", type=int)
     p.set_defaults(handler=cmd_cancel)
+
+
+def compare_table(before: dict, after: dict) -> Table:
+    """pass@k per instance of two eval runs side by side, with resolved rates (the before/after table)."""
+    table = Table(title=f"eval run {before['id']} vs {after['id']}")
+    table.add_column("instance")
+    for run in (before, after):
+        ckpt = run["config"].get("model", {}).get("checkpoint") or run["config"].get("model", {}).get("name")
+        table.add_column(f"run {run['id']} ({ckpt})")
+    a, b = (before.get("summary") or {}).get("pass_at_k", {}), (after.get("summary") or {}).get("pass_at_k", {})
+    for name in sorted(set(a) | set(b)):
+        table.add_row(name, *("-" if name not in d else ("pass" if d[name] else "fail") for d in (a, b)))
+    table.add_section()
+    table.add_row("pass@k", *(f"{sum(d.values())}/{len(d)}" if d else "-" for d in (a, b)))
+    table.add_row("resolved rate (all samples)",
+                  *(f"{(r.get('summary') or {}).get('resolved_rate') or 0:.3f}" for r in (before, after)))
+    return table
+
+
+def cmd_compare(args) -> int:
+    with _client() as client:
+        runs = [client.get(f"/api/runs/{rid}").raise_for_status().json() for rid in (args.before, args.after)]
+    Console().print(compare_table(*runs))
+    return 0

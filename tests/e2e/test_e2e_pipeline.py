@@ -122,3 +122,33 @@ def test_other_harnesses_complete_a_train_run(stack):
                 assert all(e.reward == 0.0 and e.exit_status for e in eps), name
             step = s.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id)).one()
             assert step.status == "completed" and step.policy_version == s.get(Run, run_id).policy_version
+
+
+def test_eval_of_a_trained_checkpoint_gives_a_before_after_table(stack):
+    """Train one step, then eval the base model and the step's checkpoint on the same instance."""
+    from rich.console import Console
+
+    from app.cli.runs import compare_table
+
+    train = stack.api.post("/api/runs", json={**SMALLEST, "harness": "mini-swe-agent"}).json()["id"]
+    assert _finish(stack, train, 420)["status"] == "completed", stack.logs()
+    bad = stack.api.post("/api/runs", json={**SMALLEST, "kind": "eval", "harness": "mini-swe-agent",
+                                            "model": {"name": "tiny", "checkpoint": "run:999"}})
+    assert bad.status_code == 400 and bad.json()["error"]["field"] == "model.checkpoint"
+    runs = []
+    for checkpoint in (None, f"run:{train}"):
+        # The base model is the tiny model the engine started with; reload it for "before".
+        model = {"name": "tiny", "checkpoint": checkpoint} if checkpoint else {"name": "tiny"}
+        resp = stack.api.post("/api/runs", json={**SMALLEST, "kind": "eval", "harness": "mini-swe-agent",
+                                                 "group_size": 1, "model": model})
+        assert resp.status_code == 202, resp.text
+        runs.append(_finish(stack, resp.json()["id"], 420))
+    before, after = runs
+    assert after["status"] == "completed" and after["policy_version"] == 1, after["error"]
+    with session_scope() as s:
+        versions = {c.policy_version for c in s.scalars(select(Completion).join(Episode).where(Episode.run_id == after["id"]))}
+    assert versions == {1}  # every call of the eval was answered by the trained weights
+    console = Console(record=True, width=120)
+    console.print(compare_table(before, after))
+    text = console.export_text()
+    assert "synthetic__inflection-1" in text and "pass@k" in text and f"run {after['id']} (run:{train})" in text

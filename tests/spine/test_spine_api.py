@@ -94,7 +94,7 @@ def test_cancel_and_not_found(client):
 
 def test_episode_with_completions_and_export(client):
     with session_scope() as s:
-        run = Run(kind="collect", config={"harness": "mini-swe-agent"})
+        run = Run(kind="collect", config={"harness": "mini-swe-agent", "model": {"name": "tiny"}})
         inst = TaskInstance(task_set="t", instance_id="demo-1", repo="r", record={})
         s.add_all([run, inst])
         s.flush()
@@ -114,6 +114,10 @@ def test_episode_with_completions_and_export(client):
     record = json.loads(lines[0])
     assert record["completions"][0]["prompt_ids"] == [1, 2, 3]
     assert record["messages"][0] == {"role": "user", "content": "hi"}
+    from app.engines.modeling import load_tokenizer
+
+    # the final answer is the policy's own sampled ids decoded, token-exact
+    assert record["messages"][-1] == {"role": "assistant", "content": load_tokenizer().decode([4, 5], skip_special_tokens=False)}
 
 
 def test_openapi_documents_every_route(client):
