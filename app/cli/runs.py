@@ -147,8 +147,12 @@ def cmd_export(args) -> int:
 def cmd_cancel(args) -> int:
     with _client() as client:
         resp = client.post(f"/api/runs/{args.run_id}/cancel")
-    print(resp.json())
-    return 0 if resp.status_code == 202 else 1
+    body = resp.json()
+    if resp.status_code == 202:
+        print(f"run {args.run_id}: {body['status']}")
+        return 0
+    print(f"run {args.run_id}: {body.get('error', {}).get('message', resp.text)}", file=sys.stderr)
+    return 1
 
 
 def cmd_demo(args) -> int:
