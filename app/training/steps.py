@@ -146,6 +146,10 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
             s.flush()
         if row.status == "completed":
             return dict(row.metrics or {})
+        if run.status not in ("running",):
+            # A cancelled or failed run's step (e.g. re-sent by the watchdog) must not hold the trainer.
+            transition(s, TrainingStep, row.id, "failed", error=f"run is {run.status}", finished_at=utcnow())
+            return {"skipped": f"run {run_id} is {run.status}"}
         if row.status == "failed":
             raise StepError(f"step {step} of run {run_id} failed before: {row.error}")
         episode_ids = list(row.episode_ids or episode_ids or [])

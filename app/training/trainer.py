@@ -104,7 +104,8 @@ class Trainer:
         """Run one GRPO step over `sequences`; return its metrics (JSON-able floats and ints).
 
         Metrics: loss, clip_fraction, kl (mean k3, 0 when off), tis_weight_mean,
-        tis_truncated_fraction, ratio_mean, logprob_gap_max_abs / logprob_gap_mean_abs
+        tis_truncated_fraction, ratio_mean, logprob_gap_max_abs / logprob_gap_mean_abs,
+        micro_batches_zero_advantage (forward only: their gradient is exactly zero)
         (|trainer - rollout| over sampled tokens before the update), grad_norm (largest
         pre-clip norm), tokens_trained, tokens_processed (real tokens through the model),
         padded_tokens, sequences, micro_batches, optimizer_updates, update_time_s.
@@ -130,11 +131,20 @@ class Trainer:
         totals = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "tis": 0.0, "tis_truncated": 0.0, "ratio": 0.0}
         grad_norm = 0.0
         index = 0
+        skipped = 0
         for chunk in chunks:
             self.optimizer.zero_grad(set_to_none=True)
             # Each update is the aggregated mean over its own micro-batches.
             scale = 1.0 / float(sum(mb.weights.sum() for mb in chunk))
             for mb in chunk:
+                if cfg.kl_coef == 0 and not bool(mb.advantages.any()):
+                    # Zero advantage and no KL: this micro-batch's loss and gradient are exactly
+                    # zero, so skip the backward pass; the forward pass still measures the gap.
+                    if old is None:
+                        gaps.append((self._logprobs(mb, grad=False).float() - mb.rollout_logprobs).abs())
+                    skipped += 1
+                    index += 1
+                    continue
                 logprobs = self._logprobs(mb, grad=True).float()
                 if old is None:
                     gaps.append((logprobs.detach() - mb.rollout_logprobs).abs())
@@ -177,6 +187,7 @@ class Trainer:
             "logprob_gap_mean_abs": float(gap.mean()),
             "grad_norm": grad_norm,
             "optimizer_updates": len(chunks),
+            "micro_batches_zero_advantage": skipped,
             "update_time_s": time.perf_counter() - start,
         }
 

@@ -115,6 +115,7 @@ def test_positive_advantage_raises_rewarded_tokens_and_lowers_penalized():
     assert after[0] > before[0] + 0.05, (before, after)
     assert after[1] < before[1] - 0.05, (before, after)
     assert metrics["tokens_trained"] == 16 and metrics["sequences"] == 2 and metrics["optimizer_updates"] == 1
+    assert metrics["micro_batches_zero_advantage"] == 0
     # Before the first update the trainer reproduces the recorded rollout logprobs.
     assert metrics["logprob_gap_max_abs"] < 1e-4 and metrics["logprob_gap_mean_abs"] < 1e-5
 
@@ -130,6 +131,9 @@ def test_equal_rewards_leave_weights_unchanged():
     metrics = trainer.update(seqs)
     drift = max(float((model.state_dict()[k] - v).abs().max()) for k, v in before.items())
     assert drift < 1e-7 and metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
+    # zero advantage: no backward pass at all, but the trainer-vs-rollout gap is still measured
+    assert metrics["micro_batches_zero_advantage"] == metrics["micro_batches"] >= 1
+    assert metrics["logprob_gap_max_abs"] < 1e-4
 
 
 def test_merged_chain_reproduces_per_request_logprobs():
