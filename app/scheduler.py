@@ -202,7 +202,7 @@ def _load_checkpoint(run_id: int, cfg: RunConfig) -> None:
 
     folder, version = resolve_checkpoint(cfg.model.checkpoint)
     urls = cfg.model.engine_urls or get_settings().engine_urls
-    results = push_weights(urls, folder, version)
+    results = push_weights(urls, folder, version, engine_kind=cfg.model.engine)
     failed = {u: r for u, r in results.items() if r != "ok"}
     if failed:
         raise RuntimeError(f"engines did not load {folder}: {failed}")

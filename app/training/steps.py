@@ -160,6 +160,7 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
         spec = model_cfg.get("name", "tiny")
         config = TrainingConfig.from_dict(run.config.get("training"))
         engine_urls = model_cfg.get("engine_urls") or get_settings().engine_urls
+        engine_kind = model_cfg.get("engine", "embedded")
         completed_before = s.scalar(select(TrainingStep.id).where(
             TrainingStep.run_id == run_id, TrainingStep.step < step, TrainingStep.status == "completed").limit(1)) is not None
 
@@ -184,7 +185,7 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
 
     metrics["trainer_resident"] = resident  # model + optimizer were already in this process's memory
     synced = time.perf_counter()
-    metrics["engine_sync"] = push_weights(engine_urls, path / "model", policy_version)
+    metrics["engine_sync"] = push_weights(engine_urls, path / "model", policy_version, engine_kind=engine_kind)
     metrics["engine_sync_time_s"] = time.perf_counter() - synced
 
     with session_scope() as s:

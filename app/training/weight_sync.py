@@ -19,14 +19,15 @@ log = logging.getLogger(__name__)
 
 
 def push_weights(engine_urls: list[str], path: Path, policy_version: int, *, timeout_s: float = 300.0,
-                 attempts: int = 3) -> dict[str, str]:
+                 attempts: int = 3, engine_kind: str = "embedded") -> dict[str, str]:
     """Ask every engine to load `path` as `policy_version`; return `{url: "ok" | "error: …"}`.
 
     Each engine gets up to `attempts` tries (connection errors, 5xx, a wrong version in the
     answer) with a short backoff; a failure is reported, not raised, because the checkpoint
     is already the durable result of the step and the engine stamps the version it actually
     serves on every completion, so stale samples stay visible to the trainer (TIS) and the
-    scheduler (staleness).
+    scheduler (staleness).  `engine_kind` "vllm" reloads through vLLM's dev-mode endpoints
+    (`app.engines.vllm.VLLMReloader`: pause, load on every worker, reset the prefix cache, resume).
     """
     results: dict[str, str] = {}
     body = {"path": str(path), "policy_version": int(policy_version)}
@@ -35,7 +36,10 @@ def push_weights(engine_urls: list[str], path: Path, policy_version: int, *, tim
         # Close the engine's gate: the gateway holds new harness calls (with keep-alives)
         # instead of sending them to an engine that is swapping weights.
         with weight_gate.reloading(url, policy_version):
-            error = _load(endpoint, body, policy_version, timeout_s, attempts)
+            if engine_kind == "vllm":
+                error = _load_vllm(url, path, policy_version, timeout_s)
+            else:
+                error = _load(endpoint, body, policy_version, timeout_s, attempts)
         results[url] = "ok" if not error else f"error: {error}"
         if error:
             log.error("engine %s did not load policy_version=%s from %s: %s", url, policy_version, path, error)
@@ -57,3 +61,17 @@ def _load(endpoint: str, body: dict, policy_version: int, timeout_s: float, atte
             error = f"{type(exc).__name__}: {exc}"
         time.sleep(min(2.0**attempt, 10.0))
     return error
+
+
+def _load_vllm(url: str, path: Path, policy_version: int, timeout_s: float) -> str:
+    """Reload a vLLM server (never run here: no GPU in this workplace; see scripts/gpu_check.sh)."""
+    from app.engines.vllm import VLLMReloader
+
+    reloader = VLLMReloader(url, timeout=timeout_s)
+    try:
+        reloader.reload(str(path), policy_version)
+        return ""
+    except Exception as exc:  # noqa: BLE001 - reported per engine like the embedded path
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        reloader.close()
