@@ -7,6 +7,8 @@ by the API's event-grammar validator when the test ends.  Helpers: gateway_suppo
 """
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,8 +17,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from app import config, db  # noqa: E402
 from app.models import Base  # noqa: E402
-from gateway_support import (SDKs, Stack, free_port, make_episode, start_engine, start_gateway,  # noqa: E402
-                             stop, wait_http)
+from gateway_support import (ROOT, SDKs, Stack, free_port, make_episode, start_engine,  # noqa: E402
+                             start_gateway, stop, wait_http)
 
 
 @pytest.fixture(scope="session")
@@ -60,3 +62,22 @@ def sdk(gw):
     yield clients
     clients.validated()  # every stream of the test obeys its API's grammar
     clients.http.close()
+
+
+@pytest.fixture(scope="module")
+def real(gw_stack, tmp_path_factory):
+    """A real embedded engine (tiny model) and a gateway in front of it, per test module:
+    (engine URL, gateway URL).  Module scope: a module that reloads weights gets its own."""
+    eport, gport = free_port(), free_port()
+    log = open(tmp_path_factory.mktemp("real") / "engine.log", "wb")
+    procs = [subprocess.Popen([sys.executable, "-m", "app.engines.server", "--model", "tiny", "--port", str(eport),
+                               "--threads", "1", "--max-model-len", "2048"], cwd=ROOT, stdout=log,
+                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})]
+    try:
+        wait_http(f"http://127.0.0.1:{eport}/health", timeout=180)
+        procs.append(start_gateway(gport, gw_stack.db_url, f"http://127.0.0.1:{eport}",
+                                   tmp_path_factory.mktemp("realgw") / "gateway.log"))
+        wait_http(f"http://127.0.0.1:{gport}/health")
+        yield f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
+    finally:
+        stop(procs)

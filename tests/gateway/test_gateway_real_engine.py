@@ -6,32 +6,11 @@ prompt ids must equal the engine's own /tokenize of the request the gateway sent
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import httpx
 import pytest
-from gateway_support import ROOT, completions, free_port, make_episode, start_gateway, stop, wait_http
+from gateway_support import completions, make_episode
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def real(gw_stack, tmp_path_factory):
-    eport, gport = free_port(), free_port()
-    log = open(tmp_path_factory.mktemp("real") / "engine.log", "wb")
-    procs = [subprocess.Popen([sys.executable, "-m", "app.engines.server", "--model", "tiny", "--port", str(eport),
-                               "--threads", "1", "--max-model-len", "2048"], cwd=ROOT, stdout=log,
-                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})]
-    try:
-        wait_http(f"http://127.0.0.1:{eport}/health", timeout=180)
-        procs.append(start_gateway(gport, gw_stack.db_url, f"http://127.0.0.1:{eport}",
-                                   tmp_path_factory.mktemp("realgw") / "gateway.log"))
-        wait_http(f"http://127.0.0.1:{gport}/health")
-        yield f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
-    finally:
-        stop(procs)
 
 
 def test_sdks_through_gateway_match_the_engine_token_for_token(gw, real):

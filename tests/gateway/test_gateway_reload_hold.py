@@ -7,38 +7,18 @@ keep-alives) and then answered by the new weights with the new version stamp.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
-from gateway_support import ROOT, free_port, make_episode, start_gateway, stop, wait_http
+from gateway_support import make_episode
 from sqlalchemy import select
 
 from app import db, weight_gate
 from app.models import Completion
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def real(gw_stack, tmp_path_factory):
-    eport, gport = free_port(), free_port()
-    log = open(tmp_path_factory.mktemp("hold") / "engine.log", "wb")
-    procs = [subprocess.Popen([sys.executable, "-m", "app.engines.server", "--model", "tiny", "--port", str(eport),
-                               "--threads", "1", "--max-model-len", "2048"], cwd=ROOT, stdout=log,
-                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})]
-    try:
-        wait_http(f"http://127.0.0.1:{eport}/health", timeout=180)
-        procs.append(start_gateway(gport, gw_stack.db_url, f"http://127.0.0.1:{eport}",
-                                   tmp_path_factory.mktemp("holdgw") / "gateway.log"))
-        wait_http(f"http://127.0.0.1:{gport}/health")
-        yield f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
-    finally:
-        stop(procs)
 
 
 def _perturbed_checkpoint(path) -> None:
