@@ -152,3 +152,17 @@ def test_eval_of_a_trained_checkpoint_gives_a_before_after_table(stack):
     console.print(compare_table(before, after))
     text = console.export_text()
     assert "synthetic__inflection-1" in text and "pass@k" in text and f"run {after['id']} (run:{train})" in text
+
+
+def test_agent_timeout_keeps_the_episode_and_grades_it(stack):
+    """A harness that outlives its budget is killed; the episode is graded and flagged, not lost."""
+    resp = stack.api.post("/api/runs", json={**SMALLEST, "kind": "collect", "harness": "mini-swe-agent",
+                                             "group_size": 1, "timeouts": {"agent_s": 2, "grade_s": 300}})
+    assert resp.status_code == 202, resp.text
+    run = _finish(stack, resp.json()["id"], 300)
+    assert run["status"] == "completed", (run["error"], stack.logs())
+    with session_scope() as s:
+        ep = s.scalars(select(Episode).where(Episode.run_id == run["id"])).one()
+        assert ep.status == "completed" and ep.timed_out and ep.exit_status == "timeout"
+        assert ep.reward == 0.0 and ep.grading_report and ep.patch is not None
+    assert run["summary"]["timed_out_episodes"] == 1
