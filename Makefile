@@ -10,8 +10,8 @@ export PYTHONUNBUFFERED := 1
 demo: setup harness-demo model
 	bash scripts/demo.sh
 
-## test: run the whole test suite (needs `make ci-deps` once; .ci/run does that)
-test:
+## test: install what the tests need (once; later runs only check), then run the whole suite
+test: ci-deps
 	$(BIN)/pytest -q
 
 ## setup: system packages, virtualenv, Redis, database schema
