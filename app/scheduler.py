@@ -135,6 +135,8 @@ def start_run(run_id: int) -> bool:
         try:
             if cfg.model.checkpoint:
                 _load_checkpoint(run_id, cfg)
+            elif cfg.simulate is None and cfg.model.engine == "embedded":
+                _start_from_base(run_id, cfg)
             instance_ids = _load_instances(cfg)
         except Exception as exc:  # a bad task set fails the run with the reason, not silently
             with session_scope() as s:
@@ -208,6 +210,30 @@ def _load_checkpoint(run_id: int, cfg: RunConfig) -> None:
         raise RuntimeError(f"engines did not load {folder}: {failed}")
     with session_scope() as s:
         s.get(Run, run_id).policy_version = version
+
+
+def _start_from_base(run_id: int, cfg: RunConfig) -> None:
+    """Serve the base weights (version 0) unless another run is using the same engines.
+
+    Engines are shared by every run of a deployment; a run that starts from the base model must
+    not sample from a previous run's trained weights.  While another real run is running, its
+    weights are left alone and this run records which run it shares the engines with.
+    """
+    from app.training.weight_sync import reset_to_base
+
+    with session_scope() as s:
+        others = [r.id for r in s.scalars(select(Run).where(Run.status == "running", Run.id != run_id))
+                  if r.config.get("simulate") is None]
+    if others:
+        with session_scope() as s:
+            run = s.get(Run, run_id)
+            run.summary = {**(run.summary or {}), "engines_shared_with_runs": others}
+        log.warning("run=%s event=shared_engines others=%s: not resetting the engines' weights", run_id, others)
+        return
+    urls = cfg.model.engine_urls or get_settings().engine_urls
+    failed = {u: r for u, r in reset_to_base(urls).items() if r != "ok"}
+    if failed:
+        raise RuntimeError(f"engines could not return to the base weights: {failed}")
 
 
 def _load_instances(cfg: RunConfig) -> list[int]:

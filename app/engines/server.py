@@ -365,15 +365,22 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
     @app.post("/v1/load_weights")
     def load_weights():
         body = json_body()
-        path = get_field(body, "path", str)
-        if not path or not os.path.isdir(path):
-            raise EngineError(f"checkpoint directory {path!r} does not exist", param="path")
-        version = get_field(body, "policy_version", int, engine.scheduler.policy_version + 1)
         started = time.perf_counter()
-        try:
-            state = read_state_dict(path)  # disk I/O here, not on the scheduler thread
-        except Exception as exc:  # safetensors raises its own SafetensorError on corrupt files
-            raise EngineError(f"cannot read checkpoint {path}: {exc}", param="path") from exc
+        if get_field(body, "base", bool, False):
+            # Back to the weights this engine was started with (a run that starts from the base
+            # model must not sample from a previous run's trained weights).
+            path = engine.model_spec
+            version = get_field(body, "policy_version", int, 0)
+            state = load_model(engine.model_spec)[0].state_dict()
+        else:
+            path = get_field(body, "path", str)
+            if not path or not os.path.isdir(path):
+                raise EngineError(f"checkpoint directory {path!r} does not exist", param="path")
+            version = get_field(body, "policy_version", int, engine.scheduler.policy_version + 1)
+            try:
+                state = read_state_dict(path)  # disk I/O here, not on the scheduler thread
+            except Exception as exc:  # safetensors raises its own SafetensorError on corrupt files
+                raise EngineError(f"cannot read checkpoint {path}: {exc}", param="path") from exc
         try:
             new_version = engine.scheduler.reload(state, version)
         except (ValueError, RuntimeError) as exc:

@@ -75,3 +75,21 @@ def _load_vllm(url: str, path: Path, policy_version: int, timeout_s: float) -> s
         return f"{type(exc).__name__}: {exc}"
     finally:
         reloader.close()
+
+
+def reset_to_base(engine_urls: list[str], timeout_s: float = 300.0) -> dict[str, str]:
+    """Put embedded engines back on the weights they were started with, as policy version 0.
+
+    Embedded engines only (`POST /v1/load_weights {"base": true}`); returns `{url: "ok" | "error: …"}`.
+    """
+    results: dict[str, str] = {}
+    for url in engine_urls:
+        with weight_gate.reloading(url, 0):
+            try:
+                response = httpx.post(url.rstrip("/") + "/v1/load_weights", json={"base": True, "policy_version": 0},
+                                      timeout=timeout_s)
+                ok = response.status_code == 200 and response.json().get("policy_version") == 0
+                results[url] = "ok" if ok else f"error: HTTP {response.status_code}: {response.text[:200]}"
+            except (httpx.HTTPError, ValueError) as exc:
+                results[url] = f"error: {type(exc).__name__}: {exc}"
+    return results

@@ -137,7 +137,6 @@ def test_eval_of_a_trained_checkpoint_gives_a_before_after_table(stack):
     assert bad.status_code == 400 and bad.json()["error"]["field"] == "model.checkpoint"
     runs = []
     for checkpoint in (None, f"run:{train}"):
-        # The base model is the tiny model the engine started with; reload it for "before".
         model = {"name": "tiny", "checkpoint": checkpoint} if checkpoint else {"name": "tiny"}
         resp = stack.api.post("/api/runs", json={**SMALLEST, "kind": "eval", "harness": "mini-swe-agent",
                                                  "group_size": 1, "model": model})
@@ -146,8 +145,11 @@ def test_eval_of_a_trained_checkpoint_gives_a_before_after_table(stack):
     before, after = runs
     assert after["status"] == "completed" and after["policy_version"] == 1, after["error"]
     with session_scope() as s:
-        versions = {c.policy_version for c in s.scalars(select(Completion).join(Episode).where(Episode.run_id == after["id"]))}
-    assert versions == {1}  # every call of the eval was answered by the trained weights
+        def served(run_id):
+            return {c.policy_version for c in s.scalars(select(Completion).join(Episode).where(Episode.run_id == run_id))}
+
+        assert served(before["id"]) == {0}  # the base model again, not the train run's last weights
+        assert served(after["id"]) == {1}  # every call of the eval was answered by the trained weights
     console = Console(record=True, width=120)
     console.print(compare_table(before, after))
     text = console.export_text()
