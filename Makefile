@@ -3,8 +3,13 @@
 SHELL := /bin/bash
 BIN := .venv/bin
 export PYTHONUNBUFFERED := 1
+# Settings in .env (the file honcho reads) apply to every step here too, e.g. DATABASE_URL for `make migrate`.
+ifneq (,$(wildcard .env))
+include .env
+export
+endif
 
-.PHONY: demo test setup venv system redis migrate harnesses harness-demo model up down ci-deps clean
+.PHONY: demo test setup venv system redis migrate harnesses harness-demo model up ci-deps clean
 
 ## demo: set up from nothing, start all processes, run a train run end to end, print the summary
 demo: setup harness-demo model

@@ -8,6 +8,13 @@ from __future__ import annotations
 
 from app.runconfig import RunConfig
 
+EMBEDDED_MODELS = ("smollm2", "tiny")
+
+
+def _short(message: str, limit: int = 400) -> str:
+    """First lines of a long error (a bad file's records must not be echoed whole)."""
+    return message if len(message) <= limit else message[:limit] + " …"
+
 
 def check_run_config(cfg: RunConfig) -> tuple[str, str] | None:
     if cfg.simulate is not None:
@@ -19,18 +26,21 @@ def check_run_config(cfg: RunConfig) -> tuple[str, str] | None:
             resolve_checkpoint(cfg.model.checkpoint)
         except FileNotFoundError as exc:
             return "model.checkpoint", str(exc)
+    from app.tasksets import load_task_set
+
     try:
-        from app.tasksets import resolve_task_set
-    except ImportError:  # pragma: no cover - task sets not built yet
-        return None
-    try:
-        resolve_task_set(cfg.task_set)
+        task_set = load_task_set(cfg.task_set)
     except (FileNotFoundError, ValueError) as exc:
-        return "task_set", str(exc)
-    try:
-        from app.harnesses import get_preset
-    except ImportError:  # pragma: no cover
-        return None
+        return "task_set", _short(str(exc))
+    known = {r.instance_id for r in task_set.instances}
+    missing = [name for name in cfg.instances or [] if name not in known]
+    if missing:
+        return "instances", f"task set {task_set.name!r} has no instance(s) {missing}"
+    if cfg.model.engine == "embedded" and cfg.model.name not in EMBEDDED_MODELS:
+        return "model.name", (f"the embedded engine serves {' or '.join(EMBEDDED_MODELS)}, not {cfg.model.name!r}; "
+                              "use model.engine=vllm with model.engine_urls for other models")
+    from app.harnesses import get_preset
+
     preset = get_preset(cfg.harness)
     if not preset.is_installed():
         return "harness", (

@@ -88,12 +88,12 @@ class RunConfig(BaseModel):
 
     kind: Literal["train", "eval", "collect"] = "train"
     task_set: str = Field("synthetic", min_length=1)
-    instances: list[str] | None = Field(None, description="subset of instance ids (default: all)")
+    instances: list[str] | None = Field(None, min_length=1, description="subset of instance ids (default: all)")
     harness: str = "mini-swe-agent"
     model: ModelChoice = Field(default_factory=ModelChoice)
-    group_size: int = Field(4, ge=1, le=1024)
-    tasks_per_step: int = Field(2, ge=1, le=1024)
-    steps: int = Field(2, ge=0, le=100000)
+    group_size: int = Field(4, ge=1, le=1024, strict=True)
+    tasks_per_step: int = Field(2, ge=1, le=1024, strict=True)
+    steps: int = Field(2, ge=0, le=100000, strict=True)
     mode: Literal["sync", "async"] = "async"
     timeouts: Timeouts = Field(default_factory=Timeouts)
     budget: Budget = Field(default_factory=Budget)
@@ -106,6 +106,8 @@ class RunConfig(BaseModel):
     def _check(self) -> "RunConfig":
         if self.harness not in HARNESSES:
             raise ValueError(f"harness: unknown harness {self.harness!r}; choose one of {', '.join(HARNESSES)}")
+        if self.kind == "train" and self.steps < 1:
+            raise ValueError("steps: a train run needs at least one step")
         if self.kind == "train" and self.group_size < 2:
             raise ValueError("group_size: GRPO needs at least 2 episodes per group for a train run")
         if self.model.checkpoint is not None and self.kind == "train":

@@ -140,7 +140,7 @@ def start_run(run_id: int) -> bool:
             instance_ids = _load_instances(cfg)
         except Exception as exc:  # a bad task set fails the run with the reason, not silently
             with session_scope() as s:
-                transition(s, Run, run_id, "failed", error=f"loading task set: {exc}", finished_at=utcnow())
+                transition(s, Run, run_id, "failed", error=f"starting the run: {exc}"[:1000], finished_at=utcnow())
             return False
         with session_scope() as s:
             run = s.get(Run, run_id)
@@ -492,6 +492,7 @@ def _maybe_finish(s, run: Run, cfg: RunConfig) -> bool:
             if any(st.status == "failed" for st in steps):
                 failed = next(st for st in steps if st.status == "failed")
                 _cancel_unfinished(s, run.id, "run failed")
+                run.summary = {**(run.summary or {}), **_summary(s, run.id)}
                 transition(s, Run, run.id, "failed", error=f"training step {failed.step} failed: {failed.error}",
                            finished_at=utcnow())
                 return True
@@ -519,4 +520,5 @@ def _cancel_all(s, run: Run) -> None:
     for st in _steps(s, run.id):
         if st.status == "pending":
             transition(s, TrainingStep, st.id, "failed", error="run cancelled")
+    run.summary = {**(run.summary or {}), **_summary(s, run.id)}
     transition(s, Run, run.id, "cancelled", finished_at=utcnow())

@@ -17,3 +17,5 @@ graceful_timeout = 20
 max_requests = 2000
 max_requests_jitter = 200
 accesslog = None
+# Several gunicorn masters (api, gateway, test servers) share a host: no shared control socket.
+control_socket_disable = True

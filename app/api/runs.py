@@ -110,7 +110,10 @@ def create_run():
 
 @bp.get("/runs")
 def list_runs():
-    limit = min(int(request.args.get("limit", 50)), 500)
+    raw = request.args.get("limit", "50")
+    if not raw.isdigit() or not 1 <= int(raw) <= 500:
+        raise ApiError(400, "limit: must be an integer from 1 to 500", "limit")
+    limit = int(raw)
     with session_scope() as session:
         runs = session.scalars(select(Run).order_by(Run.id.desc()).limit(limit)).all()
         return jsonify({"runs": [run_to_dict(r, _status_counts(session, r.id)) for r in runs]})

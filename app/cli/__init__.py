@@ -27,7 +27,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def load_dotenv(path: str = ".env") -> None:
+    """Read KEY=VALUE lines of `.env` (the file honcho reads) into the environment.
+
+    Variables already set win, so `FOO=1 python -m app …` still overrides the file.
+    """
+    import os
+
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        os.environ.setdefault(key.strip().removeprefix("export ").strip(), value.strip().strip("'\""))
+
+
 def main(argv: list[str] | None = None) -> int:
+    import httpx
+
+    load_dotenv()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -35,3 +57,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except httpx.HTTPStatusError as exc:
+        try:
+            message = exc.response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.response.text[:300]
+        print(f"error: {exc.request.method} {exc.request.url.path}: {exc.response.status_code} {message}", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as exc:
+        from app.config import get_settings
+
+        print(f"error: cannot reach the Turnstile API at {get_settings().api_url} ({exc}); "
+              "is it running (`make up`), and is TURNSTILE_API_URL right?", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

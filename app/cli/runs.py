@@ -96,7 +96,9 @@ def print_summary(run: dict, console: Console | None = None) -> None:
 def cmd_submit(args) -> int:
     config: dict = json.loads(Path(args.config).read_text()) if args.config else {}
     for item in args.set or []:
-        key, _, value = item.partition("=")
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set group_size=4")
         _set(config, key, value)
     run = submit_run(config)
     print(f"run {run['id']} created ({run['kind']}, {run['config']['harness']}, task set {run['config']['task_set']})")
@@ -128,12 +130,12 @@ def cmd_runs(args) -> int:
 
 
 def cmd_export(args) -> int:
-    out = open(args.output, "w") if args.output else sys.stdout
     n = 0
     with _client() as client, client.stream("GET", f"/api/runs/{args.run_id}/export") as resp:
         if resp.status_code != 200:
             resp.read()
             raise SystemExit(f"export failed ({resp.status_code}): {resp.text}")
+        out = open(args.output, "w") if args.output else sys.stdout  # only once the run exists
         for line in resp.iter_lines():
             if line:
                 out.write(line + "\n")

@@ -40,6 +40,9 @@ SIM = {"simulate": {"episode_median_s": 0.1}}
         ({**SIM, "mode": "turbo"}, "mode"),
         ({**SIM, "kind": "train", "group_size": 1}, "group_size"),
         ({**SIM, "model": {"engine": "vllm"}}, "model.engine_urls"),
+        ({**SIM, "group_size": True}, "group_size"),
+        ({**SIM, "instances": []}, "instances"),
+        ({**SIM, "kind": "train", "steps": 0}, "steps"),
     ],
 )
 def test_bad_run_config_is_400_naming_the_field(client, body, field):
@@ -64,6 +67,34 @@ def test_unknown_task_set_is_400(client):
     assert resp.status_code == 400
     assert resp.get_json()["error"]["field"] == "task_set"
     assert _runs_in_db() == 0
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"instances": ["nope"]}, "instances", "no instance"),
+    ({"model": {"name": "gpt-9"}}, "model.name", "embedded engine serves"),
+    ({"model": {"name": "tiny", "checkpoint": "run:999"}, "kind": "eval"}, "model.checkpoint", "no checkpoint"),
+])
+def test_config_checked_against_this_installation(client, body, field, words):
+    resp = client.post("/api/runs", json={"harness": "mini-swe-agent", **body})
+    assert resp.status_code == 400, resp.get_json()
+    err = resp.get_json()["error"]
+    assert err["field"] == field and words in err["message"]
+    assert _runs_in_db() == 0
+
+
+def test_bad_task_set_file_is_400_without_echoing_it(client, tmp_path):
+    bad = tmp_path / "tasks.jsonl"
+    bad.write_text("\n".join(f'{{"instance_id": "x{i}", "secret": "{"s" * 100}"}}' for i in range(50)))
+    resp = client.post("/api/runs", json={"task_set": str(bad)})
+    assert resp.status_code == 400
+    err = resp.get_json()["error"]
+    assert err["field"] == "task_set" and len(err["message"]) < 700
+
+
+def test_list_limit_is_validated(client):
+    assert client.get("/api/runs?limit=abc").status_code == 400
+    assert client.get("/api/runs?limit=0").status_code == 400
+    assert client.get("/api/runs?limit=5").status_code == 200
 
 
 def test_create_run_commits_then_enqueues(client, redis_db):
