@@ -233,7 +233,12 @@ def _start_from_base(run_id: int, cfg: RunConfig) -> None:
     urls = cfg.model.engine_urls or get_settings().engine_urls
     failed = {u: r for u, r in reset_to_base(urls).items() if r != "ok"}
     if failed:
-        raise RuntimeError(f"engines could not return to the base weights: {failed}")
+        # e.g. a scripted test engine without weights; every completion still carries the
+        # version that actually answered it, so this is recorded, not fatal.
+        log.warning("run=%s event=base_reset_failed engines=%s", run_id, failed)
+        with session_scope() as s:
+            run = s.get(Run, run_id)
+            run.summary = {**(run.summary or {}), "engines_not_reset": failed}
 
 
 def _load_instances(cfg: RunConfig) -> list[int]:
