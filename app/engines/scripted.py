@@ -85,7 +85,10 @@ def render_prompt(body: dict) -> str:
         text = (f"<think>{reasoning}</think>" if reasoning else "") + _content_text(m.get("content"))
         for tc in m.get("tool_calls") or []:
             fn = tc.get("function") or {}
-            text += f"<tool_call>{json.dumps({'name': fn.get('name'), 'arguments': fn.get('arguments')})}</tool_call>"
+            # Arguments inserted as sent (raw JSON text), the form the engine samples them in: a
+            # tool-call turn re-renders to its sampled ids unless the harness rewrote it.
+            text += ('<tool_call>{"name": ' + json.dumps(fn.get("name")) + ', "arguments": '
+                     + _args_text(fn.get("arguments")) + "}</tool_call>")
         parts.append(head + text + "\n")
     if body.get("add_generation_prompt", True):
         parts.append("<|assistant|>\n")

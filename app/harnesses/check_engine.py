@@ -21,37 +21,9 @@ from the database at DATABASE_URL).
 from __future__ import annotations
 
 import argparse
-import json
 
-from app.engines import scripted
-from app.engines.scripted import MODEL, Scripted, ScriptedServer, _args_text, _content_text
+from app.engines.scripted import MODEL, Scripted, ScriptedServer
 from app.harnesses.base import ScriptedTurn
-
-
-def render_prompt_exact(body: dict) -> str:
-    """`scripted.render_prompt`, except that an assistant tool call's arguments are inserted as sent.
-
-    The scripted engine samples `<tool_call>{"name": N, "arguments": ARGS}</tool_call>` with ARGS
-    as raw JSON text but its template re-encodes ARGS as a JSON *string*, so no tool-call turn
-    could ever re-render to the ids it was sampled as, and every harness would show merge
-    fidelity 0.  With this template a cut means the harness (or the gateway) changed the turn.
-    """
-    parts = []
-    if body.get("tools"):
-        parts.append("<|tools|>\n" + json.dumps(body["tools"], sort_keys=True, ensure_ascii=False) + "\n")
-    for m in body.get("messages") or []:
-        role = m.get("role")
-        head = f"<|{role}|>" + (f"[{m.get('tool_call_id')}]" if role == "tool" else "") + "\n"
-        reasoning = m.get("reasoning") or m.get("reasoning_content")
-        text = (f"<think>{reasoning}</think>" if reasoning else "") + _content_text(m.get("content"))
-        for tc in m.get("tool_calls") or []:
-            fn = tc.get("function") or {}
-            text += ('<tool_call>{"name": ' + json.dumps(fn.get("name")) + ', "arguments": '
-                     + _args_text(fn.get("arguments")) + "}</tool_call>")
-        parts.append(head + text + "\n")
-    if body.get("add_generation_prompt", True):
-        parts.append("<|assistant|>\n")
-    return "".join(parts)
 
 
 def scripted_reply(turn: ScriptedTurn) -> dict:
@@ -130,7 +102,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=4_000_000)
     ap.add_argument("--model", default=MODEL)
     args = ap.parse_args(argv)
-    scripted.render_prompt = render_prompt_exact  # this process only: see render_prompt_exact
     turns = None if args.harness == "auto" else get_preset(args.harness).check_script()
     state = CheckScripted(turns, max_model_len=args.max_model_len,
                           model=args.model)
