@@ -2,7 +2,7 @@
 
 * `install NAME|all` installs into `<var_dir>/tools` (idempotent; prints time and size).
 * `check NAME|all` runs each CLI once, headless, against a fresh gateway (gunicorn
-  subprocess) backed by the check engine, and prints: exit status, completions
+  subprocess) backed by a scripted engine (`app.conformance`), and prints: exit status, completions
   captured (with token ids), API spoken, merge fidelity, the diff, seconds.
   `--json` prints one JSON object per harness instead.  Exit code 1 when any check fails.
   `--pipeline` instead submits a `collect` run per harness through the REST API to a
@@ -87,7 +87,7 @@ def _check_redis_url(explicit: str | None) -> str:
 
 
 def cmd_check_pipeline(args) -> int:
-    from app.harnesses.pipeline_check import run_pipeline_checks
+    from app.conformance.pipeline_check import run_pipeline_checks
 
     names = [n for n in _names(args.name)]
     missing = [n for n in names if not get_preset(n).is_installed()]
@@ -115,7 +115,7 @@ def cmd_check_pipeline(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from app.harnesses.check import run_check
+    from app.conformance.harness_check import run_check
 
     if args.pipeline:
         return cmd_check_pipeline(args)

@@ -85,7 +85,7 @@ class ScriptedTurn:
 
     Either a tool call (`tool` = the harness's own tool name, `arguments` its JSON
     arguments) or plain `text`.  Turned into the scripted engine's format by
-    `app.harnesses.check`.
+    `app.conformance.scripted_engine`.
     """
 
     text: str | None = None
@@ -98,7 +98,7 @@ class HarnessPreset:
     """Base class of the seven presets (subclasses set the class attributes and the three hooks).
 
     Class attributes: `name` (registry name), `package` (npm or PyPI name),
-    `version` (pinned; the one ../shared/research/harness-probe.md verified),
+    `version` (pinned; the version whose behaviour the preset was verified against),
     `api` (the client API it speaks by default: chat | responses | anthropic | gemini),
     `bin_name` (executable inside the install).
     """

@@ -5,7 +5,7 @@ provider `turnstile` with `base_url = <gateway>/v1`, `wire_api = "responses"` an
 `env_key = TURNSTILE_API_KEY` (the key itself stays in the environment).
 A custom provider is used instead of the built-in `openai` one because the
 built-in provider first tries 7 Responses-over-WebSocket upgrades (~6 s) and
-ignores `OPENAI_BASE_URL` (../shared/research/harness-probe.md, Codex gotchas).
+ignores `OPENAI_BASE_URL`.
 
 Traps handled: `codex exec` reads stdin and hangs on an open pipe (the runner
 must give it /dev/null or an empty, closed stdin); update checks, analytics,

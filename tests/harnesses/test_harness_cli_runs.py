@@ -1,5 +1,5 @@
 """Real runs: each of the seven real CLIs, headless, against the real gateway (gunicorn subprocess)
-backed by the check engine (the scripted engine answering the preset's check script).
+backed by the conformance scripted engine (answering the preset's check script).
 
 Per harness: exit 0, at least one Completion row with prompt ids, sampled ids and
 logprobs, the API recorded equals the preset's `api`, the scripted file edit is in
@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
+from app.conformance.harness_check import run_check
 from app.harnesses import get_preset
 from app.harnesses.base import CHECK_CONTENT, CHECK_FILE
-from app.harnesses.check import run_check
 from app.models import Completion, Episode
 from app.proxy.sessions import TOKEN_PREFIX
 from app.runconfig import HARNESSES

@@ -1,5 +1,5 @@
 """`harness check --pipeline` for every installed harness, for real: REST API (gunicorn) -> Celery worker
--> sandboxed runtime of a bundled task instance -> harness CLI -> gateway (gunicorn) -> check engine,
+-> sandboxed runtime of a bundled task instance -> harness CLI -> gateway (gunicorn) -> scripted engine,
 then grading and prefix-merged trajectories.  One collect run per harness, all submitted together.
 
 Redis DB 15 holds the queues (flushed); the database is a fresh SQLite file.
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from app.conformance.pipeline_check import run_pipeline_checks
 from app.harnesses import get_preset
-from app.harnesses.pipeline_check import run_pipeline_checks
 from app.runconfig import HARNESSES
 
 REDIS_DB = 15

@@ -1,5 +1,5 @@
 """Preset unit tests: registry, config files (gateway URL + key where each CLI reads them, telemetry
-and update checks off), commands, environment, and the check engine's reply choice.
+and update checks off), commands, environment, and the conformance scripted engine's reply choice.
 
 No CLI runs here (see test_harness_cli_runs.py for the real runs).
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from app.conformance.scripted_engine import choose_reply
 from app.harnesses import PRESETS, get_preset
 from app.harnesses.base import APIS, HarnessInstallError, prompt_arg
-from app.harnesses.check_engine import choose_reply
 from app.runconfig import HARNESSES, Budget
 
 GW = "http://127.0.0.1:18100"
@@ -176,7 +176,7 @@ def test_install_is_idempotent_when_present():
     assert preset.install() == 0.0
 
 
-def test_check_engine_reply_choice():
+def test_scripted_engine_reply_choice():
     turns = get_preset("codex").check_script()
     tools = [{"type": "function", "function": {"name": "exec_command"}}]
     first = choose_reply(turns, {"messages": [{"role": "user", "content": "go"}], "tools": tools})
@@ -188,3 +188,34 @@ def test_check_engine_reply_choice():
     # auxiliary calls (no edit tool, or JSON mode) get the scripted engine's default
     assert choose_reply(turns, {"messages": [{"role": "user", "content": "title?"}]}) == {}
     assert choose_reply(turns, {"messages": [], "tools": tools, "response_format": {"type": "json_object"}}) == {}
+
+
+APP = Path(__file__).resolve().parents[2] / "app"
+
+
+def _app_imports(path: Path) -> set[str]:
+    """Every `app.*` module `path` imports (top level or inside functions)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name == "app" or a.name.startswith("app.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and (node.module == "app" or node.module.startswith("app.")):
+            found.add(node.module)
+    return found
+
+
+def test_presets_import_only_the_bottom_layer():
+    allowed = ("app.harnesses", "app.runconfig", "app.config")
+    for path in sorted((APP / "harnesses").glob("*.py")):
+        bad = {m for m in _app_imports(path) if not any(m == a or m.startswith(a + ".") for a in allowed)}
+        assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+def test_only_the_harness_cli_imports_the_conformance_checks():
+    importers = sorted(str(p.relative_to(APP)) for p in APP.rglob("*.py")
+                       if "conformance" not in p.relative_to(APP).parts
+                       and any(m == "app.conformance" or m.startswith("app.conformance.") for m in _app_imports(p)))
+    assert importers == ["cli/harness.py"]

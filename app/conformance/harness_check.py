@@ -1,7 +1,7 @@
-"""`harness check`, preset level: one real CLI run against a real gateway backed by the check engine.
+"""`harness check`: one real harness CLI run against the real gateway backed by a scripted engine.
 
-`run_check(name)` starts two subprocesses, the check engine
-(`app.harnesses.check_engine`, the scripted engine answering the preset's
+`run_check(name)` starts two subprocesses (`app.conformance.servers.Servers`), the
+scripted engine (`app.conformance.scripted_engine`, answering the preset's
 `check_script()`) and the gateway (gunicorn, `app.proxy:create_gateway_app()`),
 both on free loopback ports and bound to one SQL database; it creates a run,
 an instance and a `running` episode, issues the episode's session token, writes
@@ -20,26 +20,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
+from app.conformance.servers import Servers
+from app.harnesses import get_preset
 from app.harnesses.base import CHECK_CONTENT, CHECK_FILE, CHECK_PROBLEM, HarnessPreset
 from app.models import Base, Completion, Episode, Run, TaskInstance
+from app.proxy.sessions import issue_session
 from app.runconfig import Budget
 from app.runtimes.patch import patch_from_workspace
 from app.training.trajectories import CompletionRecord, prefix_merging
 
-ROOT = Path(__file__).resolve().parents[2]
 CHECK_MODEL = "turnstile-check"
 
 
@@ -75,80 +73,6 @@ class CheckReport:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited {proc.returncode}:\n{log.read_text(errors='replace')[-2000:]}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
-
-
-class _Servers:
-    """The check engine and the gateway as subprocesses (own process groups; killed on exit)."""
-
-    def __init__(self, harness: str, database_url: str, workdir: Path, max_model_len: int | None = None):
-        self.harness, self.database_url, self.workdir = harness, database_url, workdir
-        self.max_model_len = max_model_len
-        self.procs: list[tuple[subprocess.Popen, object]] = []
-
-    def _start(self, argv: list[str], env: dict, name: str) -> tuple[subprocess.Popen, Path]:
-        log = self.workdir / f"{name}.log"
-        fh = open(log, "wb")
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        self.procs.append((proc, fh))
-        return proc, log
-
-    def __enter__(self) -> "_Servers":
-        env = {**os.environ, "DATABASE_URL": self.database_url, "PYTHONUNBUFFERED": "1"}
-        eport, gport = free_port(), free_port()
-        self.engine_url = f"http://127.0.0.1:{eport}"
-        self.gateway_url = f"http://127.0.0.1:{gport}"
-        try:
-            argv = [sys.executable, "-m", "app.harnesses.check_engine", "--harness", self.harness, "--port", str(eport)]
-            if self.max_model_len:
-                argv += ["--max-model-len", str(self.max_model_len)]
-            proc, log = self._start(argv, env, "engine")
-            _wait_http(self.engine_url + "/health", proc, log)
-            genv = {**env, "TURNSTILE_ENGINE_URLS": self.engine_url, "TURNSTILE_GATEWAY_BIND": f"127.0.0.1:{gport}",
-                    "TURNSTILE_GATEWAY_WORKERS": "1", "TURNSTILE_GATEWAY_THREADS": "16",
-                    "TURNSTILE_GATEWAY_SESSION_CACHE_S": "0"}
-            proc, log = self._start([sys.executable, "-m", "gunicorn", "-c", str(ROOT / "workers" / "gateway_conf.py"),
-                                     "app.proxy:create_gateway_app()"], genv, "gateway")
-            _wait_http(self.gateway_url + "/health", proc, log)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for proc, fh in reversed(self.procs):
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    proc.wait(timeout=10)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    proc.wait(timeout=5)
-            fh.close()
-        self.procs.clear()
 
 
 def make_workspace(path: Path) -> None:
@@ -212,16 +136,14 @@ def evaluate(report: CheckReport, preset: HarnessPreset, rows: list[Completion],
 
 def run_check(name: str, *, timeout_s: float = 120.0, workdir: Path | None = None,
               budget: Budget | None = None, max_model_len: int | None = None) -> CheckReport:
-    """Run harness `name` once against a fresh gateway + check engine; returns a `CheckReport`.
+    """Run harness `name` once against a fresh gateway + scripted engine; returns a `CheckReport`.
 
     Uses its own SQLite database under `workdir` (a temporary folder by default,
-    removed afterwards unless given).  `max_model_len` shrinks the check engine's
-    context window (token = byte there) to provoke context-overflow errors.  Raises `HarnessInstallError` when the CLI is
-    not installed, RuntimeError when a server does not start, ValueError for a non-empty `workdir`.
+    removed afterwards unless given).  `max_model_len` shrinks the scripted engine's
+    context window (token = byte there) to provoke context-overflow errors.  Raises
+    `HarnessInstallError` when the CLI is not installed, RuntimeError when a server does
+    not start, ValueError for an unknown harness or a non-empty `workdir`.
     """
-    from app.harnesses import get_preset
-    from app.proxy.sessions import issue_session
-
     preset = get_preset(name)
     preset.require_installed()
     budget = budget or Budget(max_turns=8, max_tokens=512)
@@ -241,7 +163,7 @@ def run_check(name: str, *, timeout_s: float = 120.0, workdir: Path | None = Non
         workspace, home = work / "workspace", work / "home"
         make_workspace(workspace)
         home.mkdir()
-        with _Servers(name, url, work, max_model_len) as servers:
+        with Servers(name, url, work, max_model_len) as servers:
             preset.write_config(home, servers.gateway_url, token, CHECK_MODEL, budget)
             env = preset.env(home, servers.gateway_url, token, CHECK_MODEL)
             env["PATH"] = os.pathsep.join([*preset.path_prepend(), os.environ.get("PATH", "/usr/bin:/bin")])

@@ -4,7 +4,7 @@ For each harness a `collect` run (one instance of the task set, group of 1) is
 submitted to the REST API (gunicorn subprocess); a real `celery -A app worker`
 prepares the runtime, runs the preset headless in its sandbox
 (`app.pipeline.run_harness`), grades the patch and builds the trajectories.  The
-gateway (gunicorn) forwards to the check engine in `auto` mode, which answers
+gateway (gunicorn) forwards to the scripted engine in `auto` mode, which answers
 each episode with its own harness's check script.  Everything is bound to a
 fresh SQLite database and a separate Redis database, so a running deployment
 is never touched.
@@ -27,9 +27,11 @@ import httpx
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
+from app.conformance.servers import ROOT, Servers, free_port, wait_http
+from app.harnesses import get_preset
 from app.harnesses.base import CHECK_CONTENT, CHECK_FILE, shared_tools_dir
-from app.harnesses.check import ROOT, _Servers, _wait_http, free_port
 from app.models import Base, Completion, Episode, Run
+from app.tasksets import load_task_set
 
 SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key")
 
@@ -61,8 +63,8 @@ class PipelineReport:
         return {**asdict(self), "ok": self.ok}
 
 
-class _PipelineServers(_Servers):
-    """Check engine (auto), gateway, REST API and one Celery worker, all on one database and Redis DB."""
+class _PipelineServers(Servers):
+    """Scripted engine (auto), gateway, REST API and one Celery worker, all on one database and Redis DB."""
 
     def __init__(self, database_url: str, redis_url: str, workdir: Path, concurrency: int = 2):
         super().__init__("auto", database_url, workdir)
@@ -78,12 +80,12 @@ class _PipelineServers(_Servers):
                    "TURNSTILE_GATEWAY_URL": self.gateway_url, "TURNSTILE_ENGINE_URLS": self.engine_url,
                    "TURNSTILE_TOOLS_DIR": str(shared_tools_dir()), "TURNSTILE_API_BIND": f"127.0.0.1:{aport}",
                    "TURNSTILE_API_WORKERS": "1", "PYTHONUNBUFFERED": "1"}
-            proc, log = self._start([sys.executable, "-m", "gunicorn", "-c", str(ROOT / "workers" / "api_conf.py"),
-                                     "app:create_app()"], env, "api")
-            _wait_http(self.api_url + "/api/health", proc, log)
-            self._start([sys.executable, "-m", "celery", "-A", "app", "worker", "-Q", "control,prepare,rollout,grade",
-                         "-c", str(self.concurrency), "-n", f"check-{aport}@%h", "--without-heartbeat",
-                         "--without-mingle", "--without-gossip", "-O", "fair", "--loglevel", "INFO"], env, "worker")
+            proc, log = self.start([sys.executable, "-m", "gunicorn", "-c", str(ROOT / "workers" / "api_conf.py"),
+                                    "app:create_app()"], env, "api")
+            wait_http(self.api_url + "/api/health", proc, log)
+            self.start([sys.executable, "-m", "celery", "-A", "app", "worker", "-Q", "control,prepare,rollout,grade",
+                        "-c", str(self.concurrency), "-n", f"check-{aport}@%h", "--without-heartbeat",
+                        "--without-mingle", "--without-gossip", "-O", "fair", "--loglevel", "INFO"], env, "worker")
         except BaseException:
             self.__exit__()
             raise
@@ -102,8 +104,6 @@ def run_config(harness: str, instance: str | None, task_set: str, agent_s: int) 
 
 
 def _first_instance(task_set: str) -> str:
-    from app.tasksets import load_task_set
-
     return load_task_set(task_set).instances[0].instance_id
 
 
@@ -149,8 +149,6 @@ def run_pipeline_checks(names: list[str], *, redis_url: str, task_set: str = "sy
     check's).  Uses a fresh SQLite database under `workdir` (temporary by default).
     Raises RuntimeError when a server does not start or a run is rejected.
     """
-    from app.harnesses import get_preset
-
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="turnstile-pipeline-check-")) if own else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The engine behind `harness check`: the scripted engine, answering by the conversation's state.
+"""The engine behind the conformance checks: the scripted engine, answering by the conversation's state.
 
 `app.engines.scripted` answers from a per-episode list consumed in order, which
 breaks for harnesses that make auxiliary calls (OpenCode's title generator, Qwen's
@@ -14,7 +14,7 @@ itself, so it is deterministic however many side calls a harness makes:
 Replies use the scripted engine's reply format ({"text", "tool_calls": [{"name", "arguments"}]}),
 and token ids / logprobs come from the scripted engine unchanged.
 
-Run: `python -m app.harnesses.check_engine --harness NAME|auto --port N [--max-model-len L]`
+Run: `python -m app.conformance.scripted_engine --harness NAME|auto --port N [--max-model-len L]`
 (`auto`: the script of the harness named in the calling episode's run config, read
 from the database at DATABASE_URL).
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 
 from app.engines.scripted import MODEL, Scripted, ScriptedServer
+from app.harnesses import PRESETS, get_preset
 from app.harnesses.base import ScriptedTurn
 
 
@@ -72,13 +73,12 @@ class CheckScripted(Scripted):
         self._by_episode: dict[str, list[ScriptedTurn]] = {}
 
     def turns_for(self, episode: str | None) -> list[ScriptedTurn] | None:
+        """The script for calls of `episode` (an episode id as text); None when no harness is known for it."""
         if self.turns is not None:
             return self.turns
         if not episode or not episode.isdigit():
             return None
         if episode not in self._by_episode:
-            from app.harnesses import PRESETS
-
             name = harness_of_episode(int(episode))
             if name not in PRESETS:
                 return None
@@ -87,13 +87,13 @@ class CheckScripted(Scripted):
         return self._by_episode[episode]
 
     def reply_for(self, body: dict, episode: str | None) -> dict:
+        """The reply to one Chat Completions `body` of `episode`; {} = the scripted engine's default."""
         turns = self.turns_for(episode)
         return choose_reply(turns, body) if turns else {}
 
 
 def main(argv: list[str] | None = None) -> None:
-    from app.harnesses import get_preset
-
+    """Serve the scripted engine for `--harness` on `--host:--port` until interrupted; returns None."""
     ap = argparse.ArgumentParser(description="Scripted engine answering a harness's check script")
     ap.add_argument("--harness", required=True, help="a preset name, or 'auto' (by the episode's run config)")
     ap.add_argument("--port", type=int, required=True)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     state = CheckScripted(turns, max_model_len=args.max_model_len,
                           model=args.model)
     srv = ScriptedServer((args.host, args.port), state)
-    print(f"check engine for {args.harness} on http://{args.host}:{args.port}", flush=True)
+    print(f"scripted engine for {args.harness} on http://{args.host}:{args.port}", flush=True)
     try:
         srv.serve_forever()
     except KeyboardInterrupt:
