@@ -12,8 +12,9 @@ prompt ids, sampled ids and logprobs), the APIs spoken, merge fidelity (the
 `prefix_merging` builder of `app.training.trajectories` over the captured ids),
 the agent's `git diff`, and whether the session token leaked into any record.
 
-The full path (a `collect` run through the REST API and a real Celery worker)
-uses the same preset through `app.pipeline.run_harness`.
+The full path (a `collect` run through the REST API and a real Celery worker,
+where the pipeline's rollout stage runs the same preset) is
+`app.conformance.pipeline_check`.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 For each harness a `collect` run (one instance of the task set, group of 1) is
 submitted to the REST API (gunicorn subprocess); a real `celery -A app worker`
-prepares the runtime, runs the preset headless in its sandbox
-(`app.pipeline.run_harness`), grades the patch and builds the trajectories.  The
+prepares the runtime, runs the preset headless in its sandbox (the pipeline's
+rollout stage), grades the patch and builds the trajectories.  The
 gateway (gunicorn) forwards to the scripted engine in `auto` mode, which answers
 each episode with its own harness's check script.  Everything is bound to a
 fresh SQLite database and a separate Redis database, so a running deployment
