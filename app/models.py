@@ -26,6 +26,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from app.arrays import Float32Array, Int32Array, UInt8Array
+from app.runconfig import RunConfig
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 
@@ -64,6 +65,13 @@ class Run(Base):
 
     episodes: Mapped[list["Episode"]] = relationship(back_populates="run", cascade="all, delete-orphan")
     steps: Mapped[list["TrainingStep"]] = relationship(back_populates="run", cascade="all, delete-orphan")
+
+    def run_config(self) -> RunConfig:
+        """`config` as the validated `RunConfig` (defaults filled in; stored configs were validated at creation).
+
+        Raises `pydantic.ValidationError` if the stored JSON no longer validates.
+        """
+        return RunConfig.model_validate(self.config)
 
 
 # --- task instances -----------------------------------------------------------------

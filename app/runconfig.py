@@ -7,11 +7,18 @@ turns into a 400.  Unknown top-level fields are rejected (a typo such as
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 HARNESSES = ("mini-swe-agent", "codex", "claude-code", "qwen-code", "gemini-cli", "opencode", "pi")
+
+AdvantageMode = Literal["mean", "leave_one_out"]
+LossAggregation = Literal["token", "sequence"]
+Builder = Literal["prefix_merging", "per_request"]
+ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
+BUILDERS: tuple[str, ...] = get_args(Builder)
 
 
 class Timeouts(BaseModel):
@@ -81,6 +88,56 @@ class Scheduling(BaseModel):
         None, ge=1, description="fail the run once this many episodes failed (default: 2 x group_size x tasks_per_step)")
 
 
+class TrainingConfig(BaseModel):
+    """GRPO trainer settings: the `training` section of a run, validated when the run is created.
+
+    Strict types (JSON numbers for numbers, JSON booleans for flags): `{"lora": "false"}` or
+    `{"learning_rate": "abc"}` is a 400 at `POST /api/runs`, never a surprise at the first
+    training step.  The objective is GRPO (Shao et al. 2024, arXiv:2402.03300) with DAPO's
+    clip-higher and token-level loss (Yu et al. 2025, arXiv:2503.14476) and truncated
+    importance sampling against the rollout policy (Yao et al. 2025, "Your efficient RL
+    framework secretly brings you off-policy RL training").
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    # the update
+    learning_rate: float = Field(1e-6, gt=0, description="AdamW learning rate (constant).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 = no clipping).")
+    micro_batch_tokens: int = Field(
+        8192, ge=16, description="Token budget of one micro-batch, padding included (rows x longest row). "
+                                 "A single sequence longer than this gets a micro-batch of its own.")
+    gradient_accumulation_steps: int | None = Field(
+        None, ge=1, description="Micro-batches accumulated per optimizer update. None: all micro-batches of a step "
+                                "accumulate into one update (on-policy). A number k splits the step into several "
+                                "updates; later ones are off-policy and the PPO clip applies to them.")
+    # the objective
+    advantage_mode: AdvantageMode = Field("mean", description="Group baseline: the group mean, or leave-one-out.")
+    normalize_advantage_std: bool = Field(True, description="Divide advantages by the group's reward std.")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip range below 1 (ratio >= 1 - clip_low).")
+    clip_high: float = Field(0.28, ge=0, description="PPO clip range above 1 (DAPO clip-higher).")
+    tis_cap: float | None = Field(2.0, ge=1, description="Cap C of the truncated importance weight trainer/rollout "
+                                                          "(null disables TIS).")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the initial policy (0 = off).")
+    loss_aggregation: LossAggregation = Field("token", description="Loss mean over tokens of the batch, or per sequence.")
+    # the data
+    builder: Builder = Field("prefix_merging", description="Trajectory builder.")
+    # the model
+    lora: bool = Field(False, description="Train LoRA adapters (peft) instead of all weights; adapters are merged "
+                                          "into the weights the engines load.")
+    lora_r: int = Field(16, ge=1, description="LoRA rank.")
+    lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale = alpha / r).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    seed: int = Field(0, description="Seed for torch (dropout, LoRA init).")
+
+    def to_dict(self) -> dict:
+        """The settings as a JSON-ready dict (every field, defaults included)."""
+        return self.model_dump(mode="json")
+
+
 class RunConfig(BaseModel):
     """Everything a run needs; stored verbatim (after defaults) in `runs.config`."""
 
@@ -98,7 +155,7 @@ class RunConfig(BaseModel):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     budget: Budget = Field(default_factory=Budget)
     scheduling: Scheduling = Field(default_factory=Scheduling)
-    training: dict = Field(default_factory=dict, description="GRPO/trainer options (app.training.config)")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="GRPO trainer settings")
     simulate: Simulation | None = None
     priority: int = Field(0, ge=0, le=9, description="higher runs first on shared queues (eval runs default to 5)")
 

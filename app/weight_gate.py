@@ -17,27 +17,21 @@ from typing import Iterator
 
 import redis as redis_lib
 
-from app.config import get_settings
+from app.redis_client import get_redis
 
 GATE_TTL_S = 600
 _CACHE_S = 0.1  # a request in the first 100 ms of a reload reaches the engine, which holds it itself
 
-_client: redis_lib.Redis | None = None
 _cache: dict[str, tuple[float, bool]] = {}
 _lock = threading.Lock()
 
 
 def _redis() -> redis_lib.Redis:
-    global _client
-    if _client is None:
-        _client = redis_lib.Redis.from_url(get_settings().redis_url, socket_timeout=2)
-    return _client
+    return get_redis()
 
 
 def reset() -> None:
-    """Forget the client and cache (after fork, or when settings change)."""
-    global _client
-    _client = None
+    """Forget the cached gate states (tests change Redis between cases)."""
     _cache.clear()
 
 

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from app.engines.modeling import build_tiny_model, tiny_config  # noqa: E402
 from app.training.batching import StepSequence  # noqa: E402
-from app.training.config import TrainingConfig  # noqa: E402
+from app.runconfig import TrainingConfig  # noqa: E402
 from app.training.grpo import group_advantages  # noqa: E402
 from app.training.trainer import Trainer  # noqa: E402
 from app.training.trajectories import CompletionRecord, per_request, prefix_merging  # noqa: E402

@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def _run(config: dict) -> dict:
-    from app import create_app, scheduler
+    from app import create_app
+    from app.control import state
     from app.db import session_scope
     from app.models import Run
 
@@ -39,7 +40,7 @@ def _run(config: dict) -> dict:
                 wall = (run.finished_at - run.started_at).total_seconds()
                 break
         time.sleep(0.2)
-    waits = [float(w) for w in scheduler.redis_client().lrange(scheduler.ready_waits_key(run_id), 0, -1)]
+    waits = state.ready_waits(run_id)
     return {"status": run.status, "wall_s": wall, "waits": waits}
 
 

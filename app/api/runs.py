@@ -86,7 +86,7 @@ def create_run():
         cfg = RunConfig.model_validate(body)
     except ValidationError as exc:
         raise _validation_error(exc) from None
-    from app.preflight import check_run_config  # validates choices against this installation
+    from app.control.runs import check_run_config  # validates choices against this installation
 
     problem = check_run_config(cfg)
     if problem is not None:

@@ -33,8 +33,9 @@ from typing import Any
 import redis as redis_lib
 
 from app.config import Settings, get_settings
+from app.redis_client import get_redis
 from app.grading.patching import apply_script, drop_test_changes
-from app.grading.swebench_compat import grading_module, make_test_spec
+from app.tasksets.swebench_compat import grading_module, make_test_spec
 from app.runtimes.local import LocalRuntime
 from app.runtimes.paths import RuntimePaths
 from app.runtimes.sandbox import Mount
@@ -91,7 +92,9 @@ def _redis(settings: Settings, client: Any) -> Any:
     if client is not None:
         return client
     try:
-        c = redis_lib.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
+        # The process's shared client, unless the caller grades against other settings.
+        c = get_redis() if settings.redis_url == get_settings().redis_url else \
+            redis_lib.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
         c.ping()
         return c
     except redis_lib.RedisError as exc:

@@ -1,37 +1,39 @@
-"""`control` queue: start, tick and cancel runs; `gpu` simulated steps."""
+"""`control` queue: start, tick and cancel runs; the watchdog; a failed training step's errback."""
 from __future__ import annotations
-
-import time
 
 from celery import shared_task
 
-from app import scheduler
+from app.control import runs, scheduler, watchdog as control_watchdog
 from app.db import session_scope
-from app.models import Run, TrainingStep, utcnow
+from app.models import TrainingStep, utcnow
+from app.redis_client import get_redis
 from app.states import transition
+from app.tasks.send import send
+
+TRAIN_TASK = "gpu.train_step"
 
 
 @shared_task(name="control.start_run", acks_late=True)
 def start_run(run_id: int) -> None:
-    scheduler.start_run(run_id)
+    send(runs.start_run(run_id))
 
 
 @shared_task(name="control.tick", acks_late=True)
 def tick(run_id: int) -> None:
-    scheduler.tick(run_id)
+    send(scheduler.tick(run_id))
 
 
 @shared_task(name="control.cancel_run", acks_late=True)
 def cancel_run(run_id: int) -> None:
-    scheduler.tick(run_id)
+    send(scheduler.tick(run_id))
 
 
 @shared_task(name="control.watchdog", acks_late=True)
 def watchdog() -> dict:
     """Periodic backstop (Celery beat): re-send orphaned training steps, tick running runs."""
-    from app.watchdog import watchdog as run_watchdog
-
-    return run_watchdog()
+    plan = control_watchdog.watchdog(_steps_in_workers(), _gpu_queue_depth())
+    send(plan)
+    return {"resent": plan.train, "ticked": plan.tick}
 
 
 @shared_task(name="control.step_failed")
@@ -41,37 +43,25 @@ def step_failed(request, exc, traceback, run_id: int, step: int) -> None:
         row = s.query(TrainingStep).filter_by(run_id=run_id, step=step).one_or_none()
         if row is not None:
             transition(s, TrainingStep, row.id, "failed", error=f"{type(exc).__name__}: {exc}", finished_at=utcnow())
-    scheduler.tick(run_id)
+    send(scheduler.tick(run_id))
 
 
-def enqueue_train_step(run_id: int, step: int, simulated: bool) -> None:
-    """Send step `step` of run `run_id` to the gpu queue; a tick follows it, success or failure."""
-    after = tick.si(run_id)
-    if simulated:
-        simulated_train_step.apply_async(args=[run_id, step], link=after)
-        return
-    from app.tasks.training import train_step as real_step
-
-    real_step.apply_async(args=[run_id, step], link=after, link_error=step_failed.s(run_id, step))
+def _gpu_queue_depth() -> int:
+    """Messages waiting on the gpu queue: kombu's Redis transport keeps one list per priority
+    level, `gpu` for 0 and `gpu<sep><p>` for the others (sep ":" in app/celery.py)."""
+    r = get_redis()
+    return sum(r.llen(key) for key in ["gpu", *(f"gpu:{p}" for p in range(1, 10))])
 
 
-@shared_task(name="gpu.simulated_train_step", acks_late=False)
-def simulated_train_step(run_id: int, step: int) -> None:
-    """A training step of fixed length (`simulate.train_s`) for the scheduler bench and tests.
+def _steps_in_workers() -> set[tuple[int, int]]:
+    """(run_id, step) of every training task a live worker is running or has reserved."""
+    from app.celery import app as celery_app
 
-    Does everything a real step does to the run's state (step row, policy version),
-    only the optimizer update is replaced by a sleep.
-    """
-    with session_scope() as s:
-        row = s.query(TrainingStep).filter_by(run_id=run_id, step=step).one()
-        # pending, or training left behind by a killed worker and re-sent by the watchdog
-        if not transition(s, TrainingStep, row.id, "training", expect=("pending", "training"), started_at=utcnow()):
-            return
-        train_s = (s.get(Run, run_id).config.get("simulate") or {}).get("train_s", 0.0)
-    time.sleep(train_s)
-    with session_scope() as s:
-        run = s.get(Run, run_id)
-        run.policy_version += 1
-        row = s.query(TrainingStep).filter_by(run_id=run_id, step=step).one()
-        transition(s, TrainingStep, row.id, "completed", policy_version=run.policy_version, finished_at=utcnow(),
-                   metrics={**(row.metrics or {}), "simulated": True, "train_s": train_s})
+    inspect = celery_app.control.inspect(timeout=2.0)
+    seen: set[tuple[int, int]] = set()
+    for listing in (inspect.active() or {}, inspect.reserved() or {}):
+        for tasks in listing.values():
+            for task in tasks:
+                if task.get("name") == TRAIN_TASK and len(task.get("args") or []) >= 2:
+                    seen.add((int(task["args"][0]), int(task["args"][1])))
+    return seen

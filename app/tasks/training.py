@@ -1,6 +1,6 @@
-"""`gpu` queue: GRPO training steps (thin: the work is `app.training.steps.train_step`).
+"""`gpu` queue: training steps (thin: the work is the run's stages, `app.training.steps` for real runs).
 
-Acknowledged on start, not late (../shared/research/aesthetics.md §5): a training step
+Acknowledged on start, not late: a training step
 must never run twice at once, and a redelivery after Redis's visibility timeout would do
 exactly that.  The database row is the truth instead: a step left in `training` by a killed
 worker resumes from its checkpoint when `gpu.train_step` is sent again, and a completed step
@@ -12,11 +12,21 @@ from __future__ import annotations
 
 from celery import shared_task
 
+from app.control.runs import stages_for
+from app.db import session_scope
+from app.models import Run
+
 
 @shared_task(name="gpu.train_step", acks_late=False, reject_on_worker_lost=False, ignore_result=True)
 def train_step(run_id: int, step: int, episode_ids: list[int] | None = None) -> dict:
-    """Run training step `step` of run `run_id`; returns `{run_id, step, policy_version}`."""
-    from app.training.steps import train_step as run_step
+    """Run training step `step` of run `run_id`; returns `{run_id, step, policy_version}`.
 
-    metrics = run_step(run_id, step, episode_ids)
+    Raises LookupError for an unknown run; the errors of the run's training stage otherwise.
+    """
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        if run is None:
+            raise LookupError(f"run {run_id} does not exist")
+        cfg = run.run_config()
+    metrics = stages_for(cfg).train(run_id, step, episode_ids)
     return {"run_id": run_id, "step": step, "policy_version": metrics.get("policy_version")}

@@ -121,7 +121,7 @@ class InstanceRecord(BaseModel):
     @field_validator("log_parser")
     @classmethod
     def _known_parser(cls, v: str) -> str:
-        from app.grading.swebench_compat import parser_names
+        from app.tasksets.swebench_compat import parser_names
 
         if v not in parser_names():
             raise ValueError(f"unknown log parser {v!r} (not in swebench's PARSER_REGISTRY)")

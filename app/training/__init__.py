@@ -5,7 +5,6 @@ Read in this order:
 * `trajectories` — token-exact builders (`per_request`, `prefix_merging`) and ingestion checks
 * `store`        — build and store an episode's `Trajectory` rows, idempotently
 * `grpo`         — group advantages, the clipped + TIS + KL policy loss, loss aggregation
-* `config`       — `TrainingConfig` (the `training` section of a run's config)
 * `batching`     — padded micro-batches under a token budget
 * `policy`       — model loading, LoRA, logprobs of sampled tokens, weight files
 * `trainer`      — `Trainer`: resident model + AdamW, one `update` per step, checkpoints

@@ -11,12 +11,13 @@ Layout under `<var_dir>/runs/<run_id>/`:
 
 A checkpoint is written into a hidden temporary sibling, fsynced and renamed into place, so
 `step_<k>` exists only when complete; resume picks the highest complete k
-(../shared/research/aesthetics.md rule 14).
+(a crash mid-write leaves only the hidden temporary, never a half checkpoint).
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -58,6 +59,31 @@ def complete_checkpoints(run_id: int) -> list[tuple[int, Path]]:
 def latest_checkpoint(run_id: int) -> tuple[int, Path] | None:
     found = complete_checkpoints(run_id)
     return found[-1] if found else None
+
+
+def resolve_checkpoint(spec: str) -> tuple[Path, int]:
+    """(model folder, policy version) of `spec`: a model folder, or 'run:<id>' for that run's newest checkpoint.
+
+    The version comes from the folder's `turnstile.json` (0 when absent).
+    Raises FileNotFoundError when there is no such checkpoint.
+    """
+    if spec.startswith("run:"):
+        run_id = spec.removeprefix("run:")
+        if not run_id.isdigit():
+            raise FileNotFoundError(f"{spec}: expected run:<id> with a numeric run id")
+        root = run_dir(int(run_id)) / "checkpoints"
+        steps = sorted((p for p in root.glob("step_*") if (p / "model").is_dir() and _STEP_DIR.match(p.name)),
+                       key=lambda p: int(p.name.removeprefix("step_")))
+        if not steps:
+            raise FileNotFoundError(f"{spec}: no checkpoint under {root}")
+        folder = steps[-1] / "model"
+    else:
+        folder = Path(spec)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+    meta = folder / "turnstile.json"
+    version = json.loads(meta.read_text()).get("policy_version", 0) if meta.is_file() else 0
+    return folder, int(version or 0)
 
 
 def write_checkpoint(final: Path, write: Callable[[Path], None]) -> Path:

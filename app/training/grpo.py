@@ -33,8 +33,7 @@ from typing import Sequence
 
 import torch
 
-ADVANTAGE_MODES = ("mean", "leave_one_out")
-LOSS_AGGREGATIONS = ("token", "sequence")
+from app.runconfig import ADVANTAGE_MODES, LOSS_AGGREGATIONS  # noqa: F401 (re-exported for callers)
 
 
 def group_advantages(

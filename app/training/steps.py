@@ -35,8 +35,8 @@ from app.db import session_scope
 from app.models import Episode, Group, Run, TrainingStep, utcnow
 from app.states import transition
 from app.training import checkpoints
+from app.runconfig import TrainingConfig
 from app.training.batching import StepSequence
-from app.training.config import TrainingConfig
 from app.training.grpo import group_advantages
 from app.training.store import build_episode_trajectories
 from app.training.weight_sync import push_weights
@@ -156,11 +156,10 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
         if not episode_ids:
             raise ValueError(f"step {step} of run {run_id} lists no episodes")
         transition(s, TrainingStep, row.id, "training", expect=("pending", "training"), started_at=utcnow(), error=None)
-        model_cfg = run.config.get("model") or {}
-        spec = model_cfg.get("name", "tiny")
-        config = TrainingConfig.from_dict(run.config.get("training"))
-        engine_urls = model_cfg.get("engine_urls") or get_settings().engine_urls
-        engine_kind = model_cfg.get("engine", "embedded")
+        run_cfg = run.run_config()
+        spec, config = run_cfg.model.name, run_cfg.training
+        engine_urls = run_cfg.model.engine_urls or get_settings().engine_urls
+        engine_kind = run_cfg.model.engine
         completed_before = s.scalar(select(TrainingStep.id).where(
             TrainingStep.run_id == run_id, TrainingStep.step < step, TrainingStep.status == "completed").limit(1)) is not None
 

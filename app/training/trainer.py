@@ -26,7 +26,7 @@ import torch
 
 from app.training import policy
 from app.training.batching import MicroBatch, StepSequence, make_micro_batches
-from app.training.config import TrainingConfig
+from app.runconfig import TrainingConfig
 from app.training.grpo import policy_loss
 
 OPTIMIZER_FILE = "optimizer.pt"

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-BUILDERS = ("prefix_merging", "per_request")
+from app.runconfig import BUILDERS  # noqa: F401 (the builder names; validated in TrainingConfig)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,13 @@ SIM = {"simulate": {"episode_median_s": 0.1}}
         ({**SIM, "group_size": True}, "group_size"),
         ({**SIM, "instances": []}, "instances"),
         ({**SIM, "kind": "train", "steps": 0}, "steps"),
+        # The training section is typed and strict: caught at creation, never at the first GPU step.
+        ({**SIM, "training": {"clip_hgh": 0.3}}, "training.clip_hgh"),
+        ({**SIM, "training": {"lora": "false"}}, "training.lora"),
+        ({**SIM, "training": {"learning_rate": "abc"}}, "training.learning_rate"),
+        ({**SIM, "training": {"learning_rate": 0}}, "training.learning_rate"),
+        ({**SIM, "training": {"builder": "concat"}}, "training.builder"),
+        ({**SIM, "training": {"tis_cap": 0.5}}, "training.tis_cap"),
     ],
 )
 def test_bad_run_config_is_400_naming_the_field(client, body, field):
@@ -52,6 +59,18 @@ def test_bad_run_config_is_400_naming_the_field(client, body, field):
     assert err["field"] == field
     assert field.split(".")[-1] in err["message"]
     assert _runs_in_db() == 0
+
+
+def test_training_defaults_are_stored_and_published(client):
+    """Defaults live in one place (`TrainingConfig`): the stored run shows them, the schema documents them."""
+    resp = client.post("/api/runs", json={**SIM, "kind": "eval", "training": {"learning_rate": 2e-5}})
+    assert resp.status_code == 202, resp.get_json()
+    training = resp.get_json()["config"]["training"]
+    assert training["learning_rate"] == 2e-5 and training["builder"] == "prefix_merging" and training["lora"] is False
+    spec = client.get("/api/openapi.json").get_json()
+    schemas = spec["components"]["schemas"]
+    assert "TrainingConfig" in schemas, sorted(schemas)
+    assert schemas["TrainingConfig"]["properties"]["clip_high"]["default"] == 0.28
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", b"null"])

@@ -7,7 +7,7 @@ import datetime as dt
 import pytest
 from sqlalchemy import select
 
-from app import scheduler
+from app.control import scheduler, state
 from app.db import session_scope
 from app.models import Episode, Group, Run, TaskInstance, TrainingStep
 from app.runconfig import RunConfig
@@ -18,9 +18,7 @@ REDIS_DB = 10
 
 @pytest.fixture(autouse=True)
 def _fresh_redis(redis_db):
-    scheduler.reset_redis()
     yield
-    scheduler.reset_redis()
 
 
 def _train_run(s, **scheduling) -> Run:
@@ -88,7 +86,7 @@ def test_stragglers_are_cancelled_once_enough_episodes_are_graded(database, redi
         scheduler._close_complete_groups(s, run, _cfg(run))
         eps = s.scalars(select(Episode).where(Episode.group_index == 0).order_by(Episode.sample_index)).all()
         assert eps[3].status == "cancelled" and "straggler" in eps[3].error
-        assert redis_db.exists(scheduler.cancel_key(eps[3].id))  # the rollout sees the flag and stops
+        assert redis_db.exists(state.cancel_key(eps[3].id))  # the rollout sees the flag and stops
         assert g.status == "accepted"
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import datetime as dt
 
-from app import scheduler, watchdog
+from app.control import watchdog
+from app.tasks import control as control_tasks
 from app.db import session_scope
 from app.models import Run, TrainingStep
 from support import celery_worker_args, wait_for
@@ -24,18 +25,17 @@ def _run_with_step(status: str, started_ago_s: float) -> int:
 def test_orphaned_step_is_found_only_when_nobody_holds_it(database):
     run_id = _run_with_step("training", 120)
     now = dt.datetime.now(dt.timezone.utc)
-    assert watchdog.find_orphaned_steps(now, set(), 0) == [(run_id, 0, True)]
+    assert watchdog.find_orphaned_steps(now, set(), 0) == [(run_id, 0)]
     assert watchdog.find_orphaned_steps(now, {(run_id, 0)}, 0) == []  # a worker is on it
     assert watchdog.find_orphaned_steps(now, set(), 1) == []  # a message is still queued
     fresh = _run_with_step("pending", 1)
-    assert (fresh, 0, True) not in watchdog.find_orphaned_steps(now, set(), 0)  # within the grace period
+    assert (fresh, 0) not in watchdog.find_orphaned_steps(now, set(), 0)  # within the grace period
 
 
 def test_watchdog_resends_and_a_worker_finishes_the_step(database, redis_db, spawn):
-    scheduler.reset_redis()
     run_id = _run_with_step("training", 300)  # as left by a gpu worker killed mid-step
-    done = watchdog.watchdog()
-    assert done["resent"] == [(run_id, 0, True)]
+    done = control_tasks.watchdog()  # the beat's task, run here in-process: asks workers (none) and Redis
+    assert done["resent"] == [(run_id, 0)] and run_id in done["ticked"]
     spawn(celery_worker_args("gpu,control", concurrency=1, name="gpu"),
           {"DATABASE_URL": database, "REDIS_URL": "redis://127.0.0.1:6379/10"}, "gpu")
 

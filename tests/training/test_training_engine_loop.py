@@ -18,7 +18,7 @@ from app.engines.modeling import build_tiny_model
 from app.models import Completion, Episode, Group, TaskInstance
 from app.training import steps
 from app.training.batching import StepSequence
-from app.training.config import TrainingConfig
+from app.runconfig import TrainingConfig
 from app.training.trainer import Trainer
 
 

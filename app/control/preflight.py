@@ -1,8 +1,8 @@
 """Checks a run config against this installation before the run is created.
 
-Returns `(field, message)` for the first problem, or None.  Kept apart from the
-pydantic schema because the answers depend on the machine (is the harness
-installed? does the task set exist?), not on the request alone.
+Kept apart from the pydantic schema because the answers depend on the machine (is the
+harness installed? does the task set exist?), not on the request alone.  Imports nothing
+heavy (no torch), so the API process runs it on every `POST /api/runs`.
 """
 from __future__ import annotations
 
@@ -16,11 +16,14 @@ def _short(message: str, limit: int = 400) -> str:
     return message if len(message) <= limit else message[:limit] + " …"
 
 
-def check_run_config(cfg: RunConfig) -> tuple[str, str] | None:
-    if cfg.simulate is not None:
-        return None  # simulated runs use no harness, task files or engine
+def check_installation(cfg: RunConfig) -> tuple[str, str] | None:
+    """`(field, message)` of the first choice the real stages cannot serve here, or None.
+
+    Checks the checkpoint, the task set and its instances, the embedded model and whether
+    the harness is installed.
+    """
     if cfg.model.checkpoint:
-        from app.scheduler import resolve_checkpoint
+        from app.training.checkpoints import resolve_checkpoint
 
         try:
             resolve_checkpoint(cfg.model.checkpoint)

@@ -5,8 +5,9 @@ modal, datasets), and `harness/utils.py` imports `datasets` at module level.  Th
 grading code itself (`harness/grading.py`, `harness/log_parsers/`,
 `harness/constants/`) needs none of them.  So before the first import we register
 an empty module object for `swebench.harness` whose `__path__` is the installed
-folder: submodules then import normally and the heavy `__init__` never runs
-(../shared/research/swebench.md section 4).
+folder: submodules then import normally and the heavy `__init__` never runs.
+It lives with the task sets because both the record schema (valid `log_parser` names)
+and the grader (`app.grading`) use it.
 
 `record_test_exit_code` and `parse_eval_script` live in `harness/utils.py`, which
 we cannot import; `eval_script_lines` reproduces them line for line (source:

@@ -2,11 +2,12 @@
 
 Every state change (run started, runtime prepared, episode graded, step trained,
 cancel requested) calls `tick(run_id)`.  A tick reads the run's state from SQL,
-decides, and enqueues Celery tasks; it never waits for work.  Ticks of one run
-are serialised by a Redis lock; a tick that finds the lock taken marks the run
-dirty so the holder runs one more pass (no event is lost).
+decides, commits, and returns a `Plan` of the messages to send (the task layer sends
+them); it never waits for work.  Ticks of one run are serialised by the run's Redis
+lock; a tick that finds the lock taken marks the run dirty so the holder runs one more
+pass (no event is lost).
 
-Scheduling rules (DESIGN.md "Data flow"; issue 8 for the asynchronous parts):
+Scheduling rules:
 
 * Groups: a train run keeps `tasks_per_step * (1 + async_level)` groups open, where
   async_level is `scheduling.max_async_level` in `async` mode and 0 in `sync` mode
@@ -22,265 +23,58 @@ Scheduling rules (DESIGN.md "Data flow"; issue 8 for the asynchronous parts):
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from pathlib import Path
-from typing import Iterator
 
-import redis as redis_lib
 from sqlalchemy import func, select, update
 
-from app.config import get_settings
+from app.control import state
+from app.control.plan import Plan, celery_priority
+from app.control.summary import scheduling_metrics, summarize_run
 from app.db import session_scope
-from app.models import Episode, Group, Run, TaskInstance, TrainingStep, utcnow
+from app.models import Episode, Group, Run, TrainingStep, utcnow
 from app.runconfig import RunConfig
 from app.states import transition
 
 log = logging.getLogger("turnstile.scheduler")
 
 TERMINAL = ("completed", "failed", "cancelled")
-_redis: redis_lib.Redis | None = None
 
 
-def redis_client() -> redis_lib.Redis:
-    """Process-wide Redis client for `REDIS_URL` (READY buffers, locks, cancel flags)."""
-    global _redis
-    if _redis is None:
-        _redis = redis_lib.Redis.from_url(get_settings().redis_url)
-    return _redis
+def tick(run_id: int) -> Plan:
+    """Advance run `run_id` as far as its current state allows (idempotent); return what to send.
 
-
-def reset_redis() -> None:
-    global _redis
-    _redis = None
-
-
-def ready_key(run_id: int) -> str:
-    return f"turnstile:run:{run_id}:ready"
-
-
-def slot_free_key(run_id: int) -> str:
-    """Redis list of times (unix s) at which a rollout slot of the run became free."""
-    return f"turnstile:run:{run_id}:slot_free"
-
-
-def slot_wait_key(run_id: int) -> str:
-    """Redis hash episode_id -> time its slot became free (for the READY-wait metric)."""
-    return f"turnstile:run:{run_id}:slot_wait"
-
-
-def ready_waits_key(run_id: int) -> str:
-    """Redis list of measured READY waits (s): slot free -> rollout started."""
-    return f"turnstile:run:{run_id}:ready_waits"
-
-
-def cancel_key(episode_id: int) -> str:
-    return f"turnstile:episode:{episode_id}:cancel"
-
-
-def celery_priority(run_priority: int) -> int:
-    """Map a run's priority (0 low .. 9 high) to kombu's Redis priority (0 is served first)."""
-    return max(0, min(9, 9 - run_priority))
-
-
-@contextlib.contextmanager
-def _run_lock(run_id: int) -> Iterator[bool]:
-    r = redis_client()
-    key = f"turnstile:run:{run_id}:lock"
-    token = str(id(object()))
-    got = bool(r.set(key, token, nx=True, px=30_000))
-    try:
-        yield got
-    finally:
-        if got and r.get(key) == token.encode():
-            r.delete(key)
-
-
-def tick(run_id: int) -> None:
-    """Advance run `run_id` as far as its current state allows (idempotent).
-
-    Every caller first marks the run dirty, then tries the lock; the holder keeps
-    making passes while the mark is set, and looks once more after releasing the
-    lock.  So a state change that arrives while another process holds the lock is
-    always seen by some pass (no lost wake-up).
+    Every caller first marks the run dirty, then tries the lock; the holder keeps making
+    passes while the mark is set, and looks once more after releasing the lock.  So a
+    state change that arrives while another process holds the lock is always seen by some
+    pass (no lost wake-up).  Raises `redis.RedisError` when Redis cannot be reached.
     """
-    r = redis_client()
-    dirty = f"turnstile:run:{run_id}:dirty"
-    r.set(dirty, 1, px=600_000)
+    plan = Plan()
+    state.mark_dirty(run_id)
     while True:
-        with _run_lock(run_id) as got:
-            if not got:
-                return  # the holder will see the mark
-            while r.getdel(dirty):
-                _tick_locked(run_id)
-        if not r.get(dirty):
-            return
+        with state.run_lock(run_id) as held:
+            if not held:
+                return plan  # the holder will see the mark
+            while state.take_dirty(run_id):
+                plan += _tick_locked(run_id)
+        if not state.is_dirty(run_id):
+            return plan
 
 
-# --- run start ----------------------------------------------------------------------
-
-
-def start_run(run_id: int) -> bool:
-    """Move a queued run to running, load its task instances, and take the first tick."""
-    with session_scope() as s:
-        won = transition(s, Run, run_id, "running", started_at=utcnow())
-        run = s.get(Run, run_id)
-        if run is None or run.status != "running":
-            return False
-        cfg = RunConfig.model_validate(run.config)
-        has_plan = bool((run.summary or {}).get("instance_ids"))
-    _claim_run_dir(run_id, run.created_at.isoformat())
-    if not has_plan:
-        try:
-            if cfg.model.checkpoint:
-                _load_checkpoint(run_id, cfg)
-            elif cfg.simulate is None and cfg.model.engine == "embedded":
-                _start_from_base(run_id, cfg)
-            instance_ids = _load_instances(cfg)
-        except Exception as exc:  # a bad task set fails the run with the reason, not silently
-            with session_scope() as s:
-                transition(s, Run, run_id, "failed", error=f"starting the run: {exc}"[:1000], finished_at=utcnow())
-            return False
-        with session_scope() as s:
-            run = s.get(Run, run_id)
-            run.summary = {**(run.summary or {}), "instance_ids": instance_ids}
-    log.info("run=%s event=start won=%s", run_id, won)
-    tick(run_id)
-    return True
-
-
-def _claim_run_dir(run_id: int, created_at: str) -> None:
-    """Make `<var_dir>/runs/<id>/` this run's own: move aside a folder left by another database's run `id`.
-
-    Checkpoint resume reads that folder, so a stale one (same id, other DB or a
-    wiped DB) must never be mistaken for this run's progress.
-    """
-    import json
-    import time
-
-    settings = get_settings()
-    root = settings.var_dir / "runs" / str(run_id)
-    marker = root / "run.json"
-    identity = {"database": settings.database_url, "created_at": created_at}
-    if root.exists():
-        try:
-            mine = json.loads(marker.read_text()) == identity
-        except (OSError, ValueError):
-            mine = False
-        if mine:
-            return
-        root.rename(root.with_name(f"{run_id}.stale-{int(time.time())}"))
-    root.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(identity))
-
-
-def resolve_checkpoint(spec: str) -> tuple[Path, int]:
-    """(model folder, policy version) of `spec`: a folder, or 'run:<id>' for a run's newest checkpoint.
-
-    Raises FileNotFoundError when there is no such checkpoint.
-    """
-    import json
-
-    if spec.startswith("run:"):
-        root = get_settings().var_dir / "runs" / spec.removeprefix("run:") / "checkpoints"
-        steps = sorted((p for p in root.glob("step_*") if (p / "model").is_dir()),
-                       key=lambda p: int(p.name.removeprefix("step_")))
-        if not steps:
-            raise FileNotFoundError(f"{spec}: no checkpoint under {root}")
-        folder = steps[-1] / "model"
-    else:
-        folder = Path(spec)
-        if not folder.is_dir():
-            raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
-    meta = folder / "turnstile.json"
-    version = json.loads(meta.read_text()).get("policy_version", 0) if meta.is_file() else 0
-    return folder, int(version or 0)
-
-
-def _load_checkpoint(run_id: int, cfg: RunConfig) -> None:
-    """Load the run's checkpoint into every engine (through the reload gate) before any episode."""
-    from app.training.weight_sync import push_weights
-
-    folder, version = resolve_checkpoint(cfg.model.checkpoint)
-    urls = cfg.model.engine_urls or get_settings().engine_urls
-    results = push_weights(urls, folder, version, engine_kind=cfg.model.engine)
-    failed = {u: r for u, r in results.items() if r != "ok"}
-    if failed:
-        raise RuntimeError(f"engines did not load {folder}: {failed}")
-    with session_scope() as s:
-        s.get(Run, run_id).policy_version = version
-
-
-def _start_from_base(run_id: int, cfg: RunConfig) -> None:
-    """Serve the base weights (version 0) unless another run is using the same engines.
-
-    Engines are shared by every run of a deployment; a run that starts from the base model must
-    not sample from a previous run's trained weights.  While another real run is running, its
-    weights are left alone and this run records which run it shares the engines with.
-    """
-    from app.training.weight_sync import reset_to_base
-
-    with session_scope() as s:
-        others = [r.id for r in s.scalars(select(Run).where(Run.status == "running", Run.id != run_id))
-                  if r.config.get("simulate") is None]
-    if others:
-        with session_scope() as s:
-            run = s.get(Run, run_id)
-            run.summary = {**(run.summary or {}), "engines_shared_with_runs": others}
-        log.warning("run=%s event=shared_engines others=%s: not resetting the engines' weights", run_id, others)
-        return
-    urls = cfg.model.engine_urls or get_settings().engine_urls
-    failed = {u: r for u, r in reset_to_base(urls).items() if r != "ok"}
-    if failed:
-        # e.g. a scripted test engine without weights; every completion still carries the
-        # version that actually answered it, so this is recorded, not fatal.
-        log.warning("run=%s event=base_reset_failed engines=%s", run_id, failed)
-        with session_scope() as s:
-            run = s.get(Run, run_id)
-            run.summary = {**(run.summary or {}), "engines_not_reset": failed}
-
-
-def _load_instances(cfg: RunConfig) -> list[int]:
-    """TaskInstance row ids the run cycles through (simulated runs get placeholder instances)."""
-    with session_scope() as s:
-        if cfg.simulate is not None:
-            names = cfg.instances or [f"sim-{i}" for i in range(cfg.tasks_per_step)]
-            ids = []
-            for name in names:
-                row = s.scalar(select(TaskInstance).where(TaskInstance.task_set == "simulated", TaskInstance.instance_id == name))
-                if row is None:
-                    row = TaskInstance(task_set="simulated", instance_id=name, repo="simulated", record={"instance_id": name})
-                    s.add(row)
-                    s.flush()
-                ids.append(row.id)
-            return ids
-    from app.tasksets import load_task_set, upsert_instances
-
-    task_set = load_task_set(cfg.task_set)
-    wanted = cfg.instances or [r.instance_id for r in task_set.instances]
-    records = [task_set.get(name) for name in wanted]  # KeyError names a missing instance
-    with session_scope() as s:
-        ids = upsert_instances(s, task_set.name, records)
-    return [ids[name] for name in wanted]
-
-
-# --- the tick -----------------------------------------------------------------------
-
-
-def _tick_locked(run_id: int) -> None:
+def _tick_locked(run_id: int) -> Plan:
+    """One pass, committed before it returns (the plan is sent after the commit)."""
     with session_scope() as s:
         run = s.get(Run, run_id)
         if run is None:
-            return
+            return Plan()
         if run.status == "cancelling":
             _cancel_all(s, run)
-            return
+            return Plan()
         if run.status != "running":
-            return
-        cfg = RunConfig.model_validate(run.config)
+            return Plan()
+        cfg = run.run_config()
         if _too_many_failures(s, run, cfg):
-            return
+            return Plan()
         _close_complete_groups(s, run, cfg)
         if cfg.kind == "train":
             _plan_train(s, run, cfg)
@@ -289,19 +83,11 @@ def _tick_locked(run_id: int) -> None:
         to_prepare, to_run = _dispatch(s, run, cfg)
         step_to_train = _maybe_create_step(s, run, cfg) if cfg.kind == "train" else None
         finished = _maybe_finish(s, run, cfg)
-        priority = celery_priority(run.priority)
-    # Enqueue only after the transitions above are committed (commit, then enqueue).
-    from app.tasks import episodes as ep_tasks
-    from app.tasks.control import enqueue_train_step
-
-    for episode_id in to_prepare:
-        ep_tasks.prepare_episode.apply_async(args=[episode_id], priority=priority)
-    for episode_id in to_run:
-        ep_tasks.run_episode.apply_async(args=[episode_id], priority=priority)
-    if step_to_train is not None:
-        enqueue_train_step(run_id, step_to_train, simulated=cfg.simulate is not None)
+        plan = Plan(prepare=to_prepare, rollout=to_run, priority=celery_priority(run.priority),
+                    train=[(run_id, step_to_train)] if step_to_train is not None else [])
     if finished:
         log.info("run=%s event=finished", run_id)
+    return plan
 
 
 def _too_many_failures(s, run: Run, cfg: RunConfig) -> bool:
@@ -313,18 +99,10 @@ def _too_many_failures(s, run: Run, cfg: RunConfig) -> bool:
     last = s.scalar(select(Episode.error).where(Episode.run_id == run.id, Episode.status == "failed")
                     .order_by(Episode.finished_at.desc()).limit(1))
     _cancel_unfinished(s, run.id, "run failed: too many failed episodes")
-    run.summary = {**(run.summary or {}), **_summary(s, run.id)}
+    run.summary = {**(run.summary or {}), **summarize_run(s, run.id)}
     transition(s, Run, run.id, "failed", finished_at=utcnow(),
                error=f"{failed} episodes failed (limit {limit}); last error: {last}")
     return True
-
-
-def _summary(s, run_id: int) -> dict:
-    from app.summary import summarize_run
-
-    return summarize_run(s, run_id)
-
-
 def _new_group(s, run: Run, instance_ids: list[int], group_index: int, group_size: int, step: int) -> None:
     instance_id = instance_ids[group_index % len(instance_ids)]
     s.add(Group(run_id=run.id, group_index=group_index, instance_id=instance_id, policy_version=run.policy_version))
@@ -370,20 +148,16 @@ def _plan_eval(s, run: Run, cfg: RunConfig) -> None:
 
 def _dispatch(s, run: Run, cfg: RunConfig) -> tuple[list[int], list[int]]:
     """Start rollouts for free slots from the READY buffer, and prepare ahead to refill it."""
-    r = redis_client()
     sched = cfg.scheduling
     running = s.scalar(select(func.count()).where(Episode.run_id == run.id, Episode.status == "running"))
     to_run: list[int] = []
     while running + len(to_run) < sched.rollout_slots:
-        raw = r.rpop(ready_key(run.id))
-        if raw is None:
+        episode_id = state.pop_ready(run.id)
+        if episode_id is None:
             break
-        episode_id = int(raw)
         if transition(s, Episode, episode_id, "running", expect=("ready",)):
             to_run.append(episode_id)
-            freed = r.lpop(slot_free_key(run.id))
-            if freed is not None:  # refilling a slot that a finished rollout released
-                r.hset(slot_wait_key(run.id), episode_id, freed)
+            state.assign_slot(run.id, episode_id)  # refilling a slot that a finished rollout released
     free = sched.rollout_slots - running - len(to_run)
     in_prep = s.scalar(
         select(func.count()).where(Episode.run_id == run.id, Episode.status.in_(("preparing", "ready")))
@@ -418,7 +192,7 @@ def _close_complete_groups(s, run: Run, cfg: RunConfig) -> None:
             for e in unfinished:
                 if transition(s, Episode, e.id, "cancelled", error="straggler cancelled: group had enough graded episodes",
                               finished_at=utcnow()):
-                    redis_client().set(cancel_key(e.id), 1, ex=24 * 3600)
+                    state.flag_cancelled(e.id)
             unfinished = []
         if unfinished:
             continue
@@ -480,10 +254,7 @@ def _maybe_create_step(s, run: Run, cfg: RunConfig) -> int | None:
         for g in accepted]
     for g in accepted:
         g.status, g.step = "trained", step
-    from app.summary import scheduling_metrics
-
-    waits = [float(w) for w in redis_client().lrange(ready_waits_key(run.id), 0, -1)]
-    redis_client().delete(ready_waits_key(run.id))
+    waits = state.take_ready_waits(run.id)
     metrics = {"scheduling": scheduling_metrics(s, run.id, cfg.scheduling.rollout_slots, lags, waits)}
     s.add(TrainingStep(run_id=run.id, step=step, episode_ids=list(episode_ids), metrics=metrics))
     s.flush()
@@ -497,7 +268,7 @@ def _maybe_finish(s, run: Run, cfg: RunConfig) -> bool:
             if any(st.status == "failed" for st in steps):
                 failed = next(st for st in steps if st.status == "failed")
                 _cancel_unfinished(s, run.id, "run failed")
-                run.summary = {**(run.summary or {}), **_summary(s, run.id)}
+                run.summary = {**(run.summary or {}), **summarize_run(s, run.id)}
                 transition(s, Run, run.id, "failed", error=f"training step {failed.step} failed: {failed.error}",
                            finished_at=utcnow())
                 return True
@@ -507,7 +278,7 @@ def _maybe_finish(s, run: Run, cfg: RunConfig) -> bool:
         unfinished = s.scalar(select(func.count()).where(Episode.run_id == run.id, Episode.status.not_in(TERMINAL)))
         if unfinished:
             return False
-    run.summary = {**(run.summary or {}), **_summary(s, run.id)}
+    run.summary = {**(run.summary or {}), **summarize_run(s, run.id)}
     return transition(s, Run, run.id, "completed", finished_at=utcnow())
 
 
@@ -515,9 +286,9 @@ def _cancel_unfinished(s, run_id: int, reason: str) -> None:
     ids = s.scalars(select(Episode.id).where(Episode.run_id == run_id, Episode.status.not_in(TERMINAL))).all()
     for episode_id in ids:
         if transition(s, Episode, episode_id, "cancelled", error=reason, finished_at=utcnow()):
-            redis_client().set(cancel_key(episode_id), 1, ex=24 * 3600)
+            state.flag_cancelled(episode_id)
     s.execute(update(Group).where(Group.run_id == run_id, Group.status == "open").values(status="done", reason=reason))
-    redis_client().delete(ready_key(run_id))
+    state.clear_ready(run_id)
 
 
 def _cancel_all(s, run: Run) -> None:
@@ -525,5 +296,5 @@ def _cancel_all(s, run: Run) -> None:
     for st in _steps(s, run.id):
         if st.status == "pending":
             transition(s, TrainingStep, st.id, "failed", error="run cancelled")
-    run.summary = {**(run.summary or {}), **_summary(s, run.id)}
+    run.summary = {**(run.summary or {}), **summarize_run(s, run.id)}
     transition(s, Run, run.id, "cancelled", finished_at=utcnow())

@@ -1,0 +1,175 @@
+"""An episode's life: prepare → READY buffer → rollout → grade, as plain functions.
+
+The Celery tasks in `app.tasks.episodes` call these and send the `Plan` each returns.
+Each stage starts with a compare-and-set claim on the episode row and ends with another,
+so a redelivered message (acks_late after a worker died) either resumes the stage or
+finds it done and returns; an attempt that lost its claim never writes.  The stage's
+work itself is done by the run's `Stages` (`app.control.stages`).
+
+The DB session is closed during the long work of each stage (harness run, test run):
+no pooled connection is held for minutes.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+
+from sqlalchemy import update
+
+from app.config import get_settings
+from app.control import scheduler, state
+from app.control.plan import Plan, celery_priority
+from app.control.runs import stages_for
+from app.control.stages import Claim
+from app.db import session_scope
+from app.models import Completion, Episode, Run, utcnow
+from app.runconfig import RunConfig
+from app.states import transition
+
+log = logging.getLogger("turnstile.episodes")
+
+
+def _load(episode_id: int) -> tuple[Episode, RunConfig, dict] | None:
+    """The episode, its run's config and its instance record (loaded now: the session closes on return)."""
+    with session_scope() as s:
+        ep = s.get(Episode, episode_id)
+        if ep is None:
+            return None
+        return ep, s.get(Run, ep.run_id).run_config(), dict(ep.instance.record)
+
+
+def fail(episode_id: int, error: str) -> Plan:
+    """Mark the episode failed with `error` (if it is not finished yet), release its runtime, tick its run."""
+    with session_scope() as s:
+        ep = s.get(Episode, episode_id)
+        if ep is None:
+            return Plan()
+        run_id = ep.run_id
+        transition(s, Episode, episode_id, "failed", error=error[:4000], finished_at=utcnow())
+    log.warning("episode=%s event=failed error=%s", episode_id, error[:200])
+    _release_runtime_of(episode_id)
+    return scheduler.tick(run_id)
+
+
+def _release_runtime_of(episode_id: int) -> None:
+    with session_scope() as s:
+        ep = s.get(Episode, episode_id)
+        if ep is None or not ep.runtime:
+            return
+        runtime, cfg = ep.runtime, s.get(Run, ep.run_id).run_config()
+    stages_for(cfg).release(runtime)
+
+
+# --- prepare ------------------------------------------------------------------------
+
+
+def prepare(episode_id: int) -> Plan:
+    """Build the episode's runtime and put it in the run's READY buffer."""
+    loaded = _load(episode_id)
+    if loaded is None:
+        return Plan()
+    ep, cfg, record = loaded
+    if ep.status != "preparing":
+        return Plan()  # already prepared, running, done or cancelled
+    stages = stages_for(cfg)
+    try:
+        runtime = stages.prepare(record, episode_id, cfg)
+    except Exception as exc:
+        return fail(episode_id, f"prepare failed: {type(exc).__name__}: {exc}")
+    with session_scope() as s:
+        won = transition(s, Episode, episode_id, "ready", expect=("preparing",), runtime=runtime, prepared_at=utcnow())
+    if not won:
+        stages.release(runtime)
+        return Plan()
+    state.push_ready(ep.run_id, episode_id)
+    return scheduler.tick(ep.run_id)
+
+
+# --- rollout ------------------------------------------------------------------------
+
+
+def _claim_rollout(episode_id: int) -> tuple[Claim, str] | None:
+    """Take the episode's next attempt; returns the claim and the session token (plaintext)."""
+    settings = get_settings()
+    with session_scope() as s:
+        ep = s.get(Episode, episode_id)
+        if ep is None or ep.status != "running":
+            return None
+        run = s.get(Run, ep.run_id)
+        attempt = ep.attempts + 1
+        if attempt > settings.max_redeliveries:
+            transition(s, Episode, episode_id, "failed", finished_at=utcnow(),
+                       error=f"gave up after {ep.attempts} attempts (worker lost each time)")
+            return None
+        token = secrets.token_urlsafe(32)
+        if not transition(
+            s, Episode, episode_id, "running", expect=("running",), where={"attempts": ep.attempts},
+            attempts=attempt, started_at=utcnow(), policy_version=run.policy_version,
+            session_token_hash=hashlib.sha256(token.encode()).hexdigest(),
+        ):
+            return None
+        if attempt > 1:
+            # Completions of a dead attempt stay for inspection but are never trained on.
+            s.execute(
+                update(Completion)
+                .where(Completion.episode_id == episode_id, Completion.rejected_reason.is_(None))
+                .values(rejected_reason=f"superseded: attempt {attempt - 1} was lost with its worker")
+            )
+        claim = Claim(episode_id, ep.run_id, attempt, run.run_config(), ep.instance.record, ep.runtime,
+                      run.policy_version)
+    return claim, token
+
+
+def rollout(episode_id: int) -> Plan:
+    """Run the episode's agent under its budget, then hand over to grading."""
+    claimed = _claim_rollout(episode_id)
+    if claimed is None:
+        return Plan()
+    claim, token = claimed
+    state.record_ready_wait(claim.run_id, episode_id)
+    log.info("episode=%s event=rollout attempt=%s", episode_id, claim.attempt)
+    try:
+        outcome = stages_for(claim.cfg).rollout(claim, token, cancelled=lambda: state.is_cancelled(episode_id))
+    except Exception as exc:
+        state.free_slot(claim.run_id)
+        return fail(episode_id, f"rollout failed: {type(exc).__name__}: {exc}")
+    if state.is_cancelled(episode_id):
+        _release_runtime_of(episode_id)
+        state.free_slot(claim.run_id)
+        return scheduler.tick(claim.run_id)
+    with session_scope() as s:
+        won = transition(
+            s, Episode, episode_id, "grading", expect=("running",), where={"attempts": claim.attempt},
+            patch=outcome.patch, exit_status=outcome.exit_status, timed_out=outcome.timed_out,
+            rollout_finished_at=utcnow(),
+            session_token_hash=None,  # the session ends with the rollout: the gateway now refuses the key
+        )
+    _release_runtime_of(episode_id)
+    state.free_slot(claim.run_id)
+    plan = Plan(grade=[episode_id] if won else [], priority=celery_priority(claim.cfg.priority))
+    plan += scheduler.tick(claim.run_id)  # a rollout slot is free
+    return plan
+
+
+# --- grade --------------------------------------------------------------------------
+
+
+def grade(episode_id: int) -> Plan:
+    """Grade the episode's patch with the instance's own tests; record the reward."""
+    loaded = _load(episode_id)
+    if loaded is None:
+        return Plan()
+    ep, cfg, record = loaded
+    if ep.status != "grading":
+        return Plan()
+    try:
+        outcome = stages_for(cfg).grade(record, ep.patch or "", episode_id, cfg)
+    except Exception as exc:
+        return fail(episode_id, f"grading failed: {type(exc).__name__}: {exc}")
+    with session_scope() as s:
+        transition(s, Episode, episode_id, "completed", expect=("grading",), reward=outcome.reward,
+                   resolved=outcome.resolved, grading_report=outcome.report, merge_stats=outcome.merge_stats,
+                   finished_at=utcnow())
+    log.info("episode=%s event=graded reward=%s", episode_id, outcome.reward)
+    return scheduler.tick(ep.run_id)

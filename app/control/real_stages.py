@@ -1,0 +1,183 @@
+"""The real stages: task instances, engines, runtime, harness, grader and trainer.
+
+Each method is one stage's work, with no scheduling and no state transitions (those are
+in `app.control.episodes` and `app.control.runs`), so real and simulated runs share every
+claim and retry.
+
+What a harness preset gives (`app.harnesses.get_preset(name)`): `name`, `tools_dir()`
+(mounted read-only in the sandbox at the same path), `path_prepend()` (PATH entries inside
+the sandbox), `write_config(home, gateway_url, api_key, model, budget)`,
+`env(home, gateway_url, api_key, model)`, `command(problem_statement, budget)`.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+from app.config import get_settings
+from app.control.preflight import check_installation
+from app.control.stages import Claim, GradeOutcome, HarnessOutcome
+from app.db import session_scope
+from app.models import Run
+from app.runconfig import RunConfig
+
+log = logging.getLogger("turnstile.stages")
+
+
+def episode_dir(run_id: int, episode_id: int) -> Path:
+    """`<var_dir>/runs/<run>/episodes/<episode>/` (created): harness logs of every attempt."""
+    path = get_settings().var_dir / "runs" / str(run_id) / "episodes" / str(episode_id)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class RealStages:
+    """Harness episodes in local sandboxes, graded by the instance's own tests, trained by GRPO."""
+
+    uses_engines = True
+
+    def preflight(self, cfg: RunConfig) -> tuple[str, str] | None:
+        return check_installation(cfg)
+
+    # --- run start ----------------------------------------------------------------------
+
+    def load_instances(self, cfg: RunConfig) -> list[int]:
+        """Rows of the run's task set (all instances, or `cfg.instances` in that order).
+
+        Raises FileNotFoundError / ValueError for a missing or bad task set, KeyError naming a
+        missing instance.
+        """
+        from app.tasksets import load_task_set, upsert_instances
+
+        task_set = load_task_set(cfg.task_set)
+        wanted = cfg.instances or [r.instance_id for r in task_set.instances]
+        records = [task_set.get(name) for name in wanted]
+        with session_scope() as s:
+            ids = upsert_instances(s, task_set.name, records)
+        return [ids[name] for name in wanted]
+
+    def setup_engines(self, run_id: int, cfg: RunConfig, shared_with: list[int]) -> None:
+        """Load the run's checkpoint into every engine, or put embedded engines back on their base weights.
+
+        Raises RuntimeError when an engine does not load the checkpoint (the run cannot be
+        evaluated on the weights it asked for).  A failed base reset is recorded on the run,
+        not raised: a scripted test engine has no weights, and every completion carries the
+        version that actually answered it.
+        """
+        if cfg.model.checkpoint:
+            self._load_checkpoint(run_id, cfg)
+        elif cfg.model.engine == "embedded":
+            self._start_from_base(run_id, cfg, shared_with)
+
+    def _load_checkpoint(self, run_id: int, cfg: RunConfig) -> None:
+        from app.training.checkpoints import resolve_checkpoint
+        from app.training.weight_sync import push_weights
+
+        folder, version = resolve_checkpoint(cfg.model.checkpoint)
+        urls = cfg.model.engine_urls or get_settings().engine_urls
+        results = push_weights(urls, folder, version, engine_kind=cfg.model.engine)
+        failed = {u: r for u, r in results.items() if r != "ok"}
+        if failed:
+            raise RuntimeError(f"engines did not load {folder}: {failed}")
+        with session_scope() as s:
+            s.get(Run, run_id).policy_version = version
+
+    def _start_from_base(self, run_id: int, cfg: RunConfig, shared_with: list[int]) -> None:
+        """Serve the base weights (version 0) unless another run is using the same engines.
+
+        Engines are shared by every run of a deployment; a run that starts from the base model
+        must not sample from a previous run's trained weights.  While another engine-using run
+        is running, its weights are left alone and this run records which run it shares them with.
+        """
+        from app.training.weight_sync import reset_to_base
+
+        if shared_with:
+            with session_scope() as s:
+                run = s.get(Run, run_id)
+                run.summary = {**(run.summary or {}), "engines_shared_with_runs": shared_with}
+            log.warning("run=%s event=shared_engines others=%s: not resetting the engines' weights", run_id, shared_with)
+            return
+        urls = cfg.model.engine_urls or get_settings().engine_urls
+        failed = {u: r for u, r in reset_to_base(urls).items() if r != "ok"}
+        if failed:
+            log.warning("run=%s event=base_reset_failed engines=%s", run_id, failed)
+            with session_scope() as s:
+                run = s.get(Run, run_id)
+                run.summary = {**(run.summary or {}), "engines_not_reset": failed}
+
+    # --- episode stages -----------------------------------------------------------------
+
+    def prepare(self, record: dict, episode_id: int, cfg: RunConfig) -> dict:
+        """Materialize the instance (cached base + venv) into a fresh runtime; returns its JSON state.
+
+        The harness's tools folder is mounted read-only into the sandbox so the CLI can run there.
+        Raises `RuntimeSetupError` when the base, the venv or the sandbox cannot be built.
+        """
+        from app.harnesses import get_preset
+        from app.runtimes.local import LocalRuntime
+
+        tools = get_preset(cfg.harness).tools_dir()
+        runtime = LocalRuntime.prepare(record, ro_binds=[(tools, str(tools))], purpose="episode")
+        return runtime.describe()
+
+    def release(self, runtime: dict) -> None:
+        from app.runtimes.local import LocalRuntime
+
+        LocalRuntime.attach(runtime).close()
+
+    def rollout(self, claim: Claim, token: str, cancelled: Callable[[], bool]) -> HarnessOutcome:
+        """Run the claim's harness preset headless in its runtime, every call through the gateway.
+
+        The session `token` is the harness's API key; it is written only into the episode's
+        scratch HOME and environment, never logged.  The harness gets the agent budget
+        (`timeouts.agent_s`) as a hard wall-clock limit; on timeout the patch so far is kept
+        and the episode is flagged.
+        """
+        from app.harnesses import get_preset
+        from app.runtimes.local import LocalRuntime
+
+        cfg = claim.cfg
+        preset = get_preset(cfg.harness)
+        runtime = LocalRuntime.attach(claim.runtime)
+        model = cfg.model.name
+        preset.write_config(runtime.home, runtime.gateway_url, token, model, cfg.budget)
+        env = preset.env(Path(runtime.home_dir), runtime.gateway_url, token, model)
+        command = preset.command(claim.record["problem_statement"], cfg.budget)
+        result = runtime.run(command, env=env, timeout_s=cfg.timeouts.agent_s, network="gateway",
+                             stdin="", path_prepend=preset.path_prepend())
+        patch = runtime.patch()
+        log_path = episode_dir(claim.run_id, claim.episode_id) / f"harness-attempt{claim.attempt}.log"
+        log_path.write_text(
+            f"$ {preset.name} (exit {result.exit_code}, {result.duration_s:.1f} s, confined={runtime.confined})\n"
+            f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}\n".replace(token, "<session-token>")
+        )
+        status = "timeout" if result.timed_out else ("cancelled" if cancelled() else f"exit {result.exit_code}")
+        return HarnessOutcome(patch=patch, exit_status=status, timed_out=result.timed_out, log_path=str(log_path))
+
+    def grade(self, record: dict, patch: str, episode_id: int, cfg: RunConfig) -> GradeOutcome:
+        """Grade the patch with the instance's tests; for train/collect runs also build trajectories.
+
+        Reward is 1.0 if resolved else 0.0 (SWE-bench's resolved criterion; `app.grading`).
+        """
+        from app.grading import grade
+
+        result = grade(record, patch, timeout_s=cfg.timeouts.grade_s)
+        report = dict(result.report)
+        report["cached"] = result.cached
+        merge_stats = None
+        if cfg.kind in ("train", "collect"):
+            from app.training.store import build_episode_trajectories
+
+            builder = cfg.training.builder
+            with session_scope() as s:
+                _rows, stats = build_episode_trajectories(s, episode_id, builder)
+                merge_stats = {builder: stats}
+        return GradeOutcome(bool(result.resolved), float(result.reward), report, merge_stats)
+
+    # --- training -----------------------------------------------------------------------
+
+    def train(self, run_id: int, step: int, episode_ids: list[int] | None = None) -> dict:
+        from app.training.steps import train_step  # torch: imported in the gpu worker's child only
+
+        return train_step(run_id, step, episode_ids)

@@ -1,0 +1,84 @@
+"""The work of each stage, behind one interface: real (harness, grader, trainer) or simulated.
+
+The control code (`app.control.runs`, `app.control.episodes`) owns claims, state
+transitions, retries and scheduling; a `Stages` object does only the work of a stage and
+returns its result.  Which implementation a run gets is decided in one place,
+`app.control.runs.stages_for`, by its config: `simulate` set → `SimulatedStages` (timed
+sleeps and Bernoulli rewards for the scheduler bench and the spine tests), otherwise
+`RealStages`.  Nothing else in production code looks at `simulate`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from app.runconfig import RunConfig
+
+
+@dataclass
+class Claim:
+    """What a rollout needs after its claim: the episode, its run config, instance record and runtime."""
+
+    episode_id: int
+    run_id: int
+    attempt: int
+    cfg: RunConfig
+    record: dict
+    runtime: dict | None
+    policy_version: int
+
+
+@dataclass
+class HarnessOutcome:
+    """What a rollout produced: the agent's patch (unified diff, "" if none) and how it ended."""
+
+    patch: str
+    exit_status: str  # "exit 0", "exit 1", "timeout", "cancelled", "submitted"
+    timed_out: bool
+    log_path: str | None = None
+
+
+@dataclass
+class GradeOutcome:
+    """A graded episode: SWE-bench's resolved criterion, the reward (1.0 resolved else 0.0),
+    the grading report (JSON), and per-builder merge stats when trajectories were built."""
+
+    resolved: bool
+    reward: float
+    report: dict
+    merge_stats: dict | None = None
+
+
+class Stages(Protocol):
+    """One implementation of every stage's work.  Methods raise on failure; the caller records it."""
+
+    #: True when the stages sample from the shared inference engines (they then matter to other runs).
+    uses_engines: bool
+
+    def preflight(self, cfg: RunConfig) -> tuple[str, str] | None:
+        """(field, message) of the first choice this installation cannot serve, or None."""
+
+    def load_instances(self, cfg: RunConfig) -> list[int]:
+        """`TaskInstance` row ids the run cycles through (rows created as needed)."""
+
+    def setup_engines(self, run_id: int, cfg: RunConfig, shared_with: list[int]) -> None:
+        """Put the engines on the weights the run starts from (checkpoint or base).
+
+        `shared_with`: ids of other running runs that use the same engines; their weights must
+        not be replaced under them.
+        """
+
+    def prepare(self, record: dict, episode_id: int, cfg: RunConfig) -> dict:
+        """Build the episode's runtime; returns its JSON state (stored on the episode)."""
+
+    def release(self, runtime: dict) -> None:
+        """Delete a runtime (idempotent)."""
+
+    def rollout(self, claim: Claim, token: str, cancelled: Callable[[], bool]) -> HarnessOutcome:
+        """Run the episode's agent with the session `token` as its API key."""
+
+    def grade(self, record: dict, patch: str, episode_id: int, cfg: RunConfig) -> GradeOutcome:
+        """Grade the patch (and build trajectories for train/collect runs)."""
+
+    def train(self, run_id: int, step: int, episode_ids: list[int] | None = None) -> dict:
+        """Run training step `step` of the run; returns its metrics (with `policy_version`)."""

@@ -1,0 +1,143 @@
+"""The control loop's Redis state: key names and every operation on them, in one place.
+
+All of it can be rebuilt from SQL (a lost READY buffer only costs preparing runtimes
+again; a lost cancel flag is set again by the next tick that sees the episode cancelled):
+
+    turnstile:run:<id>:ready        list   prepared episode ids waiting for a rollout slot (READY buffer)
+    turnstile:run:<id>:slot_free    list   unix times at which a rollout slot became free
+    turnstile:run:<id>:slot_wait    hash   episode id -> time its slot became free
+    turnstile:run:<id>:ready_waits  list   measured READY waits (s): slot free -> rollout started
+    turnstile:run:<id>:dirty        str    "a tick is wanted" mark (see app.control.scheduler.tick)
+    turnstile:run:<id>:lock         lock   held by the process running the run's tick
+    turnstile:episode:<id>:cancel   str    set when the scheduler cancelled the episode
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+from app.redis_client import get_redis, held_lock
+
+CANCEL_TTL_S = 24 * 3600
+DIRTY_TTL_MS = 600_000
+RUN_LOCK_TIMEOUT_S = 30.0
+
+
+def ready_key(run_id: int) -> str:
+    return f"turnstile:run:{run_id}:ready"
+
+
+def slot_free_key(run_id: int) -> str:
+    return f"turnstile:run:{run_id}:slot_free"
+
+
+def slot_wait_key(run_id: int) -> str:
+    return f"turnstile:run:{run_id}:slot_wait"
+
+
+def ready_waits_key(run_id: int) -> str:
+    return f"turnstile:run:{run_id}:ready_waits"
+
+
+def dirty_key(run_id: int) -> str:
+    return f"turnstile:run:{run_id}:dirty"
+
+
+def run_lock_key(run_id: int) -> str:
+    return f"turnstile:run:{run_id}:lock"
+
+
+def cancel_key(episode_id: int) -> str:
+    return f"turnstile:episode:{episode_id}:cancel"
+
+
+# --- the run lock and the dirty mark --------------------------------------------------
+
+
+@contextlib.contextmanager
+def run_lock(run_id: int) -> Iterator[bool]:
+    """Try to hold the run's tick lock (redis-py `Lock`, extended while held); yields whether held."""
+    with held_lock(run_lock_key(run_id), RUN_LOCK_TIMEOUT_S) as held:
+        yield held
+
+
+def mark_dirty(run_id: int) -> None:
+    get_redis().set(dirty_key(run_id), 1, px=DIRTY_TTL_MS)
+
+
+def take_dirty(run_id: int) -> bool:
+    """Clear the run's dirty mark; True if it was set."""
+    return bool(get_redis().getdel(dirty_key(run_id)))
+
+
+def is_dirty(run_id: int) -> bool:
+    return bool(get_redis().exists(dirty_key(run_id)))
+
+
+# --- READY buffer and rollout slots ---------------------------------------------------
+
+
+def push_ready(run_id: int, episode_id: int) -> None:
+    """Put a prepared episode into the run's READY buffer."""
+    get_redis().lpush(ready_key(run_id), episode_id)
+
+
+def pop_ready(run_id: int) -> int | None:
+    """Take the oldest prepared episode id from the READY buffer, or None when it is empty."""
+    raw = get_redis().rpop(ready_key(run_id))
+    return None if raw is None else int(raw)
+
+
+def clear_ready(run_id: int) -> None:
+    get_redis().delete(ready_key(run_id))
+
+
+def free_slot(run_id: int) -> None:
+    """Note that one of the run's rollout slots just became free (for the READY-wait metric)."""
+    get_redis().rpush(slot_free_key(run_id), time.time())
+
+
+def assign_slot(run_id: int, episode_id: int) -> None:
+    """The episode takes a freed slot: remember since when that slot waited."""
+    r = get_redis()
+    freed = r.lpop(slot_free_key(run_id))
+    if freed is not None:
+        r.hset(slot_wait_key(run_id), episode_id, freed)
+
+
+def record_ready_wait(run_id: int, episode_id: int) -> None:
+    """READY wait: seconds from the moment the episode's slot was freed to its rollout's start."""
+    r = get_redis()
+    freed = r.hget(slot_wait_key(run_id), episode_id)
+    if freed is not None:
+        r.hdel(slot_wait_key(run_id), episode_id)
+        r.rpush(ready_waits_key(run_id), max(0.0, time.time() - float(freed)))
+
+
+def take_ready_waits(run_id: int) -> list[float]:
+    """The READY waits (s) measured since the last call, and forget them."""
+    r = get_redis()
+    pipe = r.pipeline()
+    pipe.lrange(ready_waits_key(run_id), 0, -1)
+    pipe.delete(ready_waits_key(run_id))
+    raw, _ = pipe.execute()
+    return [float(w) for w in raw]
+
+
+def ready_waits(run_id: int) -> list[float]:
+    """The READY waits (s) measured since the last training step (read-only)."""
+    return [float(w) for w in get_redis().lrange(ready_waits_key(run_id), 0, -1)]
+
+
+# --- cancel flags ---------------------------------------------------------------------
+
+
+def flag_cancelled(episode_id: int) -> None:
+    """Tell the episode's rollout (in whatever process) to stop."""
+    get_redis().set(cancel_key(episode_id), 1, ex=CANCEL_TTL_S)
+
+
+def is_cancelled(episode_id: int) -> bool:
+    """True once the scheduler cancelled the episode (straggler cut or run cancel)."""
+    return bool(get_redis().exists(cancel_key(episode_id)))

@@ -1,0 +1,34 @@
+"""Send a control `Plan`: the one place that turns the control loop's decisions into Celery messages.
+
+Messages are sent by task name (`app.send_task`), so this module imports no task module and
+the control code never imports Celery.  Callers send only after their transaction committed.
+"""
+from __future__ import annotations
+
+from app.celery import app as celery_app
+from app.control.plan import Plan
+
+
+def send(plan: Plan | None) -> None:
+    """Send every message of `plan` (episodes at the plan's priority; steps and ticks at the highest)."""
+    if not plan:
+        return
+    for episode_id in plan.prepare:
+        celery_app.send_task("prepare.prepare_episode", args=[episode_id], priority=plan.priority)
+    for episode_id in plan.rollout:
+        celery_app.send_task("rollout.run_episode", args=[episode_id], priority=plan.priority)
+    for episode_id in plan.grade:
+        celery_app.send_task("grade.grade_episode", args=[episode_id], priority=plan.priority)
+    for run_id, step in plan.train:
+        send_train_step(run_id, step)
+    for run_id in plan.tick:
+        celery_app.send_task("control.tick", args=[run_id])
+
+
+def send_train_step(run_id: int, step: int) -> None:
+    """Send step `step` of run `run_id` to the gpu queue; a tick follows it, success or failure."""
+    celery_app.send_task(
+        "gpu.train_step", args=[run_id, step],
+        link=celery_app.signature("control.tick", args=[run_id], immutable=True),
+        link_error=celery_app.signature("control.step_failed", args=[run_id, step]),
+    )
