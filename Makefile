@@ -3,11 +3,8 @@
 SHELL := /bin/bash
 BIN := .venv/bin
 export PYTHONUNBUFFERED := 1
-# Settings in .env (the file honcho reads) apply to every step here too, e.g. DATABASE_URL for `make migrate`.
-ifneq (,$(wildcard .env))
-include .env
-export
-endif
+# Settings (.env included) are read by app/config.py in each Python process, not here: make does
+# not parse .env, and honcho is told not to (`-e /dev/null`); e.g. alembic gets DATABASE_URL from app.config.
 
 .PHONY: demo test setup venv system redis migrate harnesses harness-demo model up ci-deps clean
 
@@ -50,7 +47,7 @@ model: venv
 
 ## up: start every process of the Procfile in the foreground (Ctrl-C stops them)
 up: setup
-	$(BIN)/honcho start
+	$(BIN)/honcho start -e /dev/null
 
 ## ci-deps: what the tests need beyond `setup` (harness CLIs, model cache)
 ci-deps: setup harnesses model

@@ -1,113 +1,304 @@
-"""Settings, read once from the environment, typed, with defaults.
+"""Settings: every environment variable Turnstile reads, in one typed, strict class.
 
-Every process (api, gateway, engine, workers) reads the same variables, so one
-`.env`/shell export configures a whole deployment.  Parsing is strict: a bad
-boolean or integer raises `ValueError` naming the variable instead of silently
-becoming a default (redash's settings helpers do the same).
+Every process (api, gateway, engine, workers, the CLI, alembic, gunicorn's config
+files) builds its settings here and nowhere else, so one `.env` file or shell
+export configures a whole deployment.
+
+Sources, highest priority first:
+
+1. the process environment (`FOO=1 python -m app …` always wins);
+2. the `.env` file at the repository root, parsed by python-dotenv;
+3. the defaults below.
+
+`.env` format (the only parser of that file is python-dotenv, used by
+pydantic-settings): one `KEY=VALUE` per line, an optional leading `export `,
+values optionally in single or double quotes (the quotes are stripped; inside
+double quotes `\\n` and `${OTHER}` are expanded), `#` starts a comment at the
+start of a line or after whitespace following an unquoted value, blank lines
+are ignored.  An empty value counts as unset (the default applies).  A key in
+`.env` that is not a setting below is an error: nothing else reads that file.
+
+Parsing is strict: a bad integer, boolean (true/false, 1/0, yes/no, on/off),
+URL or an out-of-range number raises `SettingsError` (a `ValueError`) naming
+the variable, at the first `get_settings()`, instead of silently becoming a
+default or failing later.
+
+`python -m app.config` prints every setting as `NAME=value`;
+`python -m app.config redis_url` prints one value (shell scripts use it).
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+import sys
 from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ROOT = Path(__file__).resolve().parent.parent
+ENV_FILE = ROOT / ".env"
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
-def _bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    low = raw.strip().lower()
-    if low in {"1", "true", "yes", "on"}:
-        return True
-    if low in {"0", "false", "no", "off"}:
-        return False
-    raise ValueError(f"{name}={raw!r} is not a boolean (use true/false, 1/0, yes/no, on/off)")
+class SettingsError(ValueError):
+    """A setting in the environment or `.env` is invalid; the message names the variable."""
 
 
-def _int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
+def _env(name: str) -> Any:
+    """Field keyword arguments binding a field to environment variable `name` (constructor uses the field name)."""
+    return {"validation_alias": AliasChoices(name)}
+
+
+def _check_url(value: str | None, schemes: set[str] | None, *, host: bool, example: str) -> str | None:
+    """`value` if it is a URL with one of `schemes` (any when None) and, if `host`, a host part."""
+    if value is None:
+        return None
+    value = value.strip()
+    parts = urlsplit(value)
+    ok = bool(parts.scheme) and "://" in value and (schemes is None or parts.scheme.lower() in schemes)
+    if ok and host:
+        ok = bool(parts.hostname)
+    if not ok:
+        raise ValueError(f"{value!r} is not a URL like {example}")
     try:
-        return int(raw)
+        parts.port  # noqa: B018 - raises on a non-numeric or out-of-range port
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+        raise ValueError(f"{value!r} has an invalid port (a URL like {example})") from None
+    return value
 
 
-def _float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+_HTTP = {"http", "https"}
+_REDIS = {"redis", "rediss", "unix"}
 
 
-def _list(name: str, default: str) -> list[str]:
-    raw = os.environ.get(name) or default
-    return [item.strip() for item in raw.split(",") if item.strip()]
+class Settings(BaseSettings):
+    """All Turnstile settings. `get_settings()` builds them once per process; tests pass overrides
+    as keyword arguments (field names), e.g. `Settings(var_dir=tmp)` or `_env_file=path`."""
 
+    model_config = SettingsConfigDict(
+        env_file=ENV_FILE,
+        env_file_encoding="utf-8",
+        env_ignore_empty=True,   # FOO= (empty) means "use the default"
+        extra="forbid",          # an unknown key in .env is a mistake, not something to ignore
+        frozen=True,
+        validate_by_name=True,   # Settings(var_dir=...) as well as the environment names
+        case_sensitive=False,
+    )
 
-def _str(name: str, default: str) -> str:
-    return os.environ.get(name) or default
+    # --- where things live ------------------------------------------------------------
+    var_dir: Path = Field(ROOT / "var", **_env("TURNSTILE_VAR_DIR"),
+                          description="State folder: SQLite database, runs, runtimes, caches, tools, logs.")
+    database_url: str = Field(default_factory=lambda data: f"sqlite:///{data['var_dir'] / 'turnstile.db'}",
+                              **_env("DATABASE_URL"),
+                              description="SQLAlchemy URL of the database "
+                                          "(default: SQLite file <TURNSTILE_VAR_DIR>/turnstile.db).")
+    cache_dir: Path | None = Field(None, **_env("TURNSTILE_CACHE_DIR"),
+                                   description="Cache of sdists, git mirrors and built environments "
+                                               "(default: <TURNSTILE_VAR_DIR>/cache).")
+    tools_dir: Path | None = Field(None, **_env("TURNSTILE_TOOLS_DIR"),
+                                   description="Shared harness CLI installs (default: <TURNSTILE_VAR_DIR>/tools).")
 
+    # --- Redis / Celery ---------------------------------------------------------------
+    redis_url: str = Field("redis://localhost:6379/0", **_env("REDIS_URL"),
+                           description="Redis: Celery broker and result backend by default, READY buffers, "
+                                       "locks, caches (use maxmemory-policy noeviction).")
+    broker_url: str = Field(default_factory=lambda data: data["redis_url"], **_env("CELERY_BROKER_URL"),
+                            description="Celery broker URL (default: REDIS_URL).")
+    result_backend: str = Field(default_factory=lambda data: data["redis_url"], **_env("CELERY_RESULT_BACKEND"),
+                                description="Celery result backend URL (default: REDIS_URL).")
+    # Longest a single Celery task may run (seconds).  An episode is bounded by its own
+    # agent budget; this is the hard ceiling above every stage.
+    task_soft_time_limit: int = Field(3600, gt=0, **_env("TURNSTILE_TASK_SOFT_TIME_LIMIT"),
+                                      description="Celery soft time limit of every task, seconds.")
+    task_time_limit: int = Field(default_factory=lambda data: data["task_soft_time_limit"] + 120, gt=0,
+                                 **_env("TURNSTILE_TASK_TIME_LIMIT"),
+                                 description="Celery hard time limit, seconds; must be above the soft limit "
+                                             "(default: soft limit + 120).")
+    # Redis redelivers an unacked task after this many seconds; it must be above the
+    # longest task or a running episode would be started twice.
+    visibility_timeout: int = Field(default_factory=lambda data: max(4 * 3600, data["task_time_limit"] * 2), gt=0,
+                                    **_env("TURNSTILE_VISIBILITY_TIMEOUT"),
+                                    description="Redis visibility timeout, seconds "
+                                                "(default: max(4 h, 2 x TURNSTILE_TASK_TIME_LIMIT)).")
+    max_redeliveries: int = Field(3, ge=0, **_env("TURNSTILE_MAX_REDELIVERIES"),
+                                  description="How often a task lost with its worker is redelivered before it fails.")
+    log_level: LogLevel = Field("INFO", **_env("TURNSTILE_LOG_LEVEL"),
+                                description="Log level of every process: DEBUG, INFO, WARNING, ERROR or CRITICAL.")
+    cpu_concurrency: int = Field(3, ge=1, **_env("TURNSTILE_CPU_CONCURRENCY"),
+                                 description="Processes of the `worker` (control, prepare, grade queues).")
+    rollout_concurrency: int = Field(8, ge=1, **_env("TURNSTILE_ROLLOUT_CONCURRENCY"),
+                                     description="Processes of the `rollout` worker (harness episodes at once).")
+    flower_port: int = Field(5555, ge=1, le=65535, **_env("TURNSTILE_FLOWER_PORT"),
+                             description="Port of the Flower dashboard (bound to 127.0.0.1).")
 
-@dataclass(frozen=True)
-class Settings:
-    """All Turnstile settings. Build with `Settings.from_env()`; tests pass overrides."""
+    # --- REST API -----------------------------------------------------------------------
+    api_url: str = Field("http://127.0.0.1:8000", **_env("TURNSTILE_API_URL"),
+                         description="Where the CLI and other processes reach the REST API.")
+    api_bind: str = Field("127.0.0.1:8000", **_env("TURNSTILE_API_BIND"),
+                          description="gunicorn bind address of the REST API (host:port or unix:path).")
+    api_workers: int = Field(4, ge=1, **_env("TURNSTILE_API_WORKERS"),
+                             description="gunicorn worker processes of the REST API (one thread each).")
 
-    var_dir: Path
-    database_url: str
-    redis_url: str
-    broker_url: str
-    result_backend: str
-    api_url: str
-    gateway_url: str
-    engine_urls: list[str]
-    # Longest a single Celery task may run (seconds).  An episode is bounded by
-    # its own agent budget; this is the hard ceiling above every stage.
-    task_soft_time_limit: int
-    task_time_limit: int
-    visibility_timeout: int
-    max_redeliveries: int
-    log_level: str
-    extra: dict = field(default_factory=dict)
+    # --- gateway ------------------------------------------------------------------------
+    gateway_url: str = Field("http://127.0.0.1:8100", **_env("TURNSTILE_GATEWAY_URL"),
+                             description="Base URL harnesses are given for model calls (the gateway).")
+    gateway_bind: str = Field("127.0.0.1:8100", **_env("TURNSTILE_GATEWAY_BIND"),
+                              description="gunicorn bind address of the gateway (host:port or unix:path).")
+    gateway_workers: int = Field(2, ge=1, **_env("TURNSTILE_GATEWAY_WORKERS"),
+                                 description="gunicorn worker processes of the gateway.")
+    gateway_threads: int = Field(64, ge=1, **_env("TURNSTILE_GATEWAY_THREADS"),
+                                 description="Threads per gateway worker (each streamed answer holds one).")
+    gateway_worker_timeout: int = Field(0, ge=0, **_env("TURNSTILE_GATEWAY_WORKER_TIMEOUT"),
+                                        description="gunicorn worker timeout of the gateway, seconds (0: none; "
+                                                    "keep-alive frames feed the clients' idle timers).")
+    gateway_access_log: str | None = Field(None, **_env("TURNSTILE_GATEWAY_ACCESS_LOG"),
+                                           description="gunicorn access log of the gateway ('-': stdout; "
+                                                       "unset: none).")
+    gateway_default_max_tokens: int = Field(4096, ge=1, **_env("TURNSTILE_GATEWAY_DEFAULT_MAX_TOKENS"),
+                                            description="Completion token limit when the client sends none.")
+    gateway_max_body_bytes: int = Field(32 * 1024 * 1024, ge=1, **_env("TURNSTILE_GATEWAY_MAX_BODY_BYTES"),
+                                        description="Largest request body the gateway accepts, bytes.")
+    gateway_keepalive_s: float = Field(10.0, gt=0, allow_inf_nan=False, **_env("TURNSTILE_GATEWAY_KEEPALIVE_S"),
+                                       description="Keep-alive interval of streamed answers while the engine "
+                                                   "prefills, seconds.")
+    gateway_vision: bool = Field(False, **_env("TURNSTILE_GATEWAY_VISION"),
+                                 description="The engine's model accepts images (else images become "
+                                             "text placeholders).")
+    gateway_session_cache_s: float = Field(2.0, ge=0, allow_inf_nan=False,
+                                           **_env("TURNSTILE_GATEWAY_SESSION_CACHE_S"),
+                                           description="How long a resolved session token is trusted "
+                                                       "in-process, seconds.")
+    gateway_upstream_timeout_s: float = Field(900.0, gt=0, allow_inf_nan=False,
+                                              **_env("TURNSTILE_GATEWAY_UPSTREAM_TIMEOUT_S"),
+                                              description="Read timeout of one engine call, seconds.")
+
+    # --- inference engines --------------------------------------------------------------
+    engine_urls: Annotated[list[str], NoDecode] = Field(["http://127.0.0.1:8200"], min_length=1,
+                                                        **_env("TURNSTILE_ENGINE_URLS"),
+                                                        description="Comma-separated engine base URLs; the "
+                                                                    "gateway routes each session to one.")
+    engine_model: str = Field("smollm2", min_length=1, **_env("TURNSTILE_ENGINE_MODEL"),
+                              description="Model the embedded engine serves: tiny | smollm2 | a checkpoint folder.")
+    engine_port: int = Field(8200, ge=1, le=65535, **_env("TURNSTILE_ENGINE_PORT"),
+                             description="Port of the embedded engine (`python -m app.engines.server`).")
+    engine_threads: int = Field(1, ge=1, **_env("TURNSTILE_ENGINE_THREADS"),
+                                description="torch intra-op threads of the embedded engine (raise only where "
+                                            "the engine owns its cores).")
+    engine_script: Path | None = Field(None, **_env("TURNSTILE_SCRIPT"),
+                                       description="Reply script (JSON) of the scripted test engine "
+                                                   "(`python -m app.engines.scripted`).")
+
+    # --- task runtimes ------------------------------------------------------------------
+    pip_index_url: str | None = Field(None, **_env("PIP_INDEX_URL"),
+                                      description="Package index for sdist downloads and environment builds "
+                                                  "(default: pip's configuration, else https://pypi.org/simple).")
+    pip_cache_dir: Path | None = Field(None, **_env("PIP_CACHE_DIR"),
+                                       description="pip cache shared by environment builds (default: ~/.cache/pip).")
+    pyenv_root: Path | None = Field(None, **_env("PYENV_ROOT"),
+                                    description="pyenv root searched for task Python versions (also ~/.pyenv).")
+
+    # --- conformance checks -------------------------------------------------------------
+    check_redis_url: str | None = Field(None, **_env("TURNSTILE_CHECK_REDIS_URL"),
+                                        description="Redis DB of `python -m app harness check-pipeline` "
+                                                    "(default: DB 15 of REDIS_URL).")
+
+    # --- validation -----------------------------------------------------------------------
+    @field_validator("var_dir")
+    @classmethod
+    def _resolve(cls, value: Path) -> Path:
+        return value.expanduser().resolve()
+
+    @field_validator("cache_dir", "tools_dir", "pip_cache_dir", "pyenv_root")
+    @classmethod
+    def _resolve_optional(cls, value: Path | None) -> Path | None:
+        return value.expanduser().resolve() if value is not None else None
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.strip().upper() if isinstance(value, str) else value
+
+    @field_validator("engine_urls", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _database(cls, value: str) -> str:
+        return _check_url(value, None, host=False, example="sqlite:///var/turnstile.db or "
+                                                          "postgresql+psycopg://user@host:5432/turnstile")
+
+    @field_validator("redis_url", "check_redis_url")
+    @classmethod
+    def _redis(cls, value: str | None) -> str | None:
+        return _check_url(value, _REDIS, host=False, example="redis://localhost:6379/0")
+
+    @field_validator("broker_url", "result_backend")
+    @classmethod
+    def _celery(cls, value: str) -> str:
+        return _check_url(value, None, host=False, example="redis://localhost:6379/0")
+
+    @field_validator("api_url", "gateway_url", "pip_index_url")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        return _check_url(value, _HTTP, host=True, example="http://127.0.0.1:8000")
+
+    @field_validator("engine_urls")
+    @classmethod
+    def _http_list(cls, value: list[str]) -> list[str]:
+        return [_check_url(v, _HTTP, host=True, example="http://127.0.0.1:8200") for v in value]
+
+    @model_validator(mode="after")
+    def _limits(self) -> "Settings":
+        if self.task_time_limit <= self.task_soft_time_limit:
+            raise ValueError("TURNSTILE_TASK_TIME_LIMIT must be above TURNSTILE_TASK_SOFT_TIME_LIMIT "
+                             f"({self.task_time_limit} <= {self.task_soft_time_limit})")
+        return self
 
     @classmethod
-    def from_env(cls) -> "Settings":
-        var_dir = Path(_str("TURNSTILE_VAR_DIR", str(ROOT / "var"))).resolve()
-        redis_url = _str("REDIS_URL", "redis://localhost:6379/0")
-        soft = _int("TURNSTILE_TASK_SOFT_TIME_LIMIT", 3600)
-        hard = _int("TURNSTILE_TASK_TIME_LIMIT", soft + 120)
-        if hard <= soft:
-            raise ValueError("TURNSTILE_TASK_TIME_LIMIT must be above TURNSTILE_TASK_SOFT_TIME_LIMIT")
-        return cls(
-            var_dir=var_dir,
-            database_url=_str("DATABASE_URL", f"sqlite:///{var_dir / 'turnstile.db'}"),
-            redis_url=redis_url,
-            broker_url=_str("CELERY_BROKER_URL", redis_url),
-            result_backend=_str("CELERY_RESULT_BACKEND", redis_url),
-            api_url=_str("TURNSTILE_API_URL", "http://127.0.0.1:8000"),
-            gateway_url=_str("TURNSTILE_GATEWAY_URL", "http://127.0.0.1:8100"),
-            engine_urls=_list("TURNSTILE_ENGINE_URLS", "http://127.0.0.1:8200"),
-            task_soft_time_limit=soft,
-            task_time_limit=hard,
-            # Redis redelivers an unacked task after this many seconds; it must be
-            # above the longest task or a running episode would be started twice.
-            visibility_timeout=_int("TURNSTILE_VISIBILITY_TIMEOUT", max(4 * 3600, hard * 2)),
-            max_redeliveries=_int("TURNSTILE_MAX_REDELIVERIES", 3),
-            log_level=_str("TURNSTILE_LOG_LEVEL", "INFO"),
-        )
+    def from_env(cls, **overrides: Any) -> "Settings":
+        """Settings from the environment and `.env`; a bad value raises `SettingsError` naming it."""
+        try:
+            return cls(**overrides)
+        except ValidationError as exc:
+            raise SettingsError(_describe(exc)) from None
+
+
+def env_name(field: str) -> str:
+    """The environment variable of settings field `field` (e.g. "redis_url" -> "REDIS_URL")."""
+    alias = Settings.model_fields[field].validation_alias
+    return alias.choices[0] if isinstance(alias, AliasChoices) else field.upper()
+
+
+def _describe(exc: ValidationError) -> str:
+    names = {f.lower(): env_name(f) for f in Settings.model_fields}
+    names.update({env_name(f).lower(): env_name(f) for f in Settings.model_fields})
+    problems = []
+    for err in exc.errors(include_url=False):
+        if err["type"] == "default_factory_not_called":
+            continue  # a default derived from a setting that is itself invalid (reported on its own)
+        key = str(err["loc"][0]) if err["loc"] else ""
+        name = names.get(key.lower(), key.upper())
+        if err["type"] == "extra_forbidden":
+            problems.append(f"{name} (in {ENV_FILE.name}) is not a Turnstile setting")
+        elif name:
+            message = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{name}={err['input']!r}: {message}")
+        else:
+            problems.append(err["msg"].removeprefix("Value error, "))
+    return "invalid settings (environment or .env): " + "; ".join(problems)
 
 
 _settings: Settings | None = None
 
 
 def get_settings() -> Settings:
-    """Process-wide settings (read from the environment on first use)."""
+    """Process-wide settings (read from the environment and `.env` on first use)."""
     global _settings
     if _settings is None:
         _settings = Settings.from_env()
@@ -118,3 +309,26 @@ def reset_settings() -> None:
     """Forget cached settings (tests change the environment between cases)."""
     global _settings
     _settings = None
+
+
+def _main(argv: list[str]) -> int:
+    try:
+        settings = get_settings()
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    fields = argv or list(Settings.model_fields)
+    for field in fields:
+        if field not in Settings.model_fields:
+            print(f"error: no setting {field!r} (python -m app.config lists them)", file=sys.stderr)
+            return 2
+        value = getattr(settings, field)
+        if isinstance(value, list):
+            value = ",".join(value)
+        text = "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        print(text if argv else f"{env_name(field)}={text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

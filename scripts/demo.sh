@@ -6,8 +6,12 @@ cd "$(dirname "$0")/.."
 CONFIG="${TURNSTILE_DEMO_CONFIG:-demo/train.json}"
 mkdir -p var/log
 LOG="var/log/demo-$(date +%Y%m%d-%H%M%S).log"
+# Where the processes will answer, from the same settings they read (a bad setting stops here).
+SETTINGS="$(.venv/bin/python -m app.config api_url gateway_url engine_port)"
+{ read -r API_URL; read -r GATEWAY_URL; read -r ENGINE_PORT; } <<<"$SETTINGS"
 
-.venv/bin/honcho start -f Procfile >"$LOG" 2>&1 &
+# `-e /dev/null`: honcho must not parse .env itself; every process reads it through app.config.
+.venv/bin/honcho start -e /dev/null -f Procfile >"$LOG" 2>&1 &
 HONCHO=$!
 stop() {
   kill -TERM "$HONCHO" 2>/dev/null || true
@@ -18,6 +22,6 @@ stop() {
 trap stop EXIT
 echo "processes starting (logs: $LOG)"
 .venv/bin/python -m app.cli.wait --timeout 300 \
-  api=http://127.0.0.1:8000/api/health gateway=http://127.0.0.1:8100/health engine=http://127.0.0.1:8200/health \
+  api="$API_URL/api/health" gateway="$GATEWAY_URL/health" engine="http://127.0.0.1:$ENGINE_PORT/health" \
   || { tail -50 "$LOG"; exit 1; }
 .venv/bin/python -m app demo --config "$CONFIG"

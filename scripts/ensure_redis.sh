@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Start a local Redis if none answers at $REDIS_URL (default localhost:6379); install it if missing.
+# Start a local Redis if none answers at REDIS_URL (default localhost:6379); install it if missing.
+# REDIS_URL comes from app.config (environment, then .env) once the virtualenv exists.
 set -euo pipefail
-url="${REDIS_URL:-redis://localhost:6379/0}"
+cd "$(dirname "$0")/.."
+url="${REDIS_URL:-redis://localhost:6379/0}"  # until the virtualenv can run app.config
+if [ -x .venv/bin/python ]; then
+  rc=0; out="$(.venv/bin/python -m app.config redis_url 2>&1)" || rc=$?
+  if [ "$rc" -eq 0 ]; then url="$out"; elif [ "$rc" -eq 2 ]; then echo "$out" >&2; exit 2; fi  # 2: invalid setting
+fi
 hostport="${url#redis://}"; hostport="${hostport%%/*}"; host="${hostport%%:*}"; port="${hostport##*:}"
 [ "$port" = "$host" ] && port=6379
 if command -v redis-cli >/dev/null 2>&1 && redis-cli -h "$host" -p "$port" ping 2>/dev/null | grep -q PONG; then

@@ -3,24 +3,26 @@
 gthread workers: each streamed answer holds one thread while it relays the
 engine's events (writes are unbuffered, so every SSE event is flushed as it is
 yielded).  Threads are cheap; size them for the number of concurrent harness
-sessions (TURNSTILE_GATEWAY_THREADS per worker).  Env overrides:
-TURNSTILE_GATEWAY_BIND, TURNSTILE_GATEWAY_WORKERS, TURNSTILE_GATEWAY_THREADS.
+sessions (TURNSTILE_GATEWAY_THREADS per worker).  Settings (app.config):
+TURNSTILE_GATEWAY_BIND, TURNSTILE_GATEWAY_WORKERS, TURNSTILE_GATEWAY_THREADS,
+TURNSTILE_GATEWAY_WORKER_TIMEOUT, TURNSTILE_GATEWAY_ACCESS_LOG, TURNSTILE_LOG_LEVEL.
 """
-import os
+from app.config import get_settings
 
-bind = os.environ.get("TURNSTILE_GATEWAY_BIND", "127.0.0.1:8100")
-workers = int(os.environ.get("TURNSTILE_GATEWAY_WORKERS", "2"))
+_settings = get_settings()  # a bad value stops gunicorn here, with the variable's name
+bind = _settings.gateway_bind
+workers = _settings.gateway_workers
 worker_class = "gthread"
-threads = int(os.environ.get("TURNSTILE_GATEWAY_THREADS", "64"))
+threads = _settings.gateway_threads
 # Long generations and long prefills: the gateway itself never times a request out;
 # keep-alive frames keep the client's idle timers fed.
-timeout = int(os.environ.get("TURNSTILE_GATEWAY_WORKER_TIMEOUT", "0"))
+timeout = _settings.gateway_worker_timeout
 graceful_timeout = 30
 keepalive = 75
 backlog = 2048
-accesslog = os.environ.get("TURNSTILE_GATEWAY_ACCESS_LOG") or None
+accesslog = _settings.gateway_access_log
 errorlog = "-"
-loglevel = os.environ.get("TURNSTILE_LOG_LEVEL", "info").lower()
+loglevel = _settings.log_level.lower()
 
 
 def post_fork(server, worker):

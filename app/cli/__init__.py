@@ -1,7 +1,8 @@
 """Command line: submit and follow runs, list them, export them, and the demo.
 
 Talks to the REST API (TURNSTILE_API_URL), so it works against a remote
-deployment as well as the local one.  Sub-command modules register themselves
+deployment as well as the local one.  Settings, `.env` included, come from
+`app.config` like in every other process.  Sub-command modules register themselves
 in `COMMANDS` (name -> (add_arguments, handler)).
 """
 from __future__ import annotations
@@ -27,29 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_dotenv(path: str = ".env") -> None:
-    """Read KEY=VALUE lines of `.env` (the file honcho reads) into the environment.
-
-    Variables already set win, so `FOO=1 python -m app …` still overrides the file.
-    """
-    import os
-
-    try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except OSError:
-        return
-    for line in lines:
-        line = line.strip()
-        if not line or line.startswith("#") or "=" not in line:
-            continue
-        key, _, value = line.partition("=")
-        os.environ.setdefault(key.strip().removeprefix("export ").strip(), value.strip().strip("'\""))
-
-
 def main(argv: list[str] | None = None) -> int:
     import httpx
 
-    load_dotenv()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

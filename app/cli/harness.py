@@ -74,12 +74,11 @@ def _print_report(r) -> None:
 
 def _check_redis_url(explicit: str | None) -> str:
     """Redis DB for the pipeline check's queues: --redis-url, TURNSTILE_CHECK_REDIS_URL, else DB 15 of REDIS_URL."""
-    import os
     from urllib.parse import urlsplit, urlunsplit
 
     from app.config import get_settings
 
-    url = explicit or os.environ.get("TURNSTILE_CHECK_REDIS_URL")
+    url = explicit or get_settings().check_redis_url
     if url:
         return url
     parts = urlsplit(get_settings().redis_url)

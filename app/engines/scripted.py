@@ -32,7 +32,6 @@ import argparse
 import base64
 import hashlib
 import json
-import os
 import re
 import socket
 import threading
@@ -471,11 +470,14 @@ def serve(port: int, host: str = "127.0.0.1", **kwargs) -> ScriptedServer:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from app.config import get_settings
+
     ap = argparse.ArgumentParser(description="Turnstile scripted engine (deterministic; engine contract)")
     ap.add_argument("--port", type=int, default=8200)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--script", default=os.environ.get("TURNSTILE_SCRIPT"),
-                    help='JSON file {"default": [reply...], "episodes": {"<episode id>": [reply...]}}')
+    ap.add_argument("--script", default=get_settings().engine_script,
+                    help='JSON file {"default": [reply...], "episodes": {"<episode id>": [reply...]}} '
+                         '(default: TURNSTILE_SCRIPT)')
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--policy-version", type=int, default=None)

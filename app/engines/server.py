@@ -96,12 +96,14 @@ def build_engine(model_spec: str, *, max_batch: int = 8, prefill_chunk: int = 51
     """Load the model and start the scheduler thread.
 
     ``policy_version`` defaults to the checkpoint's ``turnstile.json`` value, else 0.
-    ``threads`` (torch intra-op threads) defaults to ``$TURNSTILE_ENGINE_THREADS`` or 1: on a
+    ``threads`` (torch intra-op threads) defaults to the ``TURNSTILE_ENGINE_THREADS`` setting (1): on a
     shared box OpenMP's spinning barriers make 2 threads up to 10x slower whenever another
     process holds a core; raise it only where the engine owns its cores.
     """
     if threads is None:
-        threads = int(os.environ.get("TURNSTILE_ENGINE_THREADS", "1"))
+        from app.config import get_settings
+
+        threads = get_settings().engine_threads
     torch.set_num_threads(threads)
     started = time.perf_counter()
     model, tokenizer = load_model(model_spec)
@@ -295,10 +297,12 @@ def _stream(engine: Engine, req: GenerationRequest, assembler: ChoiceAssembler, 
 
 # ---------------------------------------------------------------- app factory
 def create_engine_app(model_spec: str | None = None, engine: Engine | None = None, **engine_kwargs) -> Flask:
-    """Flask app serving one engine.  Loads ``model_spec`` (default ``$TURNSTILE_ENGINE_MODEL`` or
-    ``smollm2``) unless a ready ``engine`` is given."""
+    """Flask app serving one engine.  Loads ``model_spec`` (default: the ``TURNSTILE_ENGINE_MODEL``
+    setting, ``smollm2``) unless a ready ``engine`` is given."""
     if engine is None:
-        engine = build_engine(model_spec or os.environ.get("TURNSTILE_ENGINE_MODEL", "smollm2"), **engine_kwargs)
+        from app.config import get_settings
+
+        engine = build_engine(model_spec or get_settings().engine_model, **engine_kwargs)
     app = Flask("turnstile-engine")
     app.config["ENGINE"] = engine
 
@@ -392,11 +396,14 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
 
 
 def main(argv: list[str] | None = None) -> None:
+    from app.config import get_settings
+
+    settings = get_settings()
     parser = argparse.ArgumentParser(description="Turnstile embedded CPU inference engine")
-    parser.add_argument("--model", default=os.environ.get("TURNSTILE_ENGINE_MODEL", "smollm2"),
-                        help="tiny | smollm2 | checkpoint directory")
+    parser.add_argument("--model", default=settings.engine_model,
+                        help="tiny | smollm2 | checkpoint directory (default: TURNSTILE_ENGINE_MODEL, smollm2)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8200)
+    parser.add_argument("--port", type=int, default=settings.engine_port, help="default: TURNSTILE_ENGINE_PORT, 8200")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
@@ -404,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--served-model-name")
     parser.add_argument("--engine-id")
     parser.add_argument("--policy-version", type=int)
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default $TURNSTILE_ENGINE_THREADS or 1)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: TURNSTILE_ENGINE_THREADS, 1)")
     args = parser.parse_args(argv)
     faulthandler.enable()  # a hard crash (signal) leaves a traceback of every thread in the log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -57,9 +57,9 @@ class HarnessInstallError(RuntimeError):
 
 
 def shared_tools_dir() -> Path:
-    """Shared tools folder: `TURNSTILE_TOOLS_DIR`, else `<var_dir>/tools`."""
-    override = os.environ.get("TURNSTILE_TOOLS_DIR")
-    return Path(override).resolve() if override else get_settings().var_dir / "tools"
+    """Shared tools folder: the `TURNSTILE_TOOLS_DIR` setting, else `<var_dir>/tools`."""
+    settings = get_settings()
+    return settings.tools_dir or settings.var_dir / "tools"
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -9,48 +9,51 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.config import Settings, get_settings
 from app.proxy.errors import GatewayError
 
 log = logging.getLogger("turnstile.gateway")
 
 
+def _default(name: str) -> Any:
+    return Settings.model_fields[f"gateway_{name}"].default
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
-    """Gateway knobs from the environment (TURNSTILE_GATEWAY_*)."""
+    """The gateway's knobs: the TURNSTILE_GATEWAY_* settings of `app.config` (defaults there)."""
 
-    default_max_tokens: int = 4096       # when the client sends no limit (Codex), B32
-    max_body_bytes: int = 32 * 1024 * 1024
-    keepalive_s: float = 10.0            # keep-alive interval while the engine prefills
-    vision: bool = False                 # engine model accepts images; else placeholders (B16)
-    session_cache_s: float = 2.0         # how long a resolved session token is trusted in-process
-    upstream_timeout_s: float = 900.0
+    default_max_tokens: int = _default("default_max_tokens")  # when the client sends no limit (Codex), B32
+    max_body_bytes: int = _default("max_body_bytes")
+    keepalive_s: float = _default("keepalive_s")              # keep-alive interval while the engine prefills
+    vision: bool = _default("vision")                          # engine model accepts images; else placeholders (B16)
+    session_cache_s: float = _default("session_cache_s")      # how long a resolved session token is trusted
+    upstream_timeout_s: float = _default("upstream_timeout_s")
 
     @classmethod
-    def from_env(cls) -> "GatewaySettings":
-        env = os.environ
-        return cls(
-            default_max_tokens=int(env.get("TURNSTILE_GATEWAY_DEFAULT_MAX_TOKENS") or 4096),
-            max_body_bytes=int(env.get("TURNSTILE_GATEWAY_MAX_BODY_BYTES") or 32 * 1024 * 1024),
-            keepalive_s=float(env.get("TURNSTILE_GATEWAY_KEEPALIVE_S") or 10.0),
-            vision=(env.get("TURNSTILE_GATEWAY_VISION") or "").lower() in {"1", "true", "yes", "on"},
-            session_cache_s=float(env.get("TURNSTILE_GATEWAY_SESSION_CACHE_S") or 2.0),
-            upstream_timeout_s=float(env.get("TURNSTILE_GATEWAY_UPSTREAM_TIMEOUT_S") or 900.0),
-        )
+    def from_settings(cls, s: Settings) -> "GatewaySettings":
+        return cls(default_max_tokens=s.gateway_default_max_tokens, max_body_bytes=s.gateway_max_body_bytes,
+                   keepalive_s=s.gateway_keepalive_s, vision=s.gateway_vision,
+                   session_cache_s=s.gateway_session_cache_s, upstream_timeout_s=s.gateway_upstream_timeout_s)
 
 
-_settings: GatewaySettings | None = None
+_settings: GatewaySettings | None = None  # an override (tests); None: follow app.config
+_cached: tuple[Settings, GatewaySettings] | None = None
 
 
 def gateway_settings() -> GatewaySettings:
-    global _settings
-    if _settings is None:
-        _settings = GatewaySettings.from_env()
-    return _settings
+    """The gateway's settings, from `app.config.get_settings()` (so `reset_settings()` applies here too)."""
+    if _settings is not None:
+        return _settings
+    global _cached
+    s = get_settings()
+    if _cached is None or _cached[0] is not s:
+        _cached = (s, GatewaySettings.from_settings(s))
+    return _cached[1]
 
 
 @dataclass

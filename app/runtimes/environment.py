@@ -31,6 +31,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.config import get_settings
 from app.runtimes.errors import RuntimeSetupError
 from app.runtimes.gitutil import git
 from app.runtimes.paths import RuntimePaths, build_lock
@@ -60,7 +61,7 @@ def find_python(version: str) -> PythonInterpreter:
 
     Raises `RuntimeSetupError("python")` when none is installed.
     """
-    roots = [os.environ.get("PYENV_ROOT", ""), str(Path.home() / ".pyenv")]
+    roots = [str(get_settings().pyenv_root or ""), str(Path.home() / ".pyenv")]
     candidates = []
     for root in filter(None, roots):
         candidates += sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"), reverse=True)
@@ -109,6 +110,10 @@ def env_key(record: InstanceRecord, python: PythonInterpreter, confined: bool) -
 
 def build_env_vars(home: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if _PASS_ENV.match(k)}
+    settings = get_settings()  # pip settings given in .env reach the build's pip too
+    for name, value in (("PIP_INDEX_URL", settings.pip_index_url), ("PIP_CACHE_DIR", settings.pip_cache_dir)):
+        if value:
+            env.setdefault(name, str(value))
     env.update(HOME=home, LANG="C.UTF-8", PIP_DISABLE_PIP_VERSION_CHECK="1", PYTHONDONTWRITEBYTECODE="1")
     return env
 
@@ -122,7 +127,7 @@ def _install_script(venv: str, python: PythonInterpreter, commands: tuple[str, .
 
 
 def _pip_cache() -> Path:
-    return Path(os.environ.get("PIP_CACHE_DIR") or Path.home() / ".cache" / "pip")
+    return get_settings().pip_cache_dir or Path.home() / ".cache" / "pip"
 
 
 def run_install(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -31,7 +30,7 @@ class RuntimePaths:
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> "RuntimePaths":
         s = settings or get_settings()
-        cache = os.environ.get("TURNSTILE_CACHE_DIR") or str(Path(s.var_dir) / "cache")
+        cache = s.cache_dir or Path(s.var_dir) / "cache"
         return cls(var_dir=Path(s.var_dir).resolve(), cache_dir=Path(cache).resolve())
 
     @property

@@ -11,7 +11,6 @@ metadata) is the fallback.  Either way the archive's SHA-256 must equal
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from app.config import get_settings
 from app.runtimes.errors import RuntimeSetupError
 from app.runtimes.paths import RuntimePaths, build_lock
 from app.tasksets.schema import PypiSdistSource
@@ -31,7 +31,7 @@ SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
 
 
 def _index_url() -> str:
-    return (os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple").rstrip("/")
+    return (get_settings().pip_index_url or "https://pypi.org/simple").rstrip("/")
 
 
 def _normalize(name: str) -> str:

@@ -12,7 +12,6 @@ builds) and independent grades run two at a time (2 cores), longest first.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,7 +49,7 @@ def all_grades(tmp_path_factory):
     var = tmp_path_factory.mktemp("var")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TURNSTILE_CACHE_DIR", str(ROOT / "var" / "cache"))
-        settings = dataclasses.replace(Settings.from_env(), var_dir=var)
+        settings = Settings.from_env().model_copy(update={"var_dir": var})
         records = sorted(SYNTHETIC + REAL, key=lambda r: not any(k in r.instance_id for k in SLOW_FIRST))
         jobs = [(r, p) for r in records for p in ("", r.patch)]
         t0 = time.monotonic()
