@@ -32,7 +32,7 @@ from app.control import state
 from app.control.plan import Plan, celery_priority
 from app.control.summary import scheduling_metrics, summarize_run
 from app.db import session_scope
-from app.models import Episode, Group, Run, TrainingStep, utcnow
+from app.models import Completion, Episode, Group, Run, TrainingStep, utcnow
 from app.runconfig import RunConfig
 from app.states import transition
 
@@ -208,24 +208,38 @@ def _close_complete_groups(s, run: Run, cfg: RunConfig) -> None:
     s.flush()
 
 
-def _judge_staleness(s, run: Run, cfg: RunConfig, group: Group) -> bool:
-    """Drop or down-weight an accepted group whose episodes started too many versions ago.
+def _oldest_version(s, run_id: int, group_index: int) -> int | None:
+    """The oldest policy version that produced the group's training data.
 
-    Lag = current policy version − the oldest version any of its usable episodes started
-    under.  Checked when the group completes and again when a step is about to consume it
-    (the policy may have moved on in between).  Returns True if the group is still usable.
+    Judged on the versions the engines stamped on the completions that will be trained (the
+    weights that actually served them), not on the run's version when an episode started: if
+    a weight sync failed, the engines kept serving the old weights while the run's version
+    moved on.  Episodes without completions (simulated runs) fall back to their start version.
+    """
+    completed = select(Episode.id).where(Episode.run_id == run_id, Episode.group_index == group_index,
+                                         Episode.status == "completed")
+    served = s.scalar(select(func.min(Completion.policy_version)).where(
+        Completion.episode_id.in_(completed), Completion.rejected_reason.is_(None)))
+    if served is not None:
+        return served
+    return s.scalar(select(func.min(Episode.policy_version)).where(Episode.id.in_(completed)))
+
+
+def _judge_staleness(s, run: Run, cfg: RunConfig, group: Group) -> bool:
+    """Drop or down-weight an accepted group whose data was served too many versions ago.
+
+    Lag = the trainer's current policy version − the oldest version that served any of the
+    group's completions (`_oldest_version`).  Checked when the group completes and again when
+    a step is about to consume it (the policy may have moved on in between).  Returns True if
+    the group is still usable.
     """
     sched = cfg.scheduling
-    started = s.scalar(
-        select(func.min(Episode.policy_version)).where(
-            Episode.run_id == run.id, Episode.group_index == group.group_index, Episode.status == "completed"
-        )
-    )
-    lag = run.policy_version - started if started is not None else 0
+    served = _oldest_version(s, run.id, group.group_index)
+    lag = run.policy_version - served if served is not None else 0
     if lag <= sched.max_staleness:
         return True
     if sched.stale_policy == "drop":
-        group.status, group.reason = "dropped", f"stale: started at version {started}, policy is {run.policy_version}"
+        group.status, group.reason = "dropped", f"stale: served by version {served}, policy is {run.policy_version}"
         return False
     group.weight = 1.0 / (1 + lag - sched.max_staleness)
     return True
@@ -249,9 +263,7 @@ def _maybe_create_step(s, run: Run, cfg: RunConfig) -> int | None:
         select(Episode.id).where(Episode.run_id == run.id, Episode.group_index.in_(indexes), Episode.status == "completed")
         .order_by(Episode.group_index, Episode.sample_index)
     ).all()
-    lags = [run.policy_version - (s.scalar(select(func.min(Episode.policy_version)).where(
-        Episode.run_id == run.id, Episode.group_index == g.group_index, Episode.status == "completed")) or 0)
-        for g in accepted]
+    lags = [run.policy_version - (_oldest_version(s, run.id, g.group_index) or 0) for g in accepted]
     for g in accepted:
         g.status, g.step = "trained", step
     waits = state.take_ready_waits(run.id)

@@ -186,6 +186,12 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
     synced = time.perf_counter()
     metrics["engine_sync"] = push_weights(engine_urls, path / "model", policy_version, engine_kind=engine_kind)
     metrics["engine_sync_time_s"] = time.perf_counter() - synced
+    # Engines that did not load the new weights (after push_weights' retries) keep serving the old
+    # version and stamp it on their completions; the scheduler judges staleness by those stamps.
+    metrics["engine_sync_failed"] = sorted(url for url, result in metrics["engine_sync"].items() if result != "ok")
+    if metrics["engine_sync_failed"]:
+        log.error("run=%s step=%s policy_version=%s engines still serve older weights: %s", run_id, step,
+                  policy_version, metrics["engine_sync_failed"])
 
     with session_scope() as s:
         row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.step == step))

@@ -56,7 +56,24 @@ def test_stale_group_is_dropped(database):
         stale = _group(s, run, 1, ["completed"] * 4, started_version=0)
         scheduler._close_complete_groups(s, run, _cfg(run))
         assert fresh.status == "accepted"
-        assert stale.status == "dropped" and "started at version 0, policy is 3" in stale.reason
+        assert stale.status == "dropped" and "served by version 0, policy is 3" in stale.reason
+
+
+def test_staleness_is_judged_by_the_versions_that_served_the_completions(database):
+    """Episodes started at version 1 but their engine still served version 0 (its weight sync had
+    failed): with max_staleness 0 the group is stale, not fresh."""
+    from app.models import Completion
+
+    with session_scope() as s:
+        run = _train_run(s, max_staleness=0)
+        run.policy_version = 1
+        g = _group(s, run, 0, ["completed"] * 4, started_version=1)
+        for ep in s.scalars(select(Episode).where(Episode.run_id == run.id)):
+            s.add(Completion(episode_id=ep.id, seq=0, request_key=f"k{ep.id}", api="chat", raw_request={},
+                             prompt_ids=[1, 2], sampled_ids=[3], logprobs=[-0.1], policy_version=0))
+        s.flush()
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        assert g.status == "dropped" and "served by version 0, policy is 1" in g.reason
 
 
 def test_stale_group_can_be_downweighted(database):

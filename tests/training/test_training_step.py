@@ -46,7 +46,7 @@ def test_train_step_end_to_end_records_everything_and_is_idempotent(var_dir, eng
     assert metrics["tokens_trained"] == 4 * 3 * 6
     assert metrics["merge"]["chains"] == 4 and metrics["merge"]["completions"] == 12
     assert metrics["logprob_gap_max_abs"] < 1e-4  # recorded with a plain forward of the same weights
-    assert metrics["engine_sync"] == {engine.url: "ok"}
+    assert metrics["engine_sync"] == {engine.url: "ok"} and metrics["engine_sync_failed"] == []
     for key in ("loss", "clip_fraction", "kl", "advantage_mean", "advantage_std", "grad_norm", "step_time_s"):
         assert key in metrics
 
@@ -145,3 +145,17 @@ def test_failed_step_keeps_its_row_with_the_error_and_bad_config_is_reported(var
     # A stored config that no longer validates (the API rejects it at creation) fails the step by name.
     with pytest.raises(ValueError, match=r"training\.clip_hgh\s+Extra inputs are not permitted"):
         steps.train_step(other, 0, good)
+
+
+def test_unreachable_engine_is_shown_on_the_step_and_keeps_its_version(var_dir, data):
+    """A weight sync that fails after its retries completes the step (the checkpoint is the durable
+    result) but names the engine on the step; nothing claims the engine serves the new version."""
+    dead = "http://127.0.0.1:9"  # discard port: nothing listens, connections are refused at once
+    run_id = data.run([dead])
+    episode_ids = data.group(run_id, 0, [1.0, 0.0], seed=1)
+    metrics = steps.train_step(run_id, 0, episode_ids)
+    assert metrics["engine_sync_failed"] == [dead]
+    assert metrics["engine_sync"][dead].startswith("error:")
+    with session_scope() as s:
+        row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id))
+        assert row.status == "completed" and row.metrics["engine_sync_failed"] == [dead]
