@@ -180,7 +180,7 @@ def _export_lines(run_id: int) -> Iterator[str]:
             record = episode_to_dict(ep)
             usable = [c for c in ep.completions if c.rejected_reason is None]
             record["messages"] = _messages_of(usable[-1] if usable else None,
-                                              (ep.run.config.get("model") or {}).get("name"))
+                                              ep.run.run_config().model.name)
             record["completions"] = comps
             record["trajectories"] = [
                 {
