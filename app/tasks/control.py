@@ -1,6 +1,7 @@
 """`control` queue: start, tick and cancel runs; the watchdog; a failed training step's errback."""
 from __future__ import annotations
 
+from billiard.exceptions import WorkerLostError
 from celery import shared_task
 
 from app.control import runs, scheduler, watchdog as control_watchdog
@@ -38,7 +39,14 @@ def watchdog() -> dict:
 
 @shared_task(name="control.step_failed")
 def step_failed(request, exc, traceback, run_id: int, step: int) -> None:
-    """Errback of a training step: record the failure so the run fails with the reason."""
+    """Errback of a training step: record a real failure so the run fails with the reason.
+
+    A lost worker (its pool child killed: `WorkerLostError`) is not a failure of the step:
+    the step stays `training`, the watchdog re-sends it once no worker holds it, and the
+    trainer resumes from its newest checkpoint.
+    """
+    if isinstance(exc, WorkerLostError):
+        return
     with session_scope() as s:
         row = s.query(TrainingStep).filter_by(run_id=run_id, step=step).one_or_none()
         if row is not None:

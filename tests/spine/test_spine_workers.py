@@ -86,3 +86,41 @@ def test_worker_sigkill_mid_episode_loses_nothing(env, spawn):
         for episode_id in killed:
             assert by_id[episode_id].attempts == 2, "the killed attempt was redelivered and re-claimed once"
         assert s.scalar(select(func.count()).select_from(Group).where(Group.run_id == run_id)) == 1
+
+
+def test_killed_gpu_pool_child_leaves_the_step_to_the_watchdog(env, spawn, monkeypatch):
+    """SIGKILL of the gpu worker's pool child mid-step: the step is not failed (Celery reports a
+    WorkerLostError to the errback); the watchdog re-sends it and the run completes."""
+    import os
+    import signal
+
+    from app.control import watchdog as control_watchdog
+    from app.tasks import control as control_tasks
+
+    gpu = spawn(celery_worker_args("gpu", concurrency=1, name="gpu"), env, name="gpu")
+    spawn(celery_worker_args("control,prepare,rollout,grade", concurrency=3, name="cpu"), env, name="cpu")
+    run_id = _create({"kind": "train", "group_size": 2, "tasks_per_step": 1, "steps": 1,
+                      "simulate": {"episode_median_s": 0.1, "train_s": 6.0}})
+
+    def training():
+        with session_scope() as s:
+            return s.scalar(select(TrainingStep.id).where(TrainingStep.run_id == run_id,
+                                                          TrainingStep.status == "training"))
+
+    wait_for(training, 60, what=f"the step to start training\n{gpu.output()[-3000:]}")
+    children = [int(p) for p in open(f"/proc/{gpu.popen.pid}/task/{gpu.popen.pid}/children").read().split()]
+    assert len(children) == 1, children  # prefork pool, concurrency 1
+    os.kill(children[0], signal.SIGKILL)
+    time.sleep(3)  # the errback has long run by now
+    with session_scope() as s:
+        step = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id))
+        assert step.status == "training" and step.error is None, (step.status, step.error)
+        assert s.get(Run, run_id).status == "running"
+    monkeypatch.setattr(control_watchdog, "STEP_GRACE_S", 0.0)  # the step is old enough to be orphaned
+    done = control_tasks.watchdog()  # what beat runs every 30 s, here in-process
+    assert done["resent"] == [(run_id, 0)], done
+    wait_for(lambda: _run_status(run_id) in ("completed", "failed"), 60,
+             what=f"the run to finish after the re-send\n{gpu.output()[-3000:]}")
+    assert _run_status(run_id) == "completed", gpu.output()[-3000:]
+    with session_scope() as s:
+        assert s.get(Run, run_id).policy_version == 1
