@@ -16,9 +16,11 @@ HARNESSES = ("mini-swe-agent", "codex", "claude-code", "qwen-code", "gemini-cli"
 AdvantageMode = Literal["mean", "leave_one_out"]
 LossAggregation = Literal["token", "sequence"]
 Builder = Literal["prefix_merging", "per_request"]
+KLEstimator = Literal["k3", "k2"]
 ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
 LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 BUILDERS: tuple[str, ...] = get_args(Builder)
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
 class Timeouts(BaseModel):
@@ -121,7 +123,13 @@ class TrainingConfig(BaseModel):
     clip_high: float = Field(0.28, ge=0, description="PPO clip range above 1 (DAPO clip-higher).")
     tis_cap: float | None = Field(2.0, ge=1, description="Cap C of the truncated importance weight trainer/rollout "
                                                           "(null disables TIS).")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the initial policy (0 = off).")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the initial policy (0 = off).")
+    kl_estimator: KLEstimator = Field(
+        "k3", description="Per-token KL term put in the loss. \"k3\" (exp(d) - d - 1, d = ref - logp; the default, "
+                          "as in DeepSeekMath): its value estimates KL(policy || ref), but its gradient is that of "
+                          "the forward KL(ref || policy). \"k2\" (d^2 / 2): its gradient is that of the reverse "
+                          "KL(policy || ref) (Tang & Munos 2025, arXiv:2506.09477). The reported `kl` metric is k3's "
+                          "value either way.")
     loss_aggregation: LossAggregation = Field("token", description="Loss mean over tokens of the batch, or per sequence.")
     # the data
     builder: Builder = Field("prefix_merging", description="Trajectory builder.")

@@ -6,7 +6,8 @@ The objective implemented here, per trainable token t of a sequence from episode
                                                        pre-update logprobs (detached)
     pg_t   = -min(r_t * A_i, clip(r_t, 1 - eps_low, 1 + eps_high) * A_i)
     w_t    = min(exp(old_t - rollout_t), C)            truncated importance weight (TIS)
-    kl_t   = exp(ref_t - logp_t) - (ref_t - logp_t) - 1  (k3 estimator, optional)
+    d_t    = ref_t - logp_t
+    kl_t   = exp(d_t) - d_t - 1   ("k3", default)  or  d_t^2 / 2   ("k2")   (optional)
     loss_t = w_t * pg_t + beta * kl_t
 
 * Group advantage A_i = (R_i - mean_g R) / std_g R: DeepSeekMath, Shao et al. 2024,
@@ -21,7 +22,17 @@ The objective implemented here, per trainable token t of a sequence from episode
   recorded by the gateway) and the trainer differ numerically and, with asynchronous
   rollouts, in weights; the token gradient is re-weighted by the truncated ratio
   trainer/rollout.
-* k3 KL estimator: Schulman 2020, "Approximating KL divergence"; DeepSeekMath eq. 4.
+* KL penalty to the reference policy (`kl_estimator`).  Both estimators are from Schulman 2020,
+  "Approximating KL divergence" (joschu.net/blog/kl-approx.html).  On tokens sampled from the
+  policy, k3's *value* is an unbiased estimate of the reverse KL(policy || ref), which is why it
+  is the reported `kl` metric.  But differentiated as a loss (samples held fixed, as here),
+  E_policy[grad k3] = grad KL(ref || policy): k3 as a loss optimises the *forward* KL (Tang &
+  Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL",
+  arXiv:2506.09477, §3).  k3 stays the default because it is DeepSeekMath's (eq. 4) and what
+  earlier runs used.  k2 = d^2 / 2 has E_policy[grad k2] = E_policy[(logp - ref) grad logp]
+  = grad KL(policy || ref): the reverse KL's gradient (same paper, §3; exactly so on-policy,
+  i.e. before the PPO ratio moves).  Both are per-token terms: neither carries the effect of
+  a token on later tokens' distributions (the paper's §4 "partial gradient").
 
 All tensors are 1-D over the trainable tokens of a micro-batch, shape [N], float32.
 """
@@ -33,7 +44,7 @@ from typing import Sequence
 
 import torch
 
-from app.runconfig import ADVANTAGE_MODES, LOSS_AGGREGATIONS  # noqa: F401 (re-exported for callers)
+from app.runconfig import ADVANTAGE_MODES, KL_ESTIMATORS, LOSS_AGGREGATIONS  # noqa: F401 (re-exported for callers)
 
 
 def group_advantages(
@@ -90,6 +101,7 @@ def policy_loss(
     tis_cap: float | None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
 ) -> tuple[torch.Tensor, LossStats]:
     """The GRPO loss of one micro-batch (see the module docstring for the formula).
 
@@ -98,10 +110,14 @@ def policy_loss(
     (recorded by the gateway), `advantages` (the episode's advantage on each of its tokens),
     `weights` (aggregation weight per token: 1/N_step for token-level, 1/(len_seq * S_step)
     for sequence-level; see `aggregation_weights`), `ref_logprobs` (reference model, only
-    with `kl_coef` > 0).  `tis_cap` None disables importance correction.  Returns the scalar
+    with `kl_coef` > 0).  `kl_estimator` is "k3" (gradient of the forward KL) or "k2" (gradient of
+the reverse KL); `LossStats.kl` sums k3's value either way.  `tis_cap` None disables importance
+correction.  Raises ValueError for an unknown `kl_estimator`.  Returns the scalar
     loss `sum(weights * loss_t)`; summing it over the step's micro-batches gives the step's
     aggregated loss exactly, so gradient accumulation is plain `backward()` per micro-batch.
     """
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kl_estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
     old = old_logprobs.detach()
     log_ratio = logprobs - old
     ratio = torch.exp(log_ratio)
@@ -119,9 +135,10 @@ def policy_loss(
     kl_sum = 0.0
     if ref_logprobs is not None and kl_coef > 0.0:
         delta = ref_logprobs.detach() - logprobs
-        kl = torch.exp(delta) - delta - 1.0
-        per_token = per_token + kl_coef * kl
-        kl_sum = kl.detach().sum().item()
+        k3 = torch.exp(delta) - delta - 1.0
+        penalty = k3 if kl_estimator == "k3" else 0.5 * delta * delta
+        per_token = per_token + kl_coef * penalty
+        kl_sum = k3.detach().sum().item()
     loss = (per_token * weights).sum()
     with torch.no_grad():
         is_clipped = ((ratio < 1.0 - clip_low) & (advantages < 0)) | ((ratio > 1.0 + clip_high) & (advantages > 0))

@@ -1,8 +1,8 @@
 """The GRPO trainer: a resident policy + optimizer that turns step sequences into one update.
 
 Implements the objective of `app.training.grpo` (GRPO with DAPO clip-higher, token-level
-aggregation by default, TIS against the rollout logprobs, optional k3 KL to the initial
-policy).  One call of `Trainer.update` is one training step:
+aggregation by default, TIS against the rollout logprobs, optional KL penalty to the initial
+policy: k3 or k2, `TrainingConfig.kl_estimator`).  One call of `Trainer.update` is one training step:
 
     micro-batches (padded, token budget)            app.training.batching
     ├─ [several updates only] no-grad pass: old logprobs for every micro-batch
@@ -103,7 +103,7 @@ class Trainer:
     def update(self, sequences: list[StepSequence]) -> dict:
         """Run one GRPO step over `sequences`; return its metrics (JSON-able floats and ints).
 
-        Metrics: loss, clip_fraction, kl (mean k3, 0 when off), tis_weight_mean,
+        Metrics: loss, clip_fraction, kl (mean k3 value, an estimate of KL(policy || ref), whichever estimator is in the loss; 0 when off), tis_weight_mean,
         tis_truncated_fraction, ratio_mean, logprob_gap_max_abs / logprob_gap_mean_abs,
         micro_batches_zero_advantage (forward only: their gradient is exactly zero)
         (|trainer - rollout| over sampled tokens before the update), grad_norm (largest
@@ -159,6 +159,7 @@ class Trainer:
                     tis_cap=cfg.tis_cap,
                     ref_logprobs=self._reference_logprobs(mb),
                     kl_coef=cfg.kl_coef,
+                    kl_estimator=cfg.kl_estimator,
                 )
                 loss.backward()
                 totals["loss"] += loss.item() / len(chunks)

@@ -59,6 +59,51 @@ def test_policy_loss_clip_higher_tis_cap_and_k3():
     assert kl_stats.kl == pytest.approx(expected, rel=1e-6)
 
 
+# A 4-way categorical policy softmax(theta) against the reference softmax(ref_logits), advantage 0,
+# kl_coef 1: the expected gradient of each estimator used as a loss (samples held fixed, each
+# outcome weighted by its detached policy probability).
+KL_THETA = [0.5, -0.3, 0.1, 1.2]
+KL_REF_LOGITS = [0.0, 0.8, -0.5, 0.3]
+FORWARD_KL_GRAD = [0.0490, -0.3208, 0.0451, 0.2267]   # grad KL(ref || policy)
+REVERSE_KL_GRAD = [-0.0090, -0.1780, 0.0102, 0.1768]  # grad KL(policy || ref)
+
+
+def _expected_kl_gradient(estimator: str) -> list[float]:
+    theta = torch.tensor(KL_THETA, requires_grad=True)
+    logp = torch.log_softmax(theta, dim=0)
+    ref = torch.log_softmax(torch.tensor(KL_REF_LOGITS), dim=0)
+    zeros = torch.zeros(4)
+    loss, stats = policy_loss(logp, logp.detach(), logp.detach(), zeros, logp.exp().detach(), clip_low=0.2,
+                              clip_high=0.28, tis_cap=None, ref_logprobs=ref, kl_coef=1.0, kl_estimator=estimator)
+    loss.backward()
+    # The reported KL is k3's value whichever estimator is in the loss.
+    delta = ref - logp.detach()
+    assert stats.kl == pytest.approx(float((torch.exp(delta) - delta - 1).sum()), rel=1e-6)
+    return theta.grad.tolist()
+
+
+def test_kl_estimators_gradients_on_a_categorical():
+    # The closed forms of both KLs, by autograd on the exact expectations.
+    q = torch.softmax(torch.tensor(KL_REF_LOGITS), 0)
+    for kl, expected in ((lambda p: (q * (q.log() - p.log())).sum(), FORWARD_KL_GRAD),
+                         (lambda p: (p * (p.log() - q.log())).sum(), REVERSE_KL_GRAD)):
+        theta = torch.tensor(KL_THETA, requires_grad=True)
+        kl(torch.softmax(theta, 0)).backward()
+        assert theta.grad.tolist() == pytest.approx(expected, abs=1e-4)
+    # k3 as a loss follows the forward KL (the default, kept); k2 follows the reverse KL.
+    assert _expected_kl_gradient("k3") == pytest.approx(FORWARD_KL_GRAD, abs=1e-4)
+    assert _expected_kl_gradient("k2") == pytest.approx(REVERSE_KL_GRAD, abs=1e-4)
+    with pytest.raises(ValueError, match="unknown KL estimator 'k1'"):
+        _expected_kl_gradient("k1")
+
+
+def test_kl_estimator_is_a_validated_training_option():
+    assert TrainingConfig().kl_estimator == "k3"
+    assert TrainingConfig(kl_estimator="k2").kl_estimator == "k2"
+    with pytest.raises(ValueError, match="kl_estimator"):
+        TrainingConfig(kl_estimator="k1")
+
+
 def test_aggregation_weights_token_and_sequence():
     assert aggregation_weights([2, 3], "token", step_tokens=10, step_sequences=4) == [0.1] * 5
     assert aggregation_weights([2, 4], "sequence", step_tokens=10, step_sequences=2) == pytest.approx([0.25] * 2 + [0.125] * 4)
@@ -192,12 +237,13 @@ def test_lora_update_moves_only_adapters_and_saved_merged_weights_match(tmp_path
     assert not torch.allclose(lora_lp[0], Trainer(TrainingConfig(), build_tiny_model(0)).logprobs(seqs)[0], atol=1e-4)
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_kl_to_reference_is_zero_at_start_and_grows_after_updates(lora):
+@pytest.mark.parametrize("lora,estimator", [(False, "k3"), (True, "k3"), (False, "k2")])
+def test_kl_to_reference_is_zero_at_start_and_grows_after_updates(lora, estimator):
     model = build_tiny_model(seed=0)
     prompt = [1, 11, 12, 2, 1]
     seqs = [make_sequence(model, prompt, 6, seed=s, advantage=a) for s, a in ((0, 1.0), (1, -1.0))]
-    trainer = Trainer(TrainingConfig(learning_rate=1e-2, kl_coef=0.1, lora=lora, lora_r=4, lora_alpha=8), model)
+    trainer = Trainer(TrainingConfig(learning_rate=1e-2, kl_coef=0.1, kl_estimator=estimator, lora=lora, lora_r=4,
+                                     lora_alpha=8), model)
     assert trainer.update(seqs)["kl"] == pytest.approx(0.0, abs=1e-7)
     trainer.update(seqs)
     assert trainer.update(seqs)["kl"] > 1e-6
