@@ -1,4 +1,5 @@
-"""Backstop for lost work: re-send training steps whose trainer died, tick running runs.
+"""Backstop for lost work: re-send training steps whose trainer died, tick running runs, and
+delete runtime folders nobody will use again.
 
 Episode stages are late-acknowledged, so Redis redelivers them after a crash.  Training
 steps are acknowledged on start (a redelivery while a step still runs would train twice),
@@ -17,7 +18,7 @@ from sqlalchemy import select
 
 from app.control.plan import Plan
 from app.db import session_scope
-from app.models import Run, TrainingStep, utcnow
+from app.models import Episode, Run, TrainingStep, utcnow
 
 log = logging.getLogger("turnstile.watchdog")
 
@@ -49,6 +50,31 @@ def find_orphaned_steps(now: dt.datetime, in_workers: set[tuple[int, int]], queu
             continue
         orphans.append((run_id, step))
     return orphans
+
+
+LIVE_EPISODE_STATES = ("preparing", "ready", "running", "grading")
+
+
+def sweep_runtimes() -> list[str]:
+    """Delete runtime folders that no live episode holds and no task can still be using.
+
+    A worker killed mid-stage never releases its runtime, and a cancelled run's READY runtimes
+    are never rolled out.  A folder is kept while a live episode names it, and otherwise for
+    the Celery hard time limit (`task_time_limit`): no stage (a prepare still building it, a
+    grade running in it) can hold it longer.  Returns the removed runtime ids.  Runs on the
+    machine of the worker that calls it (runtimes live on the disk that prepared them).
+    """
+    from app.config import get_settings
+    from app.runtimes import cleanup_stale_runtimes
+
+    with session_scope() as s:
+        live = s.scalars(select(Episode.runtime).where(Episode.status.in_(LIVE_EPISODE_STATES),
+                                                       Episode.runtime.is_not(None))).all()
+    keep = [r["id"] for r in live if isinstance(r, dict) and r.get("id")]
+    removed = cleanup_stale_runtimes(get_settings().task_time_limit, keep=keep)
+    if removed:
+        log.warning("event=runtimes_swept removed=%s", removed)
+    return removed
 
 
 def watchdog(in_workers: set[tuple[int, int]], queue_depth: int) -> Plan:

@@ -31,10 +31,10 @@ def cancel_run(run_id: int) -> None:
 
 @shared_task(name="control.watchdog", acks_late=True)
 def watchdog() -> dict:
-    """Periodic backstop (Celery beat): re-send orphaned training steps, tick running runs."""
+    """Periodic backstop (Celery beat): re-send orphaned training steps, tick running runs, sweep runtimes."""
     plan = control_watchdog.watchdog(_steps_in_workers(), _gpu_queue_depth())
     send(plan)
-    return {"resent": plan.train, "ticked": plan.tick}
+    return {"resent": plan.train, "ticked": plan.tick, "runtimes_removed": control_watchdog.sweep_runtimes()}
 
 
 @shared_task(name="control.step_failed")

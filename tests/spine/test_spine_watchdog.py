@@ -46,3 +46,33 @@ def test_watchdog_resends_and_a_worker_finishes_the_step(database, redis_db, spa
     wait_for(completed, 60, what="the re-sent step to complete")
     with session_scope() as s:
         assert s.get(Run, run_id).policy_version == 1
+
+
+def test_sweep_removes_abandoned_runtimes_and_keeps_live_ones(database, tmp_path, monkeypatch):
+    """A killed worker's runtime folder (old, no live episode) is deleted; a live episode's is kept,
+    and so is a young folder a prepare or grade may still be building."""
+    import os
+    import time
+
+    from app import config
+    from app.models import Episode, TaskInstance
+    from app.runtimes.paths import RuntimePaths
+
+    monkeypatch.setenv("TURNSTILE_VAR_DIR", str(tmp_path / "var"))
+    monkeypatch.setenv("TURNSTILE_CACHE_DIR", str(tmp_path / "cache"))
+    config.reset_settings()
+    root = RuntimePaths.from_settings().runtimes
+    old = time.time() - 2 * config.get_settings().task_time_limit
+    for name in ("episo-abandoned", "episo-live", "grade-young"):
+        (root / name / "workspace").mkdir(parents=True)
+    for name in ("episo-abandoned", "episo-live"):
+        os.utime(root / name, (old, old))
+    with session_scope() as s:
+        run = Run(kind="eval", status="running", config={})
+        inst = TaskInstance(task_set="t", instance_id="i", repo="r", record={})
+        s.add_all([run, inst])
+        s.flush()
+        s.add(Episode(run_id=run.id, instance_id=inst.id, group_index=0, sample_index=0, status="running",
+                      runtime={"kind": "local", "id": "episo-live"}))
+    assert watchdog.sweep_runtimes() == ["episo-abandoned"]
+    assert sorted(p.name for p in root.iterdir()) == ["episo-live", "grade-young"]
