@@ -40,6 +40,9 @@ def render_summary(run: dict, console: Console) -> None:
     facts.add_column("what")
     facts.add_column("value")
     facts.add_row("episodes", ", ".join(f"{k}: {v}" for k, v in sorted((summary.get("episodes_by_status") or {}).items())))
+    if summary.get("episodes_harness_failed"):
+        facts.add_row("harness failures", f"{summary['episodes_harness_failed']} episodes failed before any usable "
+                                          "model call (not graded, not trained on)")
     facts.add_row("reward mean / resolved rate", f"{_fmt(summary.get('reward_mean'))} / {_fmt(summary.get('resolved_rate'))}")
     facts.add_row("completions captured", f"{summary.get('completions', 0)} (partial {summary.get('partial_completions', 0)}, "
                                           f"rejected {summary.get('rejected_completions', 0)})")

@@ -21,7 +21,7 @@ from app.config import get_settings
 from app.control import scheduler, state
 from app.control.plan import Plan, celery_priority
 from app.control.runs import stages_for
-from app.control.stages import Claim
+from app.control.stages import Claim, HarnessOutcome
 from app.db import session_scope
 from app.models import Completion, Episode, Run, utcnow
 from app.runconfig import RunConfig
@@ -122,7 +122,11 @@ def _claim_rollout(episode_id: int) -> tuple[Claim, str] | None:
 
 
 def rollout(episode_id: int) -> Plan:
-    """Run the episode's agent under its budget, then hand over to grading."""
+    """Run the episode's agent under its budget, then hand over to grading.
+
+    An attempt without a usable model call (`HarnessOutcome.failure`) fails the episode
+    instead (`_harness_failed`); it is never graded.
+    """
     claimed = _claim_rollout(episode_id)
     if claimed is None:
         return Plan()
@@ -138,6 +142,8 @@ def rollout(episode_id: int) -> Plan:
         _release_runtime_of(episode_id)
         state.free_slot(claim.run_id)
         return scheduler.tick(claim.run_id)
+    if outcome.failure is not None:
+        return _harness_failed(claim, outcome)
     with session_scope() as s:
         won = transition(
             s, Episode, episode_id, "grading", expect=("running",), where={"attempts": claim.attempt},
@@ -150,6 +156,30 @@ def rollout(episode_id: int) -> Plan:
     plan = Plan(grade=[episode_id] if won else [], priority=celery_priority(claim.cfg.priority))
     plan += scheduler.tick(claim.run_id)  # a rollout slot is free
     return plan
+
+
+def _harness_failed(claim: Claim, outcome: HarnessOutcome) -> Plan:
+    """Fail an episode whose harness made no usable model call (never graded, never trained).
+
+    Rule: a reward is a judgement of what the policy sampled; when the policy sampled
+    nothing (the CLI crashed, overflowed the context on its first call, or ran out of time
+    before a call was answered) a reward of 0 would train the group on a harness fault.
+    The patch, exit status and timeout flag stay on the row for inspection; the session
+    ends (the gateway now refuses the key); the runtime and the rollout slot are released.
+    """
+    episode_id = claim.episode_id
+    with session_scope() as s:
+        won = transition(
+            s, Episode, episode_id, "failed", expect=("running",), where={"attempts": claim.attempt},
+            patch=outcome.patch, exit_status=outcome.exit_status, timed_out=outcome.timed_out,
+            error=(outcome.failure or "")[:4000], rollout_finished_at=utcnow(), finished_at=utcnow(),
+            session_token_hash=None,
+        )
+    if won:
+        log.warning("episode=%s event=harness_failed error=%s", episode_id, (outcome.failure or "").split("\n", 1)[0])
+    _release_runtime_of(episode_id)
+    state.free_slot(claim.run_id)
+    return scheduler.tick(claim.run_id)
 
 
 # --- grade --------------------------------------------------------------------------

@@ -15,14 +15,57 @@ import logging
 from pathlib import Path
 from typing import Callable
 
+from sqlalchemy import func, select
+
 from app.config import get_settings
 from app.control.preflight import check_installation
-from app.control.stages import Claim, GradeOutcome, HarnessOutcome
+from app.control.stages import HARNESS_FAILED, Claim, GradeOutcome, HarnessOutcome
 from app.db import session_scope
-from app.models import Run
+from app.models import Completion, Run
 from app.runconfig import RunConfig
 
 log = logging.getLogger("turnstile.stages")
+
+# How a harness log says the model's context was too small: the gateway's own overflow
+# wording in each API (OpenAI "maximum context length" / code "context_length_exceeded",
+# Anthropic "prompt is too long", Gemini "maximum number of tokens") and the CLIs' paraphrases
+# (Codex: "ran out of room in the model's context window").
+OVERFLOW_WORDS = ("context length", "context_length", "context window", "prompt is too long",
+                  "maximum number of tokens")
+# Characters of the harness log kept in a failed episode's error (the error column holds 4000).
+LOG_TAIL_CHARS = 2500
+
+
+def usable_completions(episode_id: int) -> int:
+    """Completions of the episode's current attempt with at least one sampled token (a count).
+
+    Earlier attempts' completions carry a `rejected_reason` (superseded) from the moment the
+    current attempt was claimed, so they are not counted.  A call the gateway refused
+    (context overflow, bad request) records no row at all.
+    """
+    with session_scope() as s:
+        return int(s.scalar(select(func.count()).select_from(Completion).where(
+            Completion.episode_id == episode_id, Completion.rejected_reason.is_(None),
+            func.length(Completion.sampled_ids) > 0)) or 0)
+
+
+def harness_failure(name: str, exit_code: int, timed_out: bool, timeout_s: int, log_text: str, log_path: Path) -> str:
+    """The error of an attempt that made no usable model call: `HARNESS_FAILED`, one line naming
+    the cause, then the last `LOG_TAIL_CHARS` characters of the harness log (at most ~2.7 KB)."""
+    lower = log_text.lower()
+    if timed_out:
+        cause = f"{name} was killed at its {timeout_s} s time limit (timeouts.agent_s) before any model call was answered"
+    elif any(word in lower for word in OVERFLOW_WORDS):
+        cause = (f"{name} exited {exit_code}: its first prompt did not fit the model's context window "
+                 "(the gateway answered with a context-length error)")
+    elif exit_code == 0:
+        cause = f"{name} exited 0 without making a model call"
+    elif exit_code < 0 or exit_code > 128:
+        signal = -exit_code if exit_code < 0 else exit_code - 128
+        cause = f"{name} crashed (exit {exit_code}, signal {signal}) before any usable model call"
+    else:
+        cause = f"{name} exited {exit_code} without a usable model call"
+    return f"{HARNESS_FAILED}{cause}\n--- harness log tail ({log_path}) ---\n{log_text[-LOG_TAIL_CHARS:]}"
 
 
 def episode_dir(run_id: int, episode_id: int) -> Path:
@@ -132,7 +175,10 @@ class RealStages:
         The session `token` is the harness's API key; it is written only into the episode's
         scratch HOME and environment, never logged.  The harness gets the agent budget
         (`timeouts.agent_s`) as a hard wall-clock limit; on timeout the patch so far is kept
-        and the episode is flagged.
+        and the episode is flagged.  An attempt that recorded no completion with sampled
+        tokens (crash, context overflow on the first call, exit or timeout before any call)
+        comes back with `failure` set (`harness_failure`): the policy was never asked, so
+        there is nothing to reward.
         """
         from app.harnesses import get_preset
         from app.runtimes.local import LocalRuntime
@@ -148,12 +194,16 @@ class RealStages:
                              stdin="", path_prepend=preset.path_prepend())
         patch = runtime.patch()
         log_path = episode_dir(claim.run_id, claim.episode_id) / f"harness-attempt{claim.attempt}.log"
-        log_path.write_text(
-            f"$ {preset.name} (exit {result.exit_code}, {result.duration_s:.1f} s, confined={runtime.confined})\n"
-            f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}\n".replace(token, "<session-token>")
-        )
+        log_text = (f"$ {preset.name} (exit {result.exit_code}, {result.duration_s:.1f} s, confined={runtime.confined})\n"
+                    f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}\n").replace(token, "<session-token>")
+        log_path.write_text(log_text)
         status = "timeout" if result.timed_out else ("cancelled" if cancelled() else f"exit {result.exit_code}")
-        return HarnessOutcome(patch=patch, exit_status=status, timed_out=result.timed_out, log_path=str(log_path))
+        failure = None
+        if status != "cancelled" and usable_completions(claim.episode_id) == 0:
+            failure = harness_failure(preset.name, result.exit_code, result.timed_out, cfg.timeouts.agent_s,
+                                      log_text, log_path)
+        return HarnessOutcome(patch=patch, exit_status=status, timed_out=result.timed_out, log_path=str(log_path),
+                              failure=failure)
 
     def grade(self, record: dict, patch: str, episode_id: int, cfg: RunConfig) -> GradeOutcome:
         """Grade the patch with the instance's tests; for train/collect runs also build trajectories.

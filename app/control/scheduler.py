@@ -91,17 +91,24 @@ def _tick_locked(run_id: int) -> Plan:
 
 
 def _too_many_failures(s, run: Run, cfg: RunConfig) -> bool:
-    """Fail the run (with the latest episode error) instead of retrying a broken setup forever."""
+    """Fail the run (with the latest episode error) instead of retrying a broken setup forever.
+
+    A harness that has made no usable model call in a group's worth of episodes, with none
+    completed, stops the run at once with its cause (`summary.harness_never_worked`).
+    """
+    from app.control.summary import harness_never_worked
+
+    never = harness_never_worked(s, run.id, cfg.harness, cfg.group_size)
     limit = cfg.scheduling.max_failed_episodes or 2 * cfg.group_size * cfg.tasks_per_step
     failed = s.scalar(select(func.count()).where(Episode.run_id == run.id, Episode.status == "failed"))
-    if failed < limit:
+    if failed < limit and never is None:
         return False
     last = s.scalar(select(Episode.error).where(Episode.run_id == run.id, Episode.status == "failed")
                     .order_by(Episode.finished_at.desc()).limit(1))
-    _cancel_unfinished(s, run.id, "run failed: too many failed episodes")
+    _cancel_unfinished(s, run.id, "run failed: " + ("no usable model call" if never else "too many failed episodes"))
     run.summary = {**(run.summary or {}), **summarize_run(s, run.id)}
     transition(s, Run, run.id, "failed", finished_at=utcnow(),
-               error=f"{failed} episodes failed (limit {limit}); last error: {last}")
+               error=never or f"{failed} episodes failed (limit {limit}); last error: {last}")
     return True
 def _new_group(s, run: Run, instance_ids: list[int], group_index: int, group_size: int, step: int) -> None:
     instance_id = instance_ids[group_index % len(instance_ids)]

@@ -28,14 +28,34 @@ class Claim:
     policy_version: int
 
 
+# Every harness-failure episode's error starts with this, so the scheduler and the summary
+# can count them in SQL (`Episode.error LIKE HARNESS_FAILED + '%'`).
+HARNESS_FAILED = "harness failed before any usable model call: "
+
+
 @dataclass
 class HarnessOutcome:
-    """What a rollout produced: the agent's patch (unified diff, "" if none) and how it ended."""
+    """What a rollout produced: the agent's patch (unified diff, "" if none) and how it ended.
+
+    `failure` is set when the attempt recorded no completion with sampled tokens (the harness
+    crashed, overflowed the context on its first call, exited or timed out before calling):
+    one line naming the cause, followed by the tail of the harness log.  Such an episode is
+    failed, not graded: a reward of 0 would say the policy tried and lost.  Simulated stages
+    never set it.
+    """
 
     patch: str
     exit_status: str  # "exit 0", "exit 1", "timeout", "cancelled", "submitted"
     timed_out: bool
     log_path: str | None = None
+    failure: str | None = None
+
+
+def harness_failure_cause(error: str | None) -> str | None:
+    """The one-line cause of a harness-failure episode's `error`, or None for any other error."""
+    if not error or not error.startswith(HARNESS_FAILED):
+        return None
+    return error[len(HARNESS_FAILED):].split("\n", 1)[0]
 
 
 @dataclass

@@ -9,6 +9,7 @@ import statistics
 from sqlalchemy import Integer, cast, func, select
 from sqlalchemy.orm import Session
 
+from app.control.stages import HARNESS_FAILED, harness_failure_cause
 from app.models import Completion, Episode, Group, TrainingStep
 
 
@@ -21,6 +22,40 @@ def _pct(values: list[float], q: float) -> float | None:
         return None
     values = sorted(values)
     return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]
+
+
+def _harness_failed(run_id: int):
+    """SQL condition: the run's episodes failed because their harness made no usable model call."""
+    return (Episode.run_id == run_id) & (Episode.status == "failed") & Episode.error.startswith(HARNESS_FAILED)
+
+
+def harness_failed_count(s: Session, run_id: int) -> int:
+    """Episodes of the run failed as harness failures (no usable model call; see `app.control.stages`)."""
+    return int(s.scalar(select(func.count()).select_from(Episode).where(_harness_failed(run_id))) or 0)
+
+
+def harness_never_worked(s: Session, run_id: int, harness: str, group_size: int) -> str | None:
+    """The run's stop message when its harness has not made one usable model call, else None.
+
+    Rule: no episode completed and at least `group_size` episodes (one group's worth) failed
+    as harness failures.  The message names the harness, the count of such failures among
+    the finished (completed or failed) episodes, and the latest failure's cause, e.g.
+    "harness codex failed before any usable model call in 2 of 2 finished episodes: codex
+    exited 1: its first prompt did not fit the model's context window (…)".
+    """
+    completed = s.scalar(select(func.count()).select_from(Episode).where(
+        Episode.run_id == run_id, Episode.status == "completed"))
+    if completed:
+        return None
+    count = harness_failed_count(s, run_id)
+    if count < max(1, group_size):
+        return None
+    finished = s.scalar(select(func.count()).select_from(Episode).where(
+        Episode.run_id == run_id, Episode.status.in_(("completed", "failed"))))
+    last = s.scalar(select(Episode.error).where(_harness_failed(run_id))
+                    .order_by(Episode.finished_at.desc(), Episode.id.desc()).limit(1))
+    return (f"harness {harness} failed before any usable model call in {count} of {finished} finished episodes: "
+            f"{harness_failure_cause(last)}")
 
 
 def summarize_run(s: Session, run_id: int) -> dict:
@@ -93,6 +128,7 @@ def summarize_run(s: Session, run_id: int) -> dict:
         "partial_completions": int(n_partial or 0),
         "rejected_completions": int(n_rejected or 0),
         "timed_out_episodes": sum(1 for e in eps if e.timed_out),
+        "episodes_harness_failed": sum(1 for e in eps if e.status == "failed" and harness_failure_cause(e.error)),
         "stage_seconds": {
             "prepare_p50": _pct(prepare_s, 0.5), "rollout_p50": _pct(rollout_s, 0.5),
             "rollout_p99": _pct(rollout_s, 0.99), "grade_p50": _pct(grade_s, 0.5),
@@ -105,7 +141,9 @@ def summarize_run(s: Session, run_id: int) -> dict:
 def scheduling_metrics(s: Session, run_id: int, slots: int, lags: list[int], ready_waits: list[float]) -> dict:
     """Scheduling health when a step is created (issue 8): trainer busy fraction so far, rollout
     slot occupancy and episode durations since the previous step, READY waits, staleness of the
-    step's groups, and cumulative dropped/rejected/cancelled counts."""
+    step's groups, and cumulative dropped/rejected/cancelled counts, and the cumulative count
+    of episodes failed as harness failures (`episodes_harness_failed`: no usable model call,
+    so never graded nor trained on)."""
     from app.models import utcnow
 
     now = utcnow()
@@ -139,6 +177,7 @@ def scheduling_metrics(s: Session, run_id: int, slots: int, lags: list[int], rea
         "groups_dropped": groups.count("dropped"),
         "groups_rejected": groups.count("rejected"),
         "episodes_cancelled": s.scalar(select(func.count()).where(Episode.run_id == run_id, Episode.status == "cancelled")),
+        "episodes_harness_failed": harness_failed_count(s, run_id),
     }
 
 
