@@ -10,7 +10,9 @@ the preset's config into a scratch HOME, runs the CLI headless (stdin =
 gateway recorded.  The report holds: exit status, completions captured (with
 prompt ids, sampled ids and logprobs), the APIs spoken, merge fidelity (the
 `prefix_merging` builder of `app.training.trajectories` over the captured ids),
-the agent's `git diff`, and whether the session token leaked into any record.
+the agent's `git diff`, whether the session token leaked into any record, and
+`first_prompt_tokens`: the harness's minimum prompt in SmolLM2 tokens (its first
+agent call rendered as the embedded engine renders it; see `first_prompt_tokens`).
 
 The full path (a `collect` run through the REST API and a real Celery worker,
 where the pipeline's rollout stage runs the same preset) is
@@ -46,6 +48,8 @@ CHECK_MODEL = "turnstile-check"
 class CheckReport:
     """Outcome of one `harness check` (JSON-able with `asdict`).
 
+    `prompt_tokens` counts the scripted engine's tokens (one per byte); `first_prompt_tokens`
+    counts SmolLM2 tokens of the first agent call (None when no call was captured).
     `ok` is True when the CLI exited 0, at least one completion carries prompt ids,
     sampled ids and logprobs of equal length, every completion's API equals the
     preset's `api`, the scripted edit is in the diff and the token is in no record.
@@ -65,6 +69,7 @@ class CheckReport:
     merge: dict = field(default_factory=dict)
     patch: str = ""
     token_leaked: bool = False
+    first_prompt_tokens: int | None = None
     problems: list[str] = field(default_factory=list)
     log_tail: str = ""
 
@@ -99,6 +104,45 @@ def create_episode(session: Session, harness: str) -> int:
     return ep.id
 
 
+def first_agent_call(preset: HarnessPreset, rows: list[Completion]) -> Completion | None:
+    """The first captured call that offers the preset's edit tool (the agent loop's first turn).
+
+    Auxiliary calls (a title generator, a router, a memory agent) come without the agent's
+    tools and are skipped: the agent cannot work unless its own first turn fits.  Falls back
+    to the first call when none offers the tool (a harness that edits without tools).
+    """
+    wanted = next((t.tool for t in preset.check_script() if t.tool), None)
+    for row in rows:
+        body = row.normalized_request or {}
+        names = {(t.get("function") or {}).get("name") for t in body.get("tools") or [] if isinstance(t, dict)}
+        if wanted is not None and wanted in names:
+            return row
+    return rows[0] if rows else None
+
+
+def first_prompt_tokens(preset: HarnessPreset, rows: list[Completion]) -> int | None:
+    """The harness's minimum prompt: SmolLM2 tokens of its first agent call, or None without calls.
+
+    The call's normalized (Chat Completions) request is rendered exactly as the embedded
+    engine renders it (`app.engines.templates.render_prompt` with SmolLM2's tokenizer from
+    `app.engines.modeling.load_tokenizer`, generation prompt included), so the count is the
+    prompt length the engine would check against its context window.  The check's own
+    problem statement is one line, so the count is the harness's fixed overhead (system
+    prompt, tool schemas, environment context).  Raises `TemplateError` when the request
+    cannot be rendered.
+    """
+    row = first_agent_call(preset, rows)
+    if row is None or not row.normalized_request:
+        return None
+    from app.engines.modeling import load_tokenizer
+    from app.engines.templates import render_prompt
+
+    body = row.normalized_request
+    ids = render_prompt(load_tokenizer(), body.get("messages"), body.get("tools"),
+                        bool(body.get("add_generation_prompt", True)), body.get("chat_template_kwargs") or {})
+    return len(ids)
+
+
 def evaluate(report: CheckReport, preset: HarnessPreset, rows: list[Completion], patch: str, token: str) -> None:
     """Fill the record-derived fields of `report` and its list of problems."""
     report.completions = len(rows)
@@ -118,6 +162,7 @@ def evaluate(report: CheckReport, preset: HarnessPreset, rows: list[Completion],
                                         "chains_cut", "cut_reasons")}
     report.merge["fidelity"] = round(rep["completions_merged"] / followers, 3) if followers else None
     report.patch = patch
+    report.first_prompt_tokens = first_prompt_tokens(preset, rows)
     blob = json.dumps([[r.raw_request, r.normalized_request, r.response, r.error] for r in rows], default=str)
     report.token_leaked = token in blob
     p = report.problems

@@ -27,6 +27,7 @@ import httpx
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
+from app.conformance.harness_check import CHECK_MODEL
 from app.conformance.servers import ROOT, Servers, free_port, wait_http
 from app.harnesses import get_preset
 from app.harnesses.base import CHECK_CONTENT, CHECK_FILE, shared_tools_dir
@@ -92,12 +93,20 @@ class _PipelineServers(Servers):
         return self
 
 
-def run_config(harness: str, instance: str | None, task_set: str, agent_s: int) -> dict:
-    """The collect run submitted per harness (smallest size: one instance, one episode)."""
+def run_config(harness: str, instance: str | None, task_set: str, agent_s: int, engine_url: str | None = None) -> dict:
+    """The collect run submitted per harness (smallest size: one instance, one episode).
+
+    With `engine_url` (the scripted engine) the run names it as an external engine
+    (`model.engine=vllm`: the scripted engine speaks the same token-returning API): its context
+    is not the embedded models' 8192 tokens, so the preflight's prompt-fit check, which would
+    refuse the harnesses whose prompt exceeds SmolLM2's context, does not apply.
+    """
     cfg = {"kind": "collect", "harness": harness, "task_set": task_set, "group_size": 1, "tasks_per_step": 1,
            "steps": 1, "budget": {"max_turns": 8, "max_tokens": 512},
            "timeouts": {"agent_s": agent_s, "grade_s": 300, "prepare_s": 600},
            "scheduling": {"rollout_slots": 1, "ready_depth": 0}}
+    if engine_url:
+        cfg["model"] = {"engine": "vllm", "name": CHECK_MODEL, "engine_urls": [engine_url]}
     if instance:
         cfg["instances"] = [instance]
     return cfg
@@ -164,7 +173,7 @@ def run_pipeline_checks(names: list[str], *, redis_url: str, task_set: str = "sy
             run_ids: dict[str, int] = {}
             for name in names:
                 resp = httpx.post(servers.api_url + "/api/runs", timeout=30,
-                                  json=run_config(name, instance, task_set, agent_s))
+                                  json=run_config(name, instance, task_set, agent_s, servers.engine_url))
                 if resp.status_code != 202:
                     raise RuntimeError(f"run for {name} rejected ({resp.status_code}): {resp.text[:500]}")
                 run_ids[name] = resp.json()["id"]

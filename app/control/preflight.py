@@ -9,6 +9,41 @@ from __future__ import annotations
 from app.runconfig import RunConfig
 
 EMBEDDED_MODELS = ("smollm2", "tiny")
+# Context window (prompt + sampled tokens) of the embedded engine: its `--max-model-len`
+# default, `app.engines.server.DEFAULT_MAX_MODEL_LEN` (SmolLM2's 8192 positions; the tiny model
+# shares SmolLM2's tokenizer and window).  Not imported from there: that module loads torch.
+# tests/spine checks the two agree.
+EMBEDDED_CONTEXT = 8192
+
+
+def model_context(cfg: RunConfig) -> int | None:
+    """The run's model context window in tokens, or None where this installation does not know it.
+
+    Embedded engines: `EMBEDDED_CONTEXT`.  vLLM engines: unknown (set by `--max-model-len`
+    on the GPU box), so the prompt-fit check is skipped.
+    """
+    return EMBEDDED_CONTEXT if cfg.model.engine == "embedded" else None
+
+
+def check_prompt_fits(cfg: RunConfig) -> tuple[str, str] | None:
+    """`("harness", message)` when the harness's measured minimum prompt does not fit the model's context.
+
+    Rule: the harness's first agent call must leave at least one token of the context to
+    sample into; a harness whose prompt alone fills it can only fail on its first call (the
+    gateway answers with a context-length error and no episode can ever be graded on what the
+    policy did).  The message names both numbers and the harnesses that do fit.
+    """
+    from app.harnesses import PRESETS, get_preset
+
+    context = model_context(cfg)
+    need = get_preset(cfg.harness).min_prompt_tokens
+    if context is None or need is None or need < context:
+        return None
+    fitting = [f"{p.name} ({p.min_prompt_tokens})" for p in PRESETS.values()
+               if p.min_prompt_tokens is not None and p.min_prompt_tokens < context]
+    return "harness", (f"harness {cfg.harness!r} sends a first prompt of at least {need} tokens (measured with a "
+                       f"one-line task), which does not fit the {context}-token context of model {cfg.model.name}; "
+                       f"harnesses that fit (minimum prompt tokens): {', '.join(fitting) or 'none'}")
 
 
 def _short(message: str, limit: int = 400) -> str:
@@ -19,8 +54,9 @@ def _short(message: str, limit: int = 400) -> str:
 def check_installation(cfg: RunConfig) -> tuple[str, str] | None:
     """`(field, message)` of the first choice the real stages cannot serve here, or None.
 
-    Checks the checkpoint, the task set and its instances, the embedded model and whether
-    the harness is installed.
+    Checks the checkpoint, the task set and its instances, the embedded model, whether the
+    harness's minimum prompt fits the model's context (`check_prompt_fits`) and whether the
+    harness is installed.
     """
     if cfg.model.checkpoint:
         from app.training.checkpoints import resolve_checkpoint
@@ -42,6 +78,9 @@ def check_installation(cfg: RunConfig) -> tuple[str, str] | None:
     if cfg.model.engine == "embedded" and cfg.model.name not in EMBEDDED_MODELS:
         return "model.name", (f"the embedded engine serves {' or '.join(EMBEDDED_MODELS)}, not {cfg.model.name!r}; "
                               "use model.engine=vllm with model.engine_urls for other models")
+    fit = check_prompt_fits(cfg)
+    if fit is not None:
+        return fit
     from app.harnesses import get_preset
 
     preset = get_preset(cfg.harness)

@@ -100,7 +100,8 @@ class HarnessPreset:
     Class attributes: `name` (registry name), `package` (npm or PyPI name),
     `version` (pinned; the version whose behaviour the preset was verified against),
     `api` (the client API it speaks by default: chat | responses | anthropic | gemini),
-    `bin_name` (executable inside the install).
+    `bin_name` (executable inside the install), `min_prompt_tokens` (the smallest prompt the
+    CLI sends, in SmolLM2 tokens, measured by `harness check`; None = not measured).
     """
 
     name: ClassVar[str]
@@ -111,6 +112,10 @@ class HarnessPreset:
     ecosystem: ClassVar[str] = "npm"   # npm | pip
     # Hosts the CLI is known to contact when its switches are *not* set (documentation for the pipeline).
     outside_hosts: ClassVar[tuple[str, ...]] = ()
+    # Tokens of the first agent call (system prompt, tool schemas, environment context) with a
+    # one-line task, in the embedded models' tokenizer (SmolLM2's).  A model whose context is not
+    # larger cannot serve this harness (the run is refused at creation).
+    min_prompt_tokens: ClassVar[int | None] = None
 
     tools: Path | None = field(default=None, compare=False)
 

@@ -46,6 +46,10 @@ class ClaudeCode(HarnessPreset):
     api = "anthropic"
     bin_name = "claude"
     outside_hosts = ("api.anthropic.com", "statsig.anthropic.com", "sentry.io", "storage.googleapis.com")
+    # The first agent call's prompt in SmolLM2 tokens with a one-line task: 13522 measured on 2026-11-30
+    # with `python -m app harness check claude-code --json` (first_prompt_tokens) at the
+    # pinned version, rounded down; re-measure when `version` changes (tests/harnesses checks it).
+    min_prompt_tokens = 13500
 
     def write_config(self, home: Path, gateway_url: str, api_key: str, model: str, budget: Budget) -> None:
         home = Path(home)

@@ -40,6 +40,10 @@ class Codex(HarnessPreset):
     api = "responses"
     bin_name = "codex"
     outside_hosts = ("github.com", "api.github.com", "chatgpt.com", "api.openai.com")
+    # The first agent call's prompt in SmolLM2 tokens with a one-line task: 9185 measured on 2026-11-30
+    # with `python -m app harness check codex --json` (first_prompt_tokens) at the
+    # pinned version, rounded down; re-measure when `version` changes (tests/harnesses checks it).
+    min_prompt_tokens = 9150
 
     def write_config(self, home: Path, gateway_url: str, api_key: str, model: str, budget: Budget) -> None:
         config = f"""# Written by Turnstile for one episode.

@@ -32,6 +32,10 @@ class GeminiCli(HarnessPreset):
     api = "gemini"
     bin_name = "gemini"
     outside_hosts = ("play.googleapis.com", "cloudcode-pa.googleapis.com", "registry.npmjs.org")
+    # The first agent call's prompt in SmolLM2 tokens with a one-line task: 11785 measured on 2026-11-30
+    # with `python -m app harness check gemini-cli --json` (first_prompt_tokens) at the
+    # pinned version, rounded down; re-measure when `version` changes (tests/harnesses checks it).
+    min_prompt_tokens = 11750
 
     def write_config(self, home: Path, gateway_url: str, api_key: str, model: str, budget: Budget) -> None:
         write_json(Path(home) / ".gemini" / "settings.json", {

@@ -41,6 +41,10 @@ class MiniSweAgent(HarnessPreset):
     bin_name = "mini"
     ecosystem = "pip"
     outside_hosts = ("raw.githubusercontent.com",)
+    # The first agent call's prompt in SmolLM2 tokens with a one-line task: 1024 measured on 2026-11-30
+    # with `python -m app harness check mini-swe-agent --json` (first_prompt_tokens) at the
+    # pinned version, rounded down; re-measure when `version` changes (tests/harnesses checks it).
+    min_prompt_tokens = 1000
 
     def builtin_config(self) -> Path:
         """Absolute path of the package's own `mini.yaml` (never a same-named file in the workspace)."""

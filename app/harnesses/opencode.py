@@ -43,6 +43,10 @@ class OpenCode(HarnessPreset):
     api = "chat"
     bin_name = "opencode"
     outside_hosts = ("models.dev", "models.opencode.ai", "registry.npmjs.org", "api.github.com")
+    # The first agent call's prompt in SmolLM2 tokens with a one-line task: 7767 measured on 2026-11-30
+    # with `python -m app harness check opencode --json` (first_prompt_tokens) at the
+    # pinned version, rounded down; re-measure when `version` changes (tests/harnesses checks it).
+    min_prompt_tokens = 7750
 
     def write_config(self, home: Path, gateway_url: str, api_key: str, model: str, budget: Budget) -> None:
         write_json(Path(home) / ".config" / "opencode" / "opencode.json", {

@@ -32,6 +32,10 @@ class Pi(HarnessPreset):
     api = "chat"
     bin_name = "pi"
     outside_hosts = ("registry.npmjs.org", "pi.dev")
+    # The first agent call's prompt in SmolLM2 tokens with a one-line task: 1528 measured on 2026-11-30
+    # with `python -m app harness check pi --json` (first_prompt_tokens) at the
+    # pinned version, rounded down; re-measure when `version` changes (tests/harnesses checks it).
+    min_prompt_tokens = 1500
 
     def write_config(self, home: Path, gateway_url: str, api_key: str, model: str, budget: Budget) -> None:
         agent = Path(home) / ".pi" / "agent"

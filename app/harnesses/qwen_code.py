@@ -33,6 +33,10 @@ class QwenCode(HarnessPreset):
     api = "chat"
     bin_name = "qwen"
     outside_hosts = ("registry.npmjs.org", "dashscope.aliyuncs.com", "chat.qwen.ai")
+    # The first agent call's prompt in SmolLM2 tokens with a one-line task: 17801 measured on 2026-11-30
+    # with `python -m app harness check qwen-code --json` (first_prompt_tokens) at the
+    # pinned version, rounded down; re-measure when `version` changes (tests/harnesses checks it).
+    min_prompt_tokens = 17800
 
     def write_config(self, home: Path, gateway_url: str, api_key: str, model: str, budget: Budget) -> None:
         write_json(Path(home) / ".qwen" / "settings.json", {

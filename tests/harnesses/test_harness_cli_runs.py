@@ -3,7 +3,8 @@ backed by the conformance scripted engine (answering the preset's check script).
 
 Per harness: exit 0, at least one Completion row with prompt ids, sampled ids and
 logprobs, the API recorded equals the preset's `api`, the scripted file edit is in
-`git diff`, and no session token appears in any record.  A harness whose CLI is not
+`git diff`, no session token appears in any record, and the preset's recorded
+`min_prompt_tokens` matches the SmolLM2 token count of its first agent call.  A harness whose CLI is not
 installed is skipped with the install command as the reason.
 """
 from __future__ import annotations
@@ -55,6 +56,14 @@ def test_real_cli_through_gateway(name, tmp_path):
     assert f"b/{CHECK_FILE}" in report.patch and f"+{CHECK_CONTENT}" in report.patch
     assert (tmp_path / "workspace" / CHECK_FILE).read_text().strip() == CHECK_CONTENT
     assert report.completions == len(rows) >= 2  # the tool-call turn and the turn after its result
+
+    # The preset's recorded minimum prompt (what the API refuses a run by) is what the check
+    # measures now: never above it (a harness that fits must never be refused) and within 10%.
+    measured, recorded = report.first_prompt_tokens, preset.min_prompt_tokens
+    assert measured and recorded, (measured, recorded)
+    assert 0.9 * measured <= recorded <= measured, (
+        f"{name}: min_prompt_tokens = {recorded} but the check measures {measured}; re-measure and update "
+        f"app/harnesses/{name.replace('-', '_')}.py")
 
 
 @pytest.mark.parametrize("name", HARNESSES)
