@@ -101,7 +101,7 @@ def _rows_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
             try:
                 yield lineno, json.loads(line), None
             except json.JSONDecodeError as exc:
-                yield lineno, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
+                yield lineno, None, f"invalid JSON: {exc.msg}: column {exc.colno}"
 
 
 def _rows_json(path: Path) -> Iterator[tuple[int, Any, str | None]]:

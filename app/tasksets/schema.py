@@ -134,6 +134,18 @@ class InstanceRecord(BaseModel):
                 raise ValueError("base_commit: a git source needs a commit id (7-40 hex digits)")
         if not self.eval_script and not self.test_cmd:
             raise ValueError("eval_script: one of eval_script or test_cmd is required to grade")
+        # Both eval types judge resolution on FAIL_TO_PASS (swebench 5.0.2 `get_eval_tests_report`):
+        # with no id there, an empty patch resolves the instance.
+        if not self.FAIL_TO_PASS:
+            raise ValueError(f"FAIL_TO_PASS: instance {self.instance_id!r} has no FAIL_TO_PASS test, "
+                             "so an empty patch would resolve it")
+        from app.tasksets.swebench_compat import unmatchable_test_ids
+
+        problems = unmatchable_test_ids(self)
+        if problems:
+            more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+            raise ValueError(f"{problems[0][0]}: instance {self.instance_id!r}: "
+                             + "; ".join(message for _, message in problems[:3]) + more)
         return self
 
     @property

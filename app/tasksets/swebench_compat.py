@@ -58,6 +58,34 @@ def parser_names() -> frozenset[str]:
     return frozenset(importlib.import_module("swebench.harness.log_parsers").PARSER_REGISTRY)
 
 
+def unmatchable_test_ids(record: Any) -> list[tuple[str, str]]:
+    """Problems with the record's test ids that its pytest log parser can never match.
+
+    Each FAIL_TO_PASS / PASS_TO_PASS id is written as pytest's `-rA` summary writes it
+    (`PASSED <id>`, `FAILED <id> - <message>`) and read back with the record's own parser
+    (`swebench.harness.log_parsers`).  An id that does not come back as `PASSED` can never
+    count as passing: the instance cannot be solved (e.g. `parse_log_pytest_v2` collapses
+    runs of spaces).  Under `fail_only` an id that does not come back as `FAILED` counts as
+    passing while it fails (a FAILED line is cut at its first " - ").  Returns one
+    (field, message) per such id; [] for parsers of other log formats, which are not checked.
+    """
+    if not record.log_parser.startswith("parse_log_pytest"):
+        return []
+    _register_harness_stub()
+    parse = importlib.import_module("swebench.harness.log_parsers").PARSER_REGISTRY[record.log_parser]
+    problems = []
+    for field in ("FAIL_TO_PASS", "PASS_TO_PASS"):
+        for test_id in getattr(record, field):
+            passed = parse(f"PASSED {test_id}", None)
+            if passed.get(test_id) != "PASSED":
+                problems.append((field, f"id {test_id!r} is read back by {record.log_parser} as "
+                                        f"{sorted(passed)!r}, so it can never pass"))
+            elif record.eval_type == "fail_only" and parse(f"FAILED {test_id} - AssertionError", None).get(test_id) != "FAILED":
+                problems.append((field, f"id {test_id!r}: a failing run is read by {record.log_parser} under "
+                                        f"a different id, and fail_only would count it as passed"))
+    return problems
+
+
 def eval_script_lines(eval_script: str) -> list[str]:
     """The record's eval script as swebench's `make_test_spec` stores it.
 

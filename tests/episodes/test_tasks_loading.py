@@ -86,6 +86,33 @@ def test_every_bad_record_is_reported_with_line_and_field(tmp_path):
     assert "duplicate of line 1" in text
 
 
+def test_records_that_grade_wrong_are_rejected_at_load_naming_the_instance(tmp_path):
+    lines = [
+        # No FAIL_TO_PASS test: an empty patch would resolve it.
+        json.dumps(_good("empty__f2p", FAIL_TO_PASS="[]")),
+        # swebench's parser collapses runs of spaces: this id can never pass.
+        json.dumps(_good("double__space", PASS_TO_PASS=json.dumps(["t.py::test_b[a  b]"]))),
+        # A FAILED line is cut at " - ": under fail_only this failing id would read as a pass.
+        json.dumps(_good("dash__fail_only", FAIL_TO_PASS=json.dumps(["t.py::test_a[x - y]"]), eval_type="fail_only")),
+        # The same id under pass_and_fail grades right (a cut FAILED id is missing = failed): kept.
+        json.dumps(_good("dash__pass_and_fail", FAIL_TO_PASS=json.dumps(["t.py::test_a[x - y]"]))),
+        '{"instance_id": "broken", "repo": "unterminated',
+    ]
+    path = tmp_path / "set.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TaskSetError) as info:
+        load_records(path)
+    got = {(e.line, e.instance_id, e.field) for e in info.value.errors}
+    assert got == {(1, "empty__f2p", "FAIL_TO_PASS"), (2, "double__space", "PASS_TO_PASS"),
+                   (3, "dash__fail_only", "FAIL_TO_PASS"), (5, None, "<line>")}
+    text = str(info.value)
+    assert "instance 'empty__f2p' has no FAIL_TO_PASS test, so an empty patch would resolve it" in text
+    assert "'t.py::test_b[a  b]' is read back by parse_log_pytest_v2 as ['t.py::test_b[a b]']" in text
+    assert "fail_only would count it as passed" in text
+    assert "line 5: field '<line>': invalid JSON: Invalid control character at: column 48" in text
+    assert "at at" not in text
+
+
 def test_git_source_needs_a_commit_id(tmp_path):
     path = tmp_path / "g.jsonl"
     path.write_text(json.dumps(_good("g__1", base_commit="main")) + "\n")
