@@ -3,18 +3,30 @@
     result = grade(instance_record, patch)   # GradeResult(resolved, reward, report, log_path, cached)
 
 Steps (../shared/tasks/README.md section 4; swebench 5.0.2 `run_instance`):
-  1. Drop the patch's changes to test files and conftest.py (`patching.drop_test_changes`).
+  1. Read the patch's paths with unidiff and drop its changes to the test harness: the
+     instance's test files, test modules, pytest configuration, interpreter start-up hooks,
+     package metadata, bytecode (`patching.drop_test_changes`; the rule is stated there).
+     A patch whose paths cannot be read is refused: reward 0, `report["apply"]["reason"]`.
   2. Prepare a *fresh* runtime of the instance (same code path as an episode: cached
      base + venv, new workspace), sandboxed without network when bubblewrap exists.
   3. Apply the patch with swebench's chain (`git apply --verbose`, `--3way`, `--reject`,
-     `patch --fuzz=5 -p1`).  If nothing applies: reward 0, `report["apply"]["reason"]`.
-  4. Run the record's `eval_script` (exit-code lines inserted as v5's `make_test_spec`
+     `patch --fuzz=5`), at the strip level its paths were read with.  If nothing applies:
+     reward 0, `report["apply"]["reason"]` (a one-line summary, the log path, git's errors).
+  4. Diff the applied tree against the base (the runtime's hardened `git diff`) and put
+     back the base's version of every test-harness file still changed, pytest tables of
+     `setup.cfg` / `pyproject.toml` included: the tests run under the base commit's test
+     configuration whatever form the patch took (`report["reverted_files"]`).
+  5. Run the record's `eval_script` (exit-code lines inserted as v5's `make_test_spec`
      does) with stdout and stderr merged into one log.  It restores the test files from
      the base, applies `test_patch`, and runs `test_cmd` between the markers.
-  5. swebench's `get_eval_report` (→ `get_logs_eval` → the record's `log_parser`, then
+  6. swebench's `get_eval_report` (→ `get_logs_eval` → the record's `log_parser`, then
      `get_eval_tests_report`) gives the FAIL_TO_PASS / PASS_TO_PASS results and
      `resolved`; reward = 1.0 if resolved else 0.0 (binary reward as in SWE-Gym /
-     SWE-RL / DeepSWE).
+     SWE-RL / DeepSWE).  Ids that never appear in the log are listed apart in
+     `report["tests_missing"]` and logged as a warning: swebench counts them as failed.
+
+Every grade writes its own log, `<grading_logs>/<instance id>/<record hash>-<patch hash>-<nonce>.log`,
+so grades of different records with one id, or concurrent grades of one patch, never share a file.
 
 The cache is Redis (`REDIS_URL`), key `turnstile:grade:v1:<instance_id>:<record hash>:<patch sha256>`;
 the record hash covers every field that changes the outcome, so an edited record never hits
@@ -26,15 +38,30 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
+import re
 import time
-from pathlib import Path
+import uuid
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import redis as redis_lib
 
 from app.config import Settings, get_settings
 from app.redis_client import get_redis
-from app.grading.patching import apply_script, drop_test_changes
+from app.grading.patching import (
+    APPLY_CMDS,
+    PYTEST_TABLE_FILES,
+    PatchReadError,
+    apply_script,
+    drop_test_changes,
+    pytest_table_changed,
+    read_patch,
+    harness_change_reason,
+    files_of_test_ids,
+)
+from app.runtimes.errors import RuntimeSetupError
+from app.runtimes.gitutil import git
 from app.tasksets.swebench_compat import grading_module, make_test_spec
 from app.runtimes.local import LocalRuntime
 from app.runtimes.paths import RuntimePaths
@@ -58,7 +85,9 @@ class GradeResult:
     reward: 1.0 if resolved else 0.0.
     report: swebench's per-instance report (`patch_successfully_applied`, `resolved`,
       `tests_status` {FAIL_TO_PASS, PASS_TO_PASS, FAIL_TO_FAIL, PASS_TO_FAIL → {success, failure}})
-      plus `apply` {applied, method, reason}, `dropped_test_files`, `patch_sha256`,
+      plus `apply` {applied, method, reason}, `dropped_test_files` (dropped from the patch),
+      `reverted_files` {path: reason} (put back to the base after applying), `tests_missing`
+      {FAIL_TO_PASS, PASS_TO_PASS → ids absent from the test log}, `patch_sha256`,
       `confined`, `timings` (seconds).
     log_path: the grading log (apply output + eval script output), or None.
     cached: True when served from the grade cache.
@@ -142,33 +171,56 @@ def grade(
     return result
 
 
+def grade_log_path(paths: RuntimePaths, record: InstanceRecord, patch: str) -> Path:
+    """A new log file path for one grade of `patch` on `record` (never shared with another grade).
+
+    The instance id becomes a folder name with every character outside `[A-Za-z0-9._-]`
+    replaced, so an id cannot name a path outside `paths.grading_logs`.
+    """
+    folder = re.sub(r"[^A-Za-z0-9._-]", "_", record.instance_id).lstrip(".") or "_"
+    name = f"{record_hash(record)}-{patch_sha256(patch)[:16]}-{uuid.uuid4().hex[:8]}.log"
+    return paths.grading_logs / folder / name
+
+
 def _grade_fresh(record: InstanceRecord, patch: str, settings: Settings, timeout_s: float, confine: bool | None) -> GradeResult:
     t0 = time.monotonic()
-    kept, dropped = drop_test_changes(patch, record.test_files, record.test_patch)
     spec = make_test_spec(record)
     psha = patch_sha256(patch)
     paths = RuntimePaths.from_settings(settings)
-    log_path = paths.grading_logs / record.instance_id / f"{psha[:16]}.log"
+    log_path = grade_log_path(paths, record, patch)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    report_extra: dict[str, Any] = {"dropped_test_files": dropped, "patch_sha256": psha}
-    apply_info = {"applied": not kept.strip(), "method": None if kept.strip() else "empty patch", "reason": None}
+    protected = set(record.test_files) | files_of_test_ids(record.FAIL_TO_PASS + record.PASS_TO_PASS)
+    try:
+        strip = read_patch(patch).strip
+        kept, dropped = drop_test_changes(patch, record.test_files, record.test_patch,
+                                          record.FAIL_TO_PASS + record.PASS_TO_PASS)
+        if record.test_patch.strip():
+            protected |= {p for f in read_patch(record.test_patch).files for p in f.paths}
+    except PatchReadError as exc:
+        log_path.write_text(f"{exc}\n{grading_module().APPLY_PATCH_FAIL}\n", encoding="utf-8")
+        apply_info = {"applied": False, "method": None, "reason": f"patch refused: {exc}; log: {log_path}"}
+        return _result(record, spec, patch, log_path, apply_info, {"dropped_test_files": [], "patch_sha256": psha},
+                       {"total_s": round(time.monotonic() - t0, 3)})
+    report_extra: dict[str, Any] = {"dropped_test_files": dropped, "reverted_files": {}, "patch_sha256": psha}
+    apply_info = {"applied": not kept, "method": None if kept else "empty patch", "reason": None}
 
     with LocalRuntime.prepare(record, settings=settings, paths=paths, confine=confine, purpose="grade") as rt:
         t1 = time.monotonic()
         gdir = rt.root / "grading"
         gdir.mkdir()
         (gdir / "patch.diff").write_text(kept, encoding="utf-8", errors="surrogateescape")
-        (gdir / "apply.sh").write_text(apply_script(f"{_gdir(rt, gdir)}/patch.diff"))
+        (gdir / "apply.sh").write_text(apply_script(f"{_gdir(rt, gdir)}/patch.diff", strip))
         (gdir / "eval.sh").write_text(spec.eval_script)
         mounts = [Mount(gdir, GRADING_DIR, False)] if rt.confined else []
         parts: list[str] = []
-        if kept.strip():
+        if kept:
             res = rt.run(["/bin/bash", "-c", f"bash {_gdir(rt, gdir)}/apply.sh 2>&1"], timeout_s=300, extra_mounts=mounts)
             parts.append(res.stdout)
             if res.ok:
                 apply_info.update(applied=True, method=res.stdout.strip().splitlines()[-1].partition("(")[2].rstrip(")"))
+                report_extra["reverted_files"] = _restore_test_harness(rt, protected)
             else:
-                apply_info.update(applied=False, reason=f"patch did not apply (exit {res.exit_code}): {res.stdout.strip()[-1500:]}")
+                apply_info.update(applied=False, reason=apply_failure_reason(res.exit_code, res.stdout, log_path))
         t2 = time.monotonic()
         if apply_info["applied"]:
             res = rt.run(["/bin/bash", "-c", f"bash {_gdir(rt, gdir)}/eval.sh 2>&1"], timeout_s=timeout_s, extra_mounts=mounts)
@@ -179,15 +231,110 @@ def _grade_fresh(record: InstanceRecord, patch: str, settings: Settings, timeout
         report_extra["confined"] = rt.confined
         report_extra["runtime_timings"] = rt.timings
     log_path.write_text("".join(parts), encoding="utf-8", errors="replace")
+    timings = {"prepare_s": round(t1 - t0, 3), "apply_s": round(t2 - t1, 3), "eval_s": round(t3 - t2, 3),
+               "total_s": round(time.monotonic() - t0, 3)}
+    return _result(record, spec, kept, log_path, apply_info, report_extra, timings)
 
+
+def _result(record: InstanceRecord, spec: Any, kept: str, log_path: Path, apply_info: dict, report_extra: dict,
+            timings: dict) -> GradeResult:
+    g = grading_module()
     prediction = {"instance_id": record.instance_id, "model_name_or_path": "turnstile", "model_patch": kept}
-    report = grading_module().get_eval_report(spec, prediction, str(log_path), include_tests_status=True)[record.instance_id]
+    report = g.get_eval_report(spec, prediction, str(log_path), include_tests_status=True)[record.instance_id]
     resolved = bool(report.get("resolved")) and bool(apply_info["applied"])
     report.update(report_extra)
     report["apply"] = apply_info
-    report["timings"] = {"prepare_s": round(t1 - t0, 3), "apply_s": round(t2 - t1, 3), "eval_s": round(t3 - t2, 3),
-                         "total_s": round(time.monotonic() - t0, 3)}
+    report["tests_missing"] = missing_tests(record, spec, log_path)
+    report["timings"] = timings
+    missing_f2p = report["tests_missing"]["FAIL_TO_PASS"]
+    if missing_f2p:
+        log.warning("grade of %s: %d FAIL_TO_PASS test id(s) never appear in the test log %s (counted as failed; "
+                    "the instance may be unsolvable): %s", record.instance_id, len(missing_f2p), log_path,
+                    ", ".join(missing_f2p[:5]))
     return GradeResult(resolved=resolved, reward=1.0 if resolved else 0.0, report=report, log_path=str(log_path))
+
+
+def missing_tests(record: InstanceRecord, spec: Any, log_path: Path) -> dict[str, list[str]]:
+    """{FAIL_TO_PASS, PASS_TO_PASS → ids the record's log parser did not find in the log}.
+
+    Empty lists when the tests did not run at all (patch not applied, no test output):
+    then nothing can be told about single ids.  Matching is swebench's own (`_resolve_case`
+    in swebench 5.0.2 `harness/grading.py`, which also accepts its truncated ids).
+    """
+    g = grading_module()
+    out: dict[str, list[str]] = {"FAIL_TO_PASS": [], "PASS_TO_PASS": []}
+    status, ran = g.get_logs_eval(spec, str(log_path))
+    if not ran or not status:
+        return out
+    resolve = getattr(g, "_resolve_case", lambda case, sm: case if case in sm else None)
+    out["FAIL_TO_PASS"] = [t for t in record.FAIL_TO_PASS if resolve(t, status) is None]
+    out["PASS_TO_PASS"] = [t for t in record.PASS_TO_PASS if resolve(t, status) is None]
+    return out
+
+
+def apply_failure_reason(exit_code: int, output: str, log_path: Path, max_lines: int = 8) -> str:
+    """One summary line naming the log, then the first distinct error lines of the apply chain
+    (whole lines, each at most 300 characters)."""
+    errors: list[str] = []
+    for line in output.splitlines():
+        line = line.strip()
+        if (line.startswith(("error:", "patch:", "fatal:")) or "FAILED" in line or "can't find file" in line) \
+                and line not in errors:
+            errors.append(line if len(line) <= 300 else line[:297] + "...")
+    head = (f"patch did not apply with any of the {len(APPLY_CMDS)} methods (git apply, --3way, --reject, "
+            f"patch --fuzz=5; exit {exit_code}); full output in {log_path}")
+    shown = errors[:max_lines]
+    more = [f"... and {len(errors) - max_lines} more error line(s) in the log"] if len(errors) > max_lines else []
+    return "\n".join([head, *shown, *more])
+
+
+def _read_inside(root: Path, rel: str) -> str | None | bool:
+    """Text of `root/rel`; None when absent; False when it is not a plain file inside `root`
+    (a symbolic link, a folder) or not UTF-8 text."""
+    full = root / rel
+    if not os.path.lexists(full):
+        return None
+    if full.is_symlink() or not full.is_file() or not full.resolve().is_relative_to(root.resolve()):
+        return False
+    try:
+        return full.read_bytes()[: 4 * 1024 * 1024].decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _restore_test_harness(rt: LocalRuntime, protected: set[str]) -> dict[str, str]:
+    """Put back the base's version of every test-harness file the applied patch changed.
+
+    Reads what really changed from the runtime's hardened `git diff` of the workspace
+    against the base (not from the patch text), so no patch format can slip a change
+    past the filter.  Returns {path: reason}.  Raises `RuntimeSetupError` when the
+    files cannot be put back (infrastructure: the grade is not a score).
+    """
+    base = Path(rt.describe()["base_repo"])
+    reasons: dict[str, str] = {}
+    for change in read_patch(rt.patch()).files:
+        for path in change.paths:
+            reason = harness_change_reason(path, protected)
+            if reason is None and PurePosixPath(path).name in PYTEST_TABLE_FILES:
+                before, after = _read_inside(base, path), _read_inside(rt.workspace, path)
+                if before is False or after is False or pytest_table_changed(PurePosixPath(path).name, before, after):
+                    reason = "pytest configuration"
+            if reason:
+                reasons[path] = reason
+    if not reasons:
+        return reasons
+    in_base = [p for p in reasons
+               if git(base, "cat-file", "-e", f"{rt.base_commit}:{p}", check=False).returncode == 0]
+    steps = [["rm", "-rf", "--", *reasons]]
+    if in_base:
+        steps.append(["git", "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", "checkout",
+                      rt.base_commit, "--", *in_base])
+    for argv in steps:
+        res = rt.run(argv, timeout_s=120)
+        if not res.ok:
+            raise RuntimeSetupError("grade", f"could not put back test files ({argv[0]} exit {res.exit_code}): "
+                                             f"{(res.stderr or res.stdout).strip()[:500]}")
+    return dict(sorted(reasons.items()))
 
 
 def _gdir(rt: LocalRuntime, host_dir: Path) -> str:

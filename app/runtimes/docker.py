@@ -20,6 +20,7 @@ import uuid
 from typing import Any, Sequence
 
 from app.runtimes.errors import RuntimeClosed, RuntimeSetupError
+from app.runtimes.patch import DIFF_FORMAT_OPTIONS, HARDENED_GIT_OPTIONS, PatchError
 from app.runtimes.sandbox import RunResult
 from app.tasksets.schema import InstanceRecord
 
@@ -101,9 +102,12 @@ class DockerRuntime:
         return RunResult(code, out, err, code == 124, time.monotonic() - t0, True, network)
 
     def patch(self) -> str:
-        res = self.run(f"git add -A && git diff --cached --binary {self._state['base_commit'] or 'HEAD'}")
+        """The agent's changes as a unified diff (a/ b/ prefixes) against the base commit.  Raises `PatchError`."""
+        if self._closed:
+            raise RuntimeClosed(f"runtime {self.id} is closed")
+        res = self.run(container_diff_command(self._state["base_commit"] or "HEAD"))
         if res.exit_code != 0:
-            raise RuntimeError(f"git diff in container failed: {res.stderr[-1000:]}")
+            raise PatchError(f"git diff in container failed (exit {res.exit_code}): {res.stderr.strip()[:1000]}")
         return res.stdout
 
     def close(self) -> None:
@@ -116,6 +120,22 @@ class DockerRuntime:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def container_diff_command(base: str) -> str:
+    """Shell command printing the diff of the current repository against `base`.
+
+    The agent owns the container's repository and its `.git/config`, which could set
+    `diff.noprefix`, a mnemonic prefix, an external diff, a textconv or an fsmonitor hook.
+    So the format is pinned on the command line, global and system config are ignored,
+    and a throwaway index is used (the agent's index is left alone).
+    """
+    opts = " ".join(_quote(o) for o in HARDENED_GIT_OPTIONS)
+    fmt = " ".join(_quote(o) for o in DIFF_FORMAT_OPTIONS)
+    return ("export GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null; idx=$(mktemp) && "
+            f"GIT_INDEX_FILE=$idx git {opts} read-tree {_quote(base)} && "
+            f"GIT_INDEX_FILE=$idx git {opts} add -A -- . && "
+            f"GIT_INDEX_FILE=$idx git {opts} diff --cached {fmt} {_quote(base)}; rc=$?; rm -f \"$idx\"; exit $rc")
 
 
 def _quote(s: str) -> str:

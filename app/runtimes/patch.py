@@ -22,9 +22,15 @@ from pathlib import Path
 
 from app.runtimes.gitutil import git_env
 
-_HARDENED = ["-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "-c", "diff.external=",
-             "-c", "core.quotePath=false", "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false",
-             "-c", "core.autocrlf=false", "-c", "core.safecrlf=false"]
+# Config that decides what a diff looks like or runs a program, pinned on the command
+# line, which wins over every config file (https://git-scm.com/docs/git#Documentation/git.txt--cltnamegtltvaluegt).
+HARDENED_GIT_OPTIONS = ("-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "-c", "diff.external=",
+                        "-c", "core.quotePath=false", "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false",
+                        "-c", "diff.relative=false", "-c", "core.autocrlf=false", "-c", "core.safecrlf=false",
+                        "-c", "core.symlinks=true", "-c", "core.ignoreCase=false")
+# The diff options that fix its format whatever the config says.
+DIFF_FORMAT_OPTIONS = ("--binary", "--no-color", "--no-ext-diff", "--no-textconv", "--no-relative",
+                       "--src-prefix=a/", "--dst-prefix=b/")
 
 
 class PatchError(RuntimeError):
@@ -54,7 +60,7 @@ def patch_from_workspace(
             env.update(GIT_DIR=str(Path(base_repo) / ".git"), GIT_WORK_TREE=str(workspace),
                        GIT_OBJECT_DIRECTORY=objects,
                        GIT_ALTERNATE_OBJECT_DIRECTORIES=str(Path(base_repo) / ".git" / "objects"))
-        opts = list(_HARDENED)
+        opts = list(HARDENED_GIT_OPTIONS)
         if extra_excludes is not None and Path(extra_excludes).is_file():
             opts += ["-c", f"core.excludesFile={extra_excludes}"]
 
@@ -68,6 +74,5 @@ def patch_from_workspace(
             base_commit = run("rev-list", "--max-parents=0", "HEAD").split()[-1]
         run("read-tree", base_commit)
         run("add", "-A", "--", ".")
-        diff = run("diff", "--cached", "--binary", "--no-color", "--no-ext-diff", "--no-textconv",
-                   "--src-prefix=a/", "--dst-prefix=b/", base_commit)
+        diff = run("diff", "--cached", *DIFF_FORMAT_OPTIONS, base_commit)
     return diff

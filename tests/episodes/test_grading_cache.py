@@ -15,12 +15,13 @@ REDIS_DB = 13
 
 pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap (Debian package `bubblewrap`) is not installed/usable here")
 
-# A conftest.py that turns every test report into "passed" (a known reward hack).
+# A conftest.py that turns every test report into "passed" (a known reward hack).  Clearing
+# longrepr too makes pytest print a clean `PASSED <id>` line, which swebench's parser reads.
 CONFTEST_HACK = '''diff --git a/conftest.py b/conftest.py
 new file mode 100644
 --- /dev/null
 +++ b/conftest.py
-@@ -0,0 +1,7 @@
+@@ -0,0 +1,8 @@
 +import pytest
 +
 +@pytest.hookimpl(hookwrapper=True)
@@ -28,6 +29,7 @@ new file mode 100644
 +    outcome = yield
 +    rep = outcome.get_result()
 +    rep.outcome = "passed"
++    rep.longrepr = None
 '''
 
 
@@ -71,7 +73,9 @@ def test_patch_that_does_not_apply_scores_zero_with_reason(settings, record):
     result = grade(record, broken, settings=settings, use_cache=False)
     assert (result.resolved, result.reward) == (False, 0.0)
     assert result.report["apply"]["applied"] is False
-    assert "did not apply" in result.report["apply"]["reason"]
+    first, *errors = result.report["apply"]["reason"].splitlines()
+    assert first.startswith("patch did not apply with any of the 4 methods") and result.log_path in first
+    assert "error: patch failed: inflection/__init__.py:10" in errors
     assert result.report["patch_successfully_applied"] is False
     assert ">>>>> Patch Apply Failed" in open(result.log_path).read()
 
@@ -94,6 +98,7 @@ def test_test_file_and_conftest_changes_are_dropped(settings, record):
         assert rt.run("git apply -", stdin=CONFTEST_HACK).exit_code == 0
         res = rt.run(record.test_cmd, timeout_s=120)
         assert res.exit_code == 0 and "failed" not in res.stdout.splitlines()[-1]
+        assert all(f"PASSED {t}" in res.stdout for t in record.FAIL_TO_PASS)
     # ... and the grader drops it: without the fix the instance stays unresolved.
     tamper = CONFTEST_HACK + (
         "diff --git a/test_inflection.py b/test_inflection.py\n"
