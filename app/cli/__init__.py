@@ -12,6 +12,7 @@ import sys
 
 from app.cli import model as model_cmds
 from app.cli import runs as runs_cmds
+from app.cli import tasks as tasks_cmds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     runs_cmds.register(sub)
     model_cmds.register(sub)
+    tasks_cmds.register(sub)
     try:
         from app.cli import harness as harness_cmds
     except ImportError:  # pragma: no cover - harness presets not installed in this checkout

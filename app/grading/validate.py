@@ -1,0 +1,90 @@
+"""Check a task set by grading: every instance's gold patch must resolve it, an empty patch must not.
+
+    checks = validate_instances(task_set.instances, jobs=2)
+    bad = [c for c in checks if c.problems]
+
+An instance that its own gold patch does not resolve can never give a reward (a wrong
+test id, a test that never runs, a broken environment); one that an empty patch resolves
+pays for doing nothing.  Both are found only by running the tests, so this grades each
+instance twice, fresh (no grade cache), with the grader an episode uses (`grade`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+from app.config import Settings
+from app.grading.grader import GradeResult, grade
+from app.runtimes.errors import RuntimeSetupError
+from app.tasksets.schema import InstanceRecord
+
+
+@dataclasses.dataclass
+class InstanceCheck:
+    """The two grades of one instance (None when grading failed: `error` says why) and the time taken (s)."""
+
+    instance_id: str
+    gold: GradeResult | None = None
+    empty: GradeResult | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def problems(self) -> list[str]:
+        """What is wrong with the instance, one sentence each; [] when it is sound."""
+        if self.error:
+            return [f"could not be graded: {self.error}"]
+        out = []
+        assert self.gold is not None and self.empty is not None
+        if not self.gold.resolved:
+            status = self.gold.report.get("tests_status", {})
+            failing = [*status.get("FAIL_TO_PASS", {}).get("failure", []), *status.get("PASS_TO_PASS", {}).get("failure", [])]
+            reason = self.gold.report["apply"].get("reason") or f"failing: {', '.join(failing[:5]) or 'no test ran'}"
+            out.append(f"cannot be solved: the gold patch does not resolve it ({reason}; log {self.gold.log_path})")
+        if self.empty.resolved:
+            out.append(f"an empty patch resolves it (log {self.empty.log_path})")
+        for field, ids in self.gold.report.get("tests_missing", {}).items():
+            if ids:
+                out.append(f"{len(ids)} {field} id(s) never appear in the gold run's test log: {', '.join(ids[:5])}")
+        return out
+
+
+def check_instance(record: InstanceRecord, *, settings: Settings | None = None, timeout_s: float = 1800) -> InstanceCheck:
+    """Grade `record`'s gold patch and an empty patch (fresh, uncached)."""
+    t0 = time.monotonic()
+    check = InstanceCheck(record.instance_id)
+    try:
+        check.gold = grade(record, record.patch, settings=settings, use_cache=False, timeout_s=timeout_s)
+        check.empty = grade(record, "", settings=settings, use_cache=False, timeout_s=timeout_s)
+    except RuntimeSetupError as exc:
+        check.error = str(exc)
+    check.seconds = time.monotonic() - t0
+    return check
+
+
+def validate_instances(
+    records: Sequence[InstanceRecord],
+    *,
+    jobs: int = 2,
+    settings: Settings | None = None,
+    timeout_s: float = 1800,
+    on_result: Callable[[InstanceCheck], None] | None = None,
+) -> list[InstanceCheck]:
+    """`check_instance` for every record, `jobs` at a time; results in the records' order.
+
+    `on_result` is called with each check as it finishes (for progress output).
+    Raises ValueError when `jobs` < 1.
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, not {jobs}")
+
+    def run(record: InstanceRecord) -> InstanceCheck:
+        check = check_instance(record, settings=settings, timeout_s=timeout_s)
+        if on_result is not None:
+            on_result(check)
+        return check
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(run, records))
