@@ -110,8 +110,20 @@ class TrainingConfig(BaseModel):
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 = no clipping).")
     micro_batch_tokens: int = Field(
-        8192, ge=16, description="Token budget of one micro-batch, padding included (rows x longest row). "
-                                 "A single sequence longer than this gets a micro-batch of its own.")
+        8192, ge=16, description="Token budget of one micro-batch: the packed length with `packing`, padding included "
+                                 "(rows x longest row) without. A single sequence longer than this gets a micro-batch "
+                                 "of its own.")
+    packing: bool = Field(
+        True, description="Pack several sequences into one row of a micro-batch (position ids restart per sequence, "
+                          "variable-length attention, no padding) instead of padding one sequence per row.")
+    max_sequence_tokens: int | None = Field(
+        None, ge=16, description="Longest single sequence (merged chain) the trainer accepts; a longer one fails the "
+                                 "step before any forward pass, with an error naming both lengths. None: the "
+                                 "model's max_position_embeddings.")
+    activation_checkpointing: bool | None = Field(
+        None, description="Recompute the decoder layers' activations in the backward pass instead of storing them "
+                          "(less memory per token, ~1/3 more compute). None: on when training on CUDA, off on CPU, "
+                          "where the CPU models and contexts fit memory and compute is the bottleneck.")
     gradient_accumulation_steps: int | None = Field(
         None, ge=1, description="Micro-batches accumulated per optimizer update. None: all micro-batches of a step "
                                 "accumulate into one update (on-policy). A number k splits the step into several "

@@ -1,10 +1,20 @@
-"""Micro-batches: padded rows of whole sequences under a token budget.
+"""Micro-batches under a token budget: sequences packed into one row, or padded one per row.
 
-Sequences are sorted longest first and packed greedily into micro-batches whose padded size
-(rows x longest row) stays within `micro_batch_tokens`; a sequence longer than the budget gets
-a micro-batch of its own.  Sorting by length keeps padding small, and one sequence per row
-keeps attention cost at sum(T_i^2) with plain (sdpa) attention; packing several sequences
-into one row would need a block-diagonal mask that costs (sum T_i)^2 without varlen kernels.
+Packed (`packing=True`, the trainer's default): sequences sorted longest first are placed
+first-fit into micro-batches of at most `micro_batch_tokens` tokens; each micro-batch is one
+row [1, sum T_i] with `position_ids` restarting at 0 for every sequence and no attention mask,
+which transformers turns into variable-length attention (each token attends only to earlier
+tokens of its own sequence): flash-attention's varlen kernel (cu_seqlens from the position
+ids) when the model uses it, a block-diagonal mask under sdpa/eager.  No padding is computed.
+Raffel et al. 2020 (T5, arXiv:1910.10683) introduced packing; position restarts and masking
+across boundaries as in Krell et al. 2021, "Efficient Sequence Packing without
+Cross-contamination" (arXiv:2107.02027).
+
+Padded (`packing=False`): sequences sorted longest first are grouped greedily into
+micro-batches whose padded size (rows x longest row) stays within `micro_batch_tokens`; one
+sequence per row, attention cost sum(T_i^2) with plain causal kernels.
+
+Either way a sequence longer than the budget gets a micro-batch of its own.
 """
 from __future__ import annotations
 
@@ -39,14 +49,16 @@ class StepSequence:
 class MicroBatch:
     """Tensors for one forward/backward pass.
 
-    `input_ids`, `attention_mask`: int64 [B, T]; per trainable token (N of them): `rows`,
+    `input_ids`: int64 [B, T]; padded: `attention_mask` int64 [B, T] and `position_ids` None;
+    packed: B = 1, `position_ids` int64 [1, T] (restarting per sequence) and `attention_mask`
+    None.  Per trainable token (N of them): `rows`,
     `cols` int64 [N] (position predicting it), `targets` int64 [N], `rollout_logprobs`
     float32 [N], `advantages` float32 [N], `weights` float32 [N] (loss aggregation weights),
     `sequence_index` int64 [N] (index into the step's sequence list).
     """
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     rows: torch.Tensor
     cols: torch.Tensor
     targets: torch.Tensor
@@ -56,6 +68,7 @@ class MicroBatch:
     sequence_index: torch.Tensor
     tokens: int  # real tokens, padding excluded
     padded_tokens: int  # B * T
+    position_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -63,13 +76,15 @@ class MicroBatch:
 
 
 def make_micro_batches(
-    sequences: Sequence[StepSequence], micro_batch_tokens: int, aggregation: str, pad_id: int = 0
+    sequences: Sequence[StepSequence], micro_batch_tokens: int, aggregation: str, pad_id: int = 0,
+    packing: bool = False,
 ) -> list[MicroBatch]:
-    """Group `sequences` into padded micro-batches (see the module docstring).
+    """Group `sequences` into packed or padded micro-batches (see the module docstring).
 
     Sequences without trainable tokens are skipped.  Aggregation weights are computed over
     the whole step (`aggregation` "token" or "sequence"), so the micro-batch losses sum to
-    the step's loss.  Returns the micro-batches, longest rows first.
+    the step's loss.  Returns the micro-batches, longest sequences first.
+    Raises ValueError when a sequence's first token is trainable (nothing predicts it).
     """
     usable = [i for i, s in enumerate(sequences) if s.trainable > 0]
     if not usable:
@@ -77,6 +92,18 @@ def make_micro_batches(
     step_tokens = sum(sequences[i].trainable for i in usable)
     order = sorted(usable, key=lambda i: len(sequences[i].token_ids), reverse=True)
     groups: list[list[int]] = []
+    if packing:
+        room: list[int] = []  # tokens still free in each group (first fit, longest first)
+        for i in order:
+            n = len(sequences[i].token_ids)
+            slot = next((g for g, free in enumerate(room) if n <= free), None)
+            if slot is None:
+                groups.append([i])
+                room.append(micro_batch_tokens - n)
+            else:
+                groups[slot].append(i)
+                room[slot] -= n
+        return [_tensorize_packed(sequences, g, aggregation, step_tokens, len(usable)) for g in groups]
     for i in order:
         if groups:
             head = len(sequences[groups[-1][0]].token_ids)  # longest row of the open group
@@ -85,6 +112,49 @@ def make_micro_batches(
                 continue
         groups.append([i])
     return [_tensorize(sequences, g, aggregation, step_tokens, len(usable), pad_id) for g in groups]
+
+
+def _trainable_positions(seq: StepSequence) -> torch.Tensor:
+    mask = torch.tensor(list(seq.loss_mask), dtype=torch.bool)
+    positions = torch.nonzero(mask, as_tuple=True)[0]
+    if positions.numel() and int(positions[0]) == 0:
+        raise ValueError("a sequence's first token cannot be trainable (nothing precedes it)")
+    return positions
+
+
+def _tensorize_packed(sequences, indices, aggregation, step_tokens, step_sequences) -> MicroBatch:
+    ids, pos, cols, targets, rollout, advantages, seq_index, lengths = [], [], [], [], [], [], [], []
+    offset = 0
+    for i in indices:
+        seq = sequences[i]
+        tokens = torch.tensor(list(seq.token_ids), dtype=torch.long)
+        n = int(tokens.numel())
+        positions = _trainable_positions(seq)
+        ids.append(tokens)
+        pos.append(torch.arange(n, dtype=torch.long))
+        cols.append(offset + positions - 1)
+        targets.append(tokens[positions])
+        rollout.append(torch.tensor(list(seq.logprobs), dtype=torch.float32)[positions])
+        advantages.append(torch.full((positions.numel(),), float(seq.advantage), dtype=torch.float32))
+        seq_index.append(torch.full_like(positions, i))
+        lengths.append(int(positions.numel()))
+        offset += n
+    weights = torch.tensor(aggregation_weights(lengths, aggregation, step_tokens, step_sequences), dtype=torch.float32)
+    cols_t = torch.cat(cols)
+    return MicroBatch(
+        input_ids=torch.cat(ids).unsqueeze(0),
+        attention_mask=None,
+        rows=torch.zeros_like(cols_t),
+        cols=cols_t,
+        targets=torch.cat(targets),
+        rollout_logprobs=torch.cat(rollout),
+        advantages=torch.cat(advantages),
+        weights=weights,
+        sequence_index=torch.cat(seq_index),
+        tokens=offset,
+        padded_tokens=offset,
+        position_ids=torch.cat(pos).unsqueeze(0),
+    )
 
 
 def _tensorize(sequences, indices, aggregation, step_tokens, step_sequences, pad_id) -> MicroBatch:
@@ -99,10 +169,7 @@ def _tensorize(sequences, indices, aggregation, step_tokens, step_sequences, pad
         tokens += n
         input_ids[row, :n] = torch.tensor(list(seq.token_ids), dtype=torch.long)
         attention_mask[row, :n] = 1
-        mask = torch.tensor(list(seq.loss_mask), dtype=torch.bool)
-        positions = torch.nonzero(mask, as_tuple=True)[0]
-        if positions.numel() and int(positions[0]) == 0:
-            raise ValueError("a sequence's first token cannot be trainable (nothing precedes it)")
+        positions = _trainable_positions(seq)
         rows.append(torch.full_like(positions, row))
         cols.append(positions - 1)
         targets.append(input_ids[row, positions])

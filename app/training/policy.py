@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from pathlib import Path
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-# Sampled positions whose logits are computed at once (4096 x 49152 fp32 logits = 0.8 GB).
-HEAD_CHUNK = 4096
+# Logits computed at once by the LM head, in elements (positions x vocab): 2^28 fp32 = 1 GiB,
+# i.e. 5461 positions of SmolLM2's 49152-token vocabulary, 1766 of Qwen3's 151936.
+HEAD_CHUNK_ELEMENTS = 2**28
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -43,9 +45,26 @@ def add_lora(model, r: int, alpha: int, dropout: float):
 
 
 def is_lora(model) -> bool:
-    from peft import PeftModel
+    """Whether `model` is a peft model.  Never imports peft: a model can only be a
+    `PeftModel` if peft was imported (by `add_lora`), so without LoRA peft is not needed."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
-    return isinstance(model, PeftModel)
+
+def set_activation_checkpointing(model, enabled: bool) -> None:
+    """Recompute each decoder layer's activations in the backward pass instead of storing them.
+
+    Uses transformers' activation checkpointing of the decoder layers (non-reentrant
+    `torch.utils.checkpoint`, which also works with frozen inputs under LoRA and inside FSDP2
+    units).  It acts only while the model is in training mode and gradients are on.  Cost:
+    one more forward of the body per backward (~+33% compute); gain: a layer keeps only its
+    input [T, hidden] instead of every intermediate (measured with `bench/prefix_merging.py`).
+    """
+    lm = causal_lm(model)
+    if enabled:
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif lm.is_activation_checkpointing:
+        lm.activation_checkpointing_disable()
 
 
 def causal_lm(model):
@@ -60,21 +79,33 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def token_logprobs(model, input_ids, attention_mask, rows, cols, targets, head_chunk: int = HEAD_CHUNK) -> torch.Tensor:
+def token_logprobs(
+    model, input_ids, attention_mask, rows, cols, targets, head_chunk: int | None = None, position_ids=None
+) -> torch.Tensor:
     """Log-probabilities (nats, float32 [N]) of `targets` under `model`.
 
-    `input_ids`, `attention_mask`: int64 [B, T] right-padded rows; `rows`, `cols`: int64 [N],
-    the position whose output predicts each target (the target sits at `cols + 1`);
-    `targets`: int64 [N].  Only the N selected positions go through the LM head, not all
-    B*T: context tokens never need logits.  The [N, vocab] logits are computed `head_chunk`
-    positions at a time; with gradients on, each chunk is recomputed in the backward pass
-    (activation checkpointing), so a long merged chain never holds all its logits at once.
+    `input_ids`: int64 [B, T]; either `attention_mask` int64 [B, T] (right-padded rows, 1 on
+    real tokens) or `position_ids` int64 [B, T] with `attention_mask` None (packed rows: the
+    positions restart at 0 where each packed sequence starts, and transformers turns that into
+    variable-length attention: a block-diagonal mask under sdpa/eager, cu_seqlens under
+    flash-attention; see `transformers.masking_utils.find_packed_sequence_indices`).
+    `rows`, `cols`: int64 [N], the position whose output predicts each target (the target
+    sits at `cols + 1`); `targets`: int64 [N].
+
+    No KV cache is built (`use_cache=False`).  Only the N selected positions go through the LM
+    head, never all B*T: context tokens need no logits, and no [T, vocab] tensor exists.  The
+    [N, vocab] logits are computed `head_chunk` positions at a time (default: a budget of
+    `HEAD_CHUNK_ELEMENTS` logits per chunk); with gradients on, each chunk is recomputed in
+    the backward pass (activation checkpointing), so the autograd graph holds no logits at all.
+    logp = logit[target] - logsumexp(logits), in fp32.
     """
     lm = causal_lm(model)
-    hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    hidden = lm.model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
     selected = hidden[rows, cols]
-    if selected.shape[0] <= head_chunk:
-        return _head_logprobs(lm.lm_head, selected, targets)
+    if head_chunk is None:
+        head_chunk = max(1, HEAD_CHUNK_ELEMENTS // int(lm.lm_head.weight.shape[0]))
     parts = []
     for start in range(0, selected.shape[0], head_chunk):
         h, t = selected[start : start + head_chunk], targets[start : start + head_chunk]
@@ -82,12 +113,26 @@ def token_logprobs(model, input_ids, attention_mask, rows, cols, targets, head_c
             parts.append(checkpoint(_head_logprobs, lm.lm_head, h, t, use_reentrant=False))
         else:
             parts.append(_head_logprobs(lm.lm_head, h, t))
-    return torch.cat(parts)
+    return torch.cat(parts) if parts else selected.new_zeros(0, dtype=torch.float32)
+
+
+class TokenLogprobs(torch.nn.Module):
+    """`token_logprobs` of the wrapped `policy` as a module: the unit whose forward the trainer
+    calls, so that FSDP2 can shard it as its root (its pre-forward hook gathers the embedding,
+    final norm and LM head, which `token_logprobs` uses outside the model's own forward).
+    State-dict keys are the policy's with the prefix `policy.`."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.policy = model
+
+    def forward(self, input_ids, attention_mask, position_ids, rows, cols, targets) -> torch.Tensor:
+        return token_logprobs(self.policy, input_ids, attention_mask, rows, cols, targets, position_ids=position_ids)
 
 
 def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = head(hidden).float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def save_policy_weights(model, directory: Path, metadata: dict | None = None) -> None:

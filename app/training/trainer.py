@@ -4,7 +4,8 @@ Implements the objective of `app.training.grpo` (GRPO with DAPO clip-higher, tok
 aggregation by default, TIS against the rollout logprobs, optional KL penalty to the initial
 policy: k3 or k2, `TrainingConfig.kl_estimator`).  One call of `Trainer.update` is one training step:
 
-    micro-batches (padded, token budget)            app.training.batching
+    length check: no sequence beyond max_sequence_tokens (raises before any forward)
+    micro-batches (packed or padded, token budget)  app.training.batching
     ├─ [several updates only] no-grad pass: old logprobs for every micro-batch
     └─ per update: forward → loss → backward per micro-batch (gradient accumulation),
        clip the global grad norm, AdamW step
@@ -13,18 +14,29 @@ With the default single update per step the pre-update logprobs are the forward 
 detached values (ratio = 1, the PPO clip is inactive, TIS still re-weights); the first
 forward is also where the trainer-vs-rollout logprob gap is measured.
 Checkpoints (`save`/`load`) hold the weights the engines load and the optimizer state.
+
+Memory per token: no KV cache in training forwards, the LM head only at sampled positions in
+chunks (`policy.token_logprobs`), and activation checkpointing of the decoder layers
+(`TrainingConfig.activation_checkpointing`, on by default on CUDA).
+
+Several processes (`torchrun`, `app.training.distributed`): the model is sharded with FSDP2;
+rank 0 leads (its method calls are broadcast and replayed by the other ranks in `follow`),
+the step's micro-batches are dealt round-robin to the ranks, and the metrics are reduced
+over all ranks, so a step equals the single-process step up to float summation order.
 """
 from __future__ import annotations
 
 import copy
+import gc
 import json
+import math
 import os
 import time
 from pathlib import Path
 
 import torch
 
-from app.training import policy
+from app.training import distributed, policy
 from app.training.batching import MicroBatch, StepSequence, make_micro_batches
 from app.runconfig import TrainingConfig
 from app.training.grpo import policy_loss
@@ -34,29 +46,52 @@ ADAPTER_FILE = "adapter.pt"
 MODEL_DIR = "model"
 
 
+class SequenceTooLongError(ValueError):
+    """A training sequence is longer than the trainer accepts (`max_sequence_tokens`)."""
+
+
 class Trainer:
     """A policy and its AdamW optimizer, resident for the life of a gpu worker process.
 
     `model` is a `*ForCausalLM` (fp32) already on its device; with `config.lora` it is wrapped
     with peft adapters here.  `vocab_size` bounds valid token ids (defaults to the
-    embedding's row count); `pad_id` fills padded positions.
+    embedding's row count); `pad_id` fills padded positions.  `group` (a
+    `distributed.Group`): shard the model with FSDP2 over that group (every rank builds the
+    same model); None trains in this process alone.
+    Raises ValueError for LoRA under FSDP (not supported).
     """
 
-    def __init__(self, config: TrainingConfig, model, pad_id: int = 0):
+    def __init__(self, config: TrainingConfig, model, pad_id: int = 0, group: distributed.Group | None = None):
         self.config = config
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.pad_id = pad_id
+        self.group = group
+        self.world = group.world if group is not None else 1
+        limit = config.max_sequence_tokens or getattr(model.config, "max_position_embeddings", None)
+        self.max_sequence_tokens = int(limit) if limit else None
+        self.limit_source = "training.max_sequence_tokens" if config.max_sequence_tokens else "the model's max_position_embeddings"
         torch.manual_seed(config.seed)
         if config.lora:
+            if group is not None:
+                raise ValueError("training.lora: LoRA adapters are not trained under FSDP; use one process")
             model = policy.add_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout)
         self.model = model
         self.model.train()
+        checkpointing = config.activation_checkpointing
+        self.activation_checkpointing = self.device.type == "cuda" if checkpointing is None else checkpointing
+        policy.set_activation_checkpointing(self.model, self.activation_checkpointing)
         # The KL reference is the initial policy: the adapters switched off under LoRA,
         # a frozen copy otherwise (memory: one more set of weights).
         self.reference = None
         if config.kl_coef > 0 and not config.lora:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        self.forward = policy.TokenLogprobs(self.model)
+        self.reference_forward = policy.TokenLogprobs(self.reference) if self.reference is not None else None
+        if group is not None:
+            distributed.shard(self.forward, policy.causal_lm(self.model).model.layers, group)
+            if self.reference_forward is not None:
+                distributed.shard(self.reference_forward, self.reference.model.layers, group)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -67,30 +102,65 @@ class Trainer:
 
     @classmethod
     def from_spec(cls, config: TrainingConfig, spec: str, device: torch.device | None = None) -> "Trainer":
-        """Load the policy `spec` ("tiny" | "smollm2" | checkpoint dir) on `device` (CUDA if present)."""
+        """Load the policy `spec` ("tiny" | "smollm2" | checkpoint dir) on `device` (CUDA if present).
+
+        In a process group of several ranks (`distributed.current()`), the model is sharded
+        over the group on this rank's device; rank 0 first tells the other ranks (waiting in
+        `follow`) to build the same trainer.
+        """
+        group = distributed.current()
+        if group is not None:
+            if group.leader:
+                group.broadcast_object(("build", (config.to_dict(), spec)))
+            device = distributed.device(group)
         device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model, _vocab = policy.load_policy(spec, device)
-        return cls(config, model, pad_id=int(model.config.pad_token_id or 0))
+        return cls(config, model, pad_id=int(model.config.pad_token_id or 0), group=group)
+
+    def _lead(self, method: str, *args) -> None:
+        """On rank 0 of a group, have the other ranks (in `follow`) call `method(*args)` too."""
+        if self.group is not None and self.group.leader:
+            self.group.broadcast_object((method, args))
+
+    def check_lengths(self, sequences: list[StepSequence]) -> None:
+        """Raise `SequenceTooLongError` naming the length and the limit when a trainable
+        sequence is longer than `max_sequence_tokens` (checked before any model work)."""
+        if self.max_sequence_tokens is None:
+            return
+        too_long = [s for s in sequences if s.trainable > 0 and len(s.token_ids) > self.max_sequence_tokens]
+        if too_long:
+            worst = max(too_long, key=lambda s: len(s.token_ids))
+            raise SequenceTooLongError(
+                f"a training sequence of {len(worst.token_ids)} tokens (episode {worst.episode_id}) is longer than "
+                f"the limit of {self.max_sequence_tokens} tokens ({self.limit_source}); {len(too_long)} of "
+                f"{len(sequences)} sequences exceed it. Raise training.max_sequence_tokens if the device's memory "
+                f"allows (activation checkpointing lowers memory per token), or cap the episodes' context")
 
     # --- logprobs ----------------------------------------------------------------------
 
     def _logprobs(self, mb: MicroBatch, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad), policy.autocast(self.device):
-            return policy.token_logprobs(self.model, mb.input_ids, mb.attention_mask, mb.rows, mb.cols, mb.targets)
+            return self.forward(mb.input_ids, mb.attention_mask, mb.position_ids, mb.rows, mb.cols, mb.targets)
 
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
         if self.config.kl_coef <= 0:
             return None
         with torch.no_grad(), policy.autocast(self.device):
+            args = (mb.input_ids, mb.attention_mask, mb.position_ids, mb.rows, mb.cols, mb.targets)
             if self.config.lora:
                 with self.model.disable_adapter():
-                    return policy.token_logprobs(self.model, mb.input_ids, mb.attention_mask, mb.rows, mb.cols, mb.targets)
-            return policy.token_logprobs(self.reference, mb.input_ids, mb.attention_mask, mb.rows, mb.cols, mb.targets)
+                    return self.forward(*args)
+            return self.reference_forward(*args)
 
     def logprobs(self, sequences: list[StepSequence]) -> list[torch.Tensor]:
-        """Trainer logprobs (float32 [trainable tokens], CPU) of each sequence's sampled tokens, no grad."""
+        """Trainer logprobs (float32 [trainable tokens], CPU) of each sequence's sampled tokens, no grad.
+
+        Raises `SequenceTooLongError` as `update` does.  Under FSDP every rank computes all of them.
+        """
+        self._lead("logprobs", sequences)
+        self.check_lengths(sequences)
         out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
-        for mb in make_micro_batches(sequences, self.config.micro_batch_tokens, "token", self.pad_id):
+        for mb in make_micro_batches(sequences, self.config.micro_batch_tokens, "token", self.pad_id, self.config.packing):
             mb = mb.to(self.device)
             values = self._logprobs(mb, grad=False).float().cpu()
             index = mb.sequence_index.cpu()
@@ -108,52 +178,60 @@ class Trainer:
         micro_batches_zero_advantage (forward only: their gradient is exactly zero)
         (|trainer - rollout| over sampled tokens before the update), grad_norm (largest
         pre-clip norm), tokens_trained, tokens_processed (real tokens through the model),
-        padded_tokens, sequences, micro_batches, optimizer_updates, update_time_s.
+        padded_tokens, sequences, micro_batches, optimizer_updates, update_time_s,
+        activation_checkpointing, world_size.
+        Raises `SequenceTooLongError` before any forward pass (see `check_lengths`).
         """
+        self._lead("update", sequences)
         start = time.perf_counter()
         cfg = self.config
-        batches = [mb.to(self.device) for mb in make_micro_batches(sequences, cfg.micro_batch_tokens, cfg.loss_aggregation, self.pad_id)]
+        self.check_lengths(sequences)
+        batches = make_micro_batches(sequences, cfg.micro_batch_tokens, cfg.loss_aggregation, self.pad_id, cfg.packing)
         metrics = {
             "sequences": sum(1 for s in sequences if s.trainable > 0),
             "micro_batches": len(batches),
             "tokens_trained": int(sum(mb.targets.numel() for mb in batches)),
             "tokens_processed": int(sum(mb.tokens for mb in batches)),
             "padded_tokens": int(sum(mb.padded_tokens for mb in batches)),
+            "activation_checkpointing": self.activation_checkpointing,
+            "world_size": self.world,
         }
         if not batches:
             return {**metrics, "optimizer_updates": 0, "loss": 0.0, "update_time_s": time.perf_counter() - start}
         per_update = cfg.gradient_accumulation_steps or len(batches)
         chunks = [batches[i : i + per_update] for i in range(0, len(batches), per_update)]
+        shares = [self._share(chunk) for chunk in chunks]
         # With several updates per step, later updates see moved weights: their PPO ratio
         # needs logprobs from before the first update, so compute them all first.
-        old = [self._logprobs(mb, grad=False).float() for mb in batches] if len(chunks) > 1 else None
-        gaps = [(o - mb.rollout_logprobs).abs() for o, mb in zip(old, batches)] if old else []
+        old = [[self._logprobs(mb, grad=False).float() for mb, _real in share] for share in shares] if len(chunks) > 1 else None
+        gaps = ([(o - mb.rollout_logprobs).abs() for olds, share in zip(old, shares)
+                 for o, (mb, real) in zip(olds, share) if real] if old else [])
         totals = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "tis": 0.0, "tis_truncated": 0.0, "ratio": 0.0}
         grad_norm = 0.0
-        index = 0
         skipped = 0
-        for chunk in chunks:
+        for u, (chunk, share) in enumerate(zip(chunks, shares)):
             self.optimizer.zero_grad(set_to_none=True)
             # Each update is the aggregated mean over its own micro-batches.
             scale = 1.0 / float(sum(mb.weights.sum() for mb in chunk))
-            for mb in chunk:
-                if cfg.kl_coef == 0 and not bool(mb.advantages.any()):
+            for j, ((mb, real), backward) in enumerate(zip(share, self._needs_backward(share))):
+                if not backward:
                     # Zero advantage and no KL: this micro-batch's loss and gradient are exactly
                     # zero, so skip the backward pass; the forward pass still measures the gap.
                     if old is None:
-                        gaps.append((self._logprobs(mb, grad=False).float() - mb.rollout_logprobs).abs())
-                    skipped += 1
-                    index += 1
+                        values = self._logprobs(mb, grad=False).float()
+                        if real:
+                            gaps.append((values - mb.rollout_logprobs).abs())
+                    skipped += int(real)
                     continue
                 logprobs = self._logprobs(mb, grad=True).float()
-                if old is None:
+                if old is None and real:
                     gaps.append((logprobs.detach() - mb.rollout_logprobs).abs())
                 loss, stats = policy_loss(
                     logprobs,
-                    old[index] if old is not None else logprobs.detach(),
+                    old[u][j] if old is not None else logprobs.detach(),
                     mb.rollout_logprobs,
                     mb.advantages,
-                    mb.weights * scale,
+                    mb.weights * (scale if real else 0.0),
                     clip_low=cfg.clip_low,
                     clip_high=cfg.clip_high,
                     tis_cap=cfg.tis_cap,
@@ -161,20 +239,30 @@ class Trainer:
                     kl_coef=cfg.kl_coef,
                     kl_estimator=cfg.kl_estimator,
                 )
-                loss.backward()
+                # FSDP averages gradients over the ranks, but each rank's loss is its share of
+                # the step's sum: scale by the world size so the gradient is the sum's.
+                (loss * self.world).backward()
+                if not real:
+                    continue
                 totals["loss"] += loss.item() / len(chunks)
                 totals["clipped"] += stats.clipped
                 totals["kl"] += stats.kl
                 totals["tis"] += stats.tis_weight
                 totals["tis_truncated"] += stats.tis_truncated
                 totals["ratio"] += stats.ratio
-                index += 1
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-            grad_norm = max(grad_norm, float(norm))
+            grad_norm = max(grad_norm, distributed.grad_norm_value(norm))
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        gap = torch.cat(gaps)
+        gap = torch.cat(gaps) if gaps else torch.zeros(0)
+        gap_max, gap_sum, gap_count = (float(gap.max()) if gap.numel() else 0.0), float(gap.sum()), gap.numel()
+        if self.group is not None:
+            keys = list(totals)
+            summed = self.group.all_reduce(torch.tensor([totals[k] for k in keys] + [gap_sum, gap_count, skipped]))
+            totals = dict(zip(keys, summed[: len(keys)].tolist()))
+            gap_sum, gap_count, skipped = float(summed[-3]), int(summed[-2]), int(summed[-1])
+            gap_max = float(self.group.all_reduce(torch.tensor([gap_max]), op="max")[0])
         n = max(metrics["tokens_trained"], 1)
         return {
             **metrics,
@@ -184,13 +272,35 @@ class Trainer:
             "tis_weight_mean": totals["tis"] / n,
             "tis_truncated_fraction": totals["tis_truncated"] / n,
             "ratio_mean": totals["ratio"] / n,
-            "logprob_gap_max_abs": float(gap.max()),
-            "logprob_gap_mean_abs": float(gap.mean()),
+            "logprob_gap_max_abs": gap_max,
+            "logprob_gap_mean_abs": gap_sum / max(gap_count, 1),
             "grad_norm": grad_norm,
             "optimizer_updates": len(chunks),
             "micro_batches_zero_advantage": skipped,
             "update_time_s": time.perf_counter() - start,
         }
+
+    def _share(self, chunk: list[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
+        """This rank's micro-batches of one update, on its device, as `(micro-batch, real)`.
+
+        Rank r takes micro-batches r, r + world, ...; ranks with one fewer get a copy of the
+        update's first micro-batch with `real` False (its loss weights are zeroed), so every
+        rank runs the same number of forward/backward passes, as FSDP's collectives require.
+        Alone: every micro-batch, all real.
+        """
+        rank = self.group.rank if self.group is not None else 0
+        mine = [(mb.to(self.device), True) for mb in chunk[rank :: self.world]]
+        missing = math.ceil(len(chunk) / self.world) - len(mine)
+        return mine + [(chunk[0].to(self.device), False)] * missing
+
+    def _needs_backward(self, share: list[tuple[MicroBatch, bool]]) -> list[bool]:
+        """Whether each position of this rank's share needs a backward pass: a real micro-batch
+        with a nonzero advantage or a KL term.  Under FSDP, position j runs a backward on
+        every rank as soon as one rank needs it (the same collectives on every rank)."""
+        needed = [real and (self.config.kl_coef > 0 or bool(mb.advantages.any())) for mb, real in share]
+        if self.group is not None:
+            needed = [v > 0 for v in self.group.all_reduce(torch.tensor(needed, dtype=torch.float64), op="max").tolist()]
+        return needed
 
     # --- checkpoints -------------------------------------------------------------------
 
@@ -198,8 +308,21 @@ class Trainer:
         """Write `directory`: `model/` (full weights, LoRA merged; what engines load),
         `optimizer.pt`, `adapter.pt` (LoRA only) and `trainer_state.json` (`metadata`).
         The caller makes the directory visible atomically (see `app.training.checkpoints`).
+        Under FSDP: `sharded/` (model + optimizer, torch.distributed.checkpoint) instead of
+        `optimizer.pt`, and rank 0 writes `model/` from the gathered full weights; every rank
+        must see `directory`.
         """
+        self._lead("save", directory, metadata)
         directory.mkdir(parents=True, exist_ok=True)
+        if self.group is not None:
+            distributed.save_sharded(self.forward, self.optimizer, directory)
+            state = distributed.full_state_dict(self.forward, self.group, prefix="policy.")
+            if self.group.leader:
+                distributed.export_safetensors(policy.causal_lm(self.model).config, state, directory / MODEL_DIR,
+                                               {"policy_version": metadata.get("policy_version")})
+                _write_json(directory / "trainer_state.json", metadata)
+            self.group.barrier()
+            return
         policy.save_policy_weights(self.model, directory / MODEL_DIR, {"policy_version": metadata.get("policy_version")})
         _save_torch(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
         if self.config.lora:
@@ -208,7 +331,13 @@ class Trainer:
         _write_json(directory / "trainer_state.json", metadata)
 
     def load(self, directory: Path) -> dict:
-        """Restore weights and optimizer state from a checkpoint `directory`; return its metadata."""
+        """Restore weights and optimizer state from a checkpoint `directory`; return its metadata.
+
+        Under FSDP from `sharded/` (raises FileNotFoundError when absent)."""
+        self._lead("load", directory)
+        if self.group is not None:
+            distributed.load_sharded(self.forward, self.optimizer, directory)
+            return json.loads((directory / "trainer_state.json").read_text())
         if self.config.lora:
             adapters = torch.load(directory / ADAPTER_FILE, map_location=self.device)
             missing = set(adapters) - set(self.model.state_dict())
@@ -219,6 +348,34 @@ class Trainer:
             policy.load_policy_weights(self.model, directory / MODEL_DIR)
         self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location=self.device))
         return json.loads((directory / "trainer_state.json").read_text())
+
+
+def follow(group: distributed.Group) -> None:
+    """The loop of ranks other than 0: replay rank 0's trainer calls until it calls `stop`.
+
+    Rank 0 broadcasts `("build", (config dict, spec))` from `Trainer.from_spec` and
+    `(method, args)` from `update`, `logprobs`, `save` and `load`; this rank makes the same
+    call on its own trainer (built here, the previous one dropped first).  An exception here
+    propagates: the process exits and torchrun stops the group.
+    """
+    trainer = None
+    while True:
+        op, args = group.broadcast_object()
+        if op == "stop":
+            return
+        if op == "build":
+            trainer = None
+            gc.collect()
+            config, spec = args
+            trainer = Trainer.from_spec(TrainingConfig.model_validate(config), spec)
+        else:
+            getattr(trainer, op)(*args)
+
+
+def stop_followers(group: distributed.Group | None) -> None:
+    """On rank 0: release the other ranks from `follow`."""
+    if group is not None and group.leader:
+        group.broadcast_object(("stop", ()))
 
 
 def _save_torch(obj, path: Path) -> None:
