@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Debian/Ubuntu packages Turnstile uses: git, Redis, bubblewrap (episode sandbox), Node.js/npm (harness CLIs).
+# Debian/Ubuntu packages Turnstile uses: git, Redis, bubblewrap (episode sandbox), Node.js/npm (harness CLIs),
+# Chromium and its driver (the dashboard's browser tests drive the system browser; nothing is downloaded).
 set -euo pipefail
 need=()
 command -v git >/dev/null 2>&1 || need+=(git)
@@ -7,6 +8,8 @@ command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
 command -v npm >/dev/null 2>&1 || need+=(nodejs npm)
 command -v patch >/dev/null 2>&1 || need+=(patch)
+[ -x /usr/bin/chromium ] || need+=(chromium)
+[ -x /usr/bin/chromedriver ] || need+=(chromium-driver)
 python3 -c "import venv, ensurepip" 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -eq 0 ]; then echo "system: all packages present"; exit 0; fi
 if ! command -v apt-get >/dev/null 2>&1; then

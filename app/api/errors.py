@@ -1,7 +1,7 @@
 """JSON errors for the REST API: `{"error": {"message", "field"?, "details"?}}`."""
 from __future__ import annotations
 
-from flask import Flask, jsonify
+from flask import Flask, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
 
 
@@ -29,4 +29,7 @@ def register_error_handlers(flask_app: Flask) -> None:
 
     @flask_app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):
-        return jsonify(error_body(exc.description or exc.name)), exc.code
+        # REST clients get the JSON error shape; people on dashboard pages get a page.
+        if request.path.startswith("/api/") or request.path == "/api":
+            return jsonify(error_body(exc.description or exc.name)), exc.code
+        return render_template("dashboard/error.html", code=exc.code, message=exc.description or exc.name), exc.code

@@ -1,0 +1,153 @@
+/* Turnstile dashboard: per-step charts (uPlot), live refresh of a running run, cancel, submit. */
+"use strict";
+
+const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"];
+
+function drawCharts(root) {
+  const node = root.querySelector("#chart-data");
+  if (!node || typeof uPlot === "undefined") return;
+  const charts = JSON.parse(node.textContent);
+  for (const c of charts) {
+    const box = root.querySelector("#" + c.id);
+    if (!box) continue;
+    box.querySelectorAll(".uplot").forEach((el) => el.remove());
+    const series = [{ label: "step" }];
+    c.series.forEach((s, i) => {
+      const band = c.band && i > 0;
+      series.push({ label: s.label, stroke: band ? "#93c5fd" : PALETTE[i % PALETTE.length], width: band ? 1 : 2,
+                    dash: band ? [4, 4] : undefined, spanGaps: true, points: { show: true, size: 5 } });
+    });
+    const opts = {
+      width: Math.max(300, box.clientWidth - 12), height: 190,
+      scales: { x: { time: false } },
+      axes: [{ label: "step", size: 36, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000] }, { size: 56 }],
+      series: series,
+      legend: { live: false },
+    };
+    if (c.band) opts.bands = [{ series: [3, 2], fill: "rgba(37, 99, 235, 0.12)" }];
+    new uPlot(opts, [c.x, ...c.series.map((s) => s.values)], box);
+  }
+}
+
+/* Live refresh: poll the run's JSON; when anything changed, re-render the live sections from the page. */
+function signature(status, counts, version, stepStates, completions) {
+  const sorted = Object.keys(counts || {}).sort().map((k) => [k, counts[k]]);
+  return JSON.stringify([status, sorted, version, stepStates, completions]);
+}
+
+function liveRun(page) {
+  const runId = page.dataset.runId;
+  const rendered = JSON.parse(document.getElementById("run-state").textContent);
+  let last = signature(rendered.status, rendered.episodes_by_status, rendered.policy_version, rendered.steps,
+                       rendered.completions);
+  async function tick() {
+    let run;
+    try {
+      const resp = await fetch(`/api/runs/${runId}`, { headers: { Accept: "application/json" } });
+      if (!resp.ok) return schedule();
+      run = await resp.json();
+    } catch (err) {
+      return schedule(); // API restarting: try again on the next tick
+    }
+    const sig = signature(run.status, run.episodes_by_status, run.policy_version,
+                          (run.steps || []).map((s) => s.status), (run.live || {}).completions);
+    if (sig !== last) await refreshSections();
+    last = sig;
+    if (["completed", "failed", "cancelled"].includes(run.status)) return; // the last refresh showed the end
+    schedule();
+  }
+  function schedule() { setTimeout(tick, 2000); }
+  async function refreshSections() {
+    const resp = await fetch(window.location.href, { headers: { Accept: "text/html" } });
+    if (!resp.ok) return;
+    const doc = new DOMParser().parseFromString(await resp.text(), "text/html");
+    for (const id of ["run-head", "run-stats", "curves", "episodes-section"]) {
+      const fresh = doc.getElementById(id), current = document.getElementById(id);
+      if (fresh && current) current.replaceWith(fresh);
+    }
+    const freshPage = doc.getElementById("run-page");
+    if (freshPage) page.dataset.terminal = freshPage.dataset.terminal;
+    drawCharts(document);
+    bindCancel();
+  }
+  schedule();
+}
+
+function bindCancel() {
+  const button = document.getElementById("cancel-run");
+  const page = document.getElementById("run-page");
+  if (!button || !page) return;
+  button.addEventListener("click", async () => {
+    if (!window.confirm(`Cancel run ${page.dataset.runId}? Running episodes are stopped.`)) return;
+    button.disabled = true;
+    const resp = await fetch(`/api/runs/${page.dataset.runId}/cancel`, { method: "POST" });
+    const body = await resp.json();
+    const out = document.getElementById("cancel-result");
+    if (out) out.textContent = resp.ok ? `run ${body.id}: ${body.status}` : body.error.message;
+  });
+}
+
+/* The submit form: fields -> JSON body; the API's 400 details appear next to their fields. */
+function setPath(obj, path, value) {
+  const keys = path.split(".");
+  let node = obj;
+  keys.slice(0, -1).forEach((k) => { node = node[k] = node[k] || {}; });
+  node[keys[keys.length - 1]] = value;
+}
+
+function fieldValue(el) {
+  const raw = el.value.trim();
+  if (raw === "") return undefined;
+  if (el.tagName === "SELECT") return JSON.parse(raw);
+  if (el.dataset.input === "list") return raw.split(",").map((s) => s.trim()).filter((s) => s);
+  if (el.dataset.type === "integer" || el.dataset.type === "number") {
+    const n = Number(raw);
+    return raw !== "" && !Number.isNaN(n) ? n : raw; // a non-number goes as typed: the API names the field
+  }
+  return raw;
+}
+
+function bindSubmit(form) {
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    form.querySelectorAll("[data-error-for]").forEach((el) => { el.textContent = ""; });
+    form.querySelectorAll(".invalid").forEach((el) => el.classList.remove("invalid"));
+    const summary = document.getElementById("submit-errors");
+    summary.textContent = "";
+    const body = {};
+    form.querySelectorAll("[data-path]").forEach((el) => {
+      const value = fieldValue(el);
+      if (value !== undefined) setPath(body, el.dataset.path, value);
+    });
+    const resp = await fetch("/api/runs", { method: "POST", headers: { "Content-Type": "application/json" },
+                                            body: JSON.stringify(body) });
+    const answer = await resp.json();
+    if (resp.status === 202) {
+      window.location.assign(`/runs/${answer.id}`);
+      return;
+    }
+    const err = answer.error || { message: `HTTP ${resp.status}` };
+    const details = err.details && err.details.length ? err.details : [{ field: err.field, message: err.message }];
+    const unplaced = [];
+    for (const d of details) {
+      const slot = d.field ? form.querySelector(`[data-error-for="${CSS.escape(d.field)}"]`) : null;
+      if (slot) {
+        slot.textContent = d.message;
+        const input = form.querySelector(`[data-path="${CSS.escape(d.field)}"]`);
+        if (input) input.classList.add("invalid");
+      } else {
+        unplaced.push(d.field ? `${d.field}: ${d.message}` : d.message);
+      }
+    }
+    summary.textContent = err.message + (unplaced.length && details.length > 1 ? "\n" + unplaced.join("\n") : "");
+  });
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  drawCharts(document);
+  bindCancel();
+  const page = document.getElementById("run-page");
+  if (page && page.dataset.terminal === "false") liveRun(page);
+  const form = document.getElementById("submit-form");
+  if (form) bindSubmit(form);
+});

@@ -1,0 +1,92 @@
+"""Dashboard routes.  Each page reads SQL through `data.py` and renders one template."""
+from __future__ import annotations
+
+from flask import Blueprint, abort, render_template, request
+from sqlalchemy import select
+
+from app.api.dashboard import data
+from app.api.dashboard.form import run_config_form
+from app.api.openapi import openapi_spec
+from app.db import session_scope
+from app.models import RUN_KINDS, RUN_STATES, Run
+
+bp = Blueprint("dashboard", __name__, template_folder="templates", static_folder="static",
+               static_url_path="/dashboard/static")
+
+
+def _arg(name: str, choices=None) -> str | None:
+    value = (request.args.get(name) or "").strip() or None
+    if value is not None and choices is not None and value not in choices:
+        abort(400, f"{name}: must be one of {', '.join(choices)}")
+    return value
+
+
+def _int_arg(name: str) -> int | None:
+    raw = (request.args.get(name) or "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        abort(400, f"{name}: must be a run id")
+    return int(raw)
+
+
+@bp.app_template_filter("num")
+def _num(value, spec: str = ".3f") -> str:
+    """Numbers for tables: `-` for missing, fixed precision for floats."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+@bp.get("/")
+def runs_page():
+    status, kind = _arg("status", RUN_STATES), _arg("kind", RUN_KINDS)
+    with session_scope() as s:
+        rows = data.runs_overview(s, status=status, kind=kind)
+        return render_template("dashboard/runs.html", rows=rows, status=status, kind=kind,
+                               states=RUN_STATES, kinds=RUN_KINDS)
+
+
+@bp.get("/runs/<int:run_id>")
+def run_page(run_id: int):
+    status = _arg("status")
+    outcome = _arg("outcome", ("resolved", "unresolved"))
+    with session_scope() as s:
+        view = data.run_detail(s, run_id, status=status, instance=_arg("instance"), outcome=outcome)
+        if view is None:
+            abort(404, f"run {run_id} not found")
+        return render_template("dashboard/run.html", v=view, f={"status": status, "instance": _arg("instance"),
+                                                                 "outcome": outcome})
+
+
+@bp.get("/episodes/<int:episode_id>")
+def episode_page(episode_id: int):
+    with session_scope() as s:
+        view = data.episode_detail(s, episode_id)
+        if view is None:
+            abort(404, f"episode {episode_id} not found")
+        return render_template("dashboard/episode.html", v=view)
+
+
+@bp.get("/compare")
+def compare_page():
+    a, b = _int_arg("a"), _int_arg("b")
+    with session_scope() as s:
+        evals = s.scalars(select(Run).where(Run.kind == "eval").order_by(Run.id.desc()).limit(200)).all()
+        view = None
+        if a is not None and b is not None:
+            view = data.compare_runs(s, a, b)
+            if view is None:
+                abort(404, f"run {a if s.get(Run, a) is None else b} not found")
+        return render_template("dashboard/compare.html", evals=evals, a=a, b=b, v=view, fmt_ci=_ci)
+
+
+def _ci(interval) -> str:
+    return "" if interval is None else f"[{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
+@bp.get("/submit")
+def submit_page():
+    return render_template("dashboard/submit.html", fields=run_config_form(openapi_spec()))
