@@ -1,7 +1,8 @@
 """Gateway overhead benchmark: the gateway (gunicorn, recording every call) vs the engine directly.
 
 Both sides run in this one invocation against the same fast scripted engine, so the ratios are
-measured side by side:
+measured side by side, each called through the project's engine client (`app.engines.client`;
+the gateway serves the same Chat Completions protocol):
 
 * added latency of a non-stream call (p50 / p99) and of time-to-first-token of a stream;
 * throughput (calls/s) at 1, 8 and 32 concurrent sessions, with the engine simulating decode
@@ -9,7 +10,7 @@ measured side by side:
 
 Usage: `.venv/bin/python bench/gateway.py [--n 300] [--seconds 6] [--database-url URL]`
 (default database: a temporary SQLite file, WAL, like a single-box deployment).
-Goal (issue 3): < 2 ms p50 added per call, no throughput loss at 32 sessions on 2 cores.
+Goal: < 2 ms p50 added per call, no throughput loss at 32 sessions on 2 cores.
 """
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from app.engines.client import EngineClient  # noqa: E402
 
 
 def free_port() -> int:
@@ -36,13 +37,11 @@ def free_port() -> int:
 
 
 def wait(url: str) -> None:
-    for _ in range(300):
+    with EngineClient(url) as client:
         try:
-            httpx.get(url, timeout=1)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise SystemExit(f"{url} did not start")
+            client.health(wait_s=60)
+        except TimeoutError:
+            raise SystemExit(f"{url} did not start") from None
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -80,19 +79,17 @@ def direct_body(text: str, stream: bool, model: str) -> dict:
     return body
 
 
-def timed_call(client: httpx.Client, url: str, body: dict, headers: dict, stream: bool) -> tuple[float, float]:
+def timed_call(client: EngineClient, body: dict, headers: dict, stream: bool) -> tuple[float, float]:
     """(total seconds, seconds to the first content token)."""
     t0 = time.perf_counter()
     if not stream:
-        r = client.post(url, json=body, headers=headers)
-        assert r.status_code == 200, r.text
+        client.complete(body, headers=headers)
         dt = time.perf_counter() - t0
         return dt, dt
     first = None
-    with client.stream("POST", url, json=body, headers=headers) as r:
-        assert r.status_code == 200
-        for chunk in r.iter_raw():
-            if first is None and b'"content":"' in chunk and b'"content":""' not in chunk:
+    with client.open_stream(body, headers=headers) as chunks:
+        for chunk in chunks:
+            if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices") or []):
                 first = time.perf_counter() - t0
     return time.perf_counter() - t0, first if first is not None else time.perf_counter() - t0
 
@@ -102,13 +99,12 @@ def latency(n: int, engine: str, gateway: str, token: str, model: str, reply: st
     out = {}
     for stream in (False, True):
         res = {"direct": [], "gateway": []}
-        cd, cg = httpx.Client(timeout=30), httpx.Client(timeout=30)
+        cd, cg = EngineClient(engine, timeout=30), EngineClient(gateway, timeout=30)
         for i in range(n + 20):
             text = f"bench {i} {stream} " + directive({"text": reply})
-            d = timed_call(cd, f"{engine}/v1/chat/completions", direct_body(text, stream, model), {}, stream)
-            g = timed_call(cg, f"{gateway}/v1/chat/completions",
-                           {"model": "gpt-bench", "messages": [{"role": "user", "content": text}], "max_tokens": 64,
-                            "stream": stream}, {"authorization": f"Bearer {token}"}, stream)
+            d = timed_call(cd, direct_body(text, stream, model), {}, stream)
+            g = timed_call(cg, {"model": "gpt-bench", "messages": [{"role": "user", "content": text}], "max_tokens": 64,
+                                "stream": stream}, {"authorization": f"Bearer {token}"}, stream)
             if i >= 20:  # warm-up excluded
                 res["direct"].append(d[1] if stream else d[0])
                 res["gateway"].append(g[1] if stream else g[0])
@@ -136,16 +132,17 @@ def gunicorn_pids(master: int) -> list[int]:
     return [master, *map(int, kids)]
 
 
-def throughput(sessions: int, seconds: float, url_for, headers_for, body_for) -> float:
+def throughput(sessions: int, seconds: float, url: str, headers_for, body_for) -> float:
     stop = time.monotonic() + seconds
     counts = [0] * sessions
 
     def worker(k: int) -> None:
-        with httpx.Client(timeout=60) as c:
+        with EngineClient(url, timeout=60) as c:
             i = 0
             while time.monotonic() < stop:
-                r = c.post(url_for(k), json=body_for(k, i), headers=headers_for(k))
-                assert r.status_code == 200, r.text
+                with c.open_stream(body_for(k, i), headers=headers_for(k)) as chunks:
+                    for _ in chunks:
+                        pass
                 counts[k] += 1
                 i += 1
 
@@ -180,13 +177,14 @@ def main() -> None:
                TURNSTILE_LOG_LEVEL="warning")
     procs = [subprocess.Popen([sys.executable, "-m", "app.engines.scripted", "--port", str(eport)], cwd=ROOT)]
     try:
-        wait(f"{engine}/health")
+        wait(engine)
         tokens = make_sessions(33)
         procs.append(subprocess.Popen([str(ROOT / ".venv/bin/gunicorn"), "-c", "workers/gateway_conf.py",
                                        "app.proxy:create_gateway_app()"], cwd=ROOT, env=env,
                                       stderr=open(f"{tmp}/gateway.log", "wb")))
-        wait(f"{gateway}/health")
-        model = httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
+        wait(gateway)
+        with EngineClient(engine) as client:
+            model = client.models()[0]["id"]
         from app.engines.scripted import directive
 
         print(f"gateway: gunicorn gthread workers={args.workers} threads={args.threads}; db={db_url.split(':')[0]}; "
@@ -212,10 +210,9 @@ def main() -> None:
             # transient load spike should not be mistaken for gateway overhead (or hide it).
             ds, gs, cpu = [], [], []
             for _ in range(args.rounds):
-                ds.append(throughput(sessions, args.seconds, lambda k: f"{engine}/v1/chat/completions",
-                                     lambda k: {}, body_direct))
+                ds.append(throughput(sessions, args.seconds, engine, lambda k: {}, body_direct))
                 cpu0 = cpu_seconds(gw_pids)
-                gs.append(throughput(sessions, args.seconds, lambda k: f"{gateway}/v1/chat/completions",
+                gs.append(throughput(sessions, args.seconds, gateway,
                                      lambda k: {"authorization": f"Bearer {tokens[k]}"}, body_gw))
                 cpu.append((cpu_seconds(gw_pids) - cpu0) * 1e3 / max(1.0, gs[-1] * args.seconds))
             d, g, cpu_ms = max(ds), max(gs), min(cpu)

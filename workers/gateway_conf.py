@@ -28,10 +28,11 @@ loglevel = _settings.log_level.lower()
 def post_fork(server, worker):
     # No pooled DB connection or HTTP client may cross a fork.
     from app.db import dispose_engine
-    from app.proxy.upstream import reset_upstream
+    from app.proxy.upstream import get_upstream, reset_upstream
 
     dispose_engine()
     reset_upstream()
+    get_upstream()  # build the engine clients now, not during the first harness call
 
 # Several gunicorn masters (api, gateway, test gateways) share a host: no shared control socket.
 control_socket_disable = True

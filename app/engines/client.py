@@ -1,36 +1,281 @@
-"""HTTP client for an inference engine (embedded engine or vLLM) used by the gateway and trainer.
+"""The project's one client of the inference engines (embedded engine, scripted engine or vLLM).
 
-``EngineClient`` speaks the engine contract documented in ``app.engines.server``; with a
-vLLM server the same calls work except ``reload`` (use ``app.engines.vllm.VLLMReloader``).
+``EngineClient`` speaks the engine contract documented in ``app.engines.server`` (OpenAI Chat
+Completions, https://platform.openai.com/docs/api-reference/chat, plus vLLM's extensions:
+``return_token_ids``, ``/tokenize``, ``/detokenize``, ``max_model_len`` in ``/v1/models``) over
+httpx, the HTTP library the OpenAI and Anthropic SDKs bring.  The gateway, the trainer's weight
+sync, the vLLM reloader, the benches and the scripts all use it.  Streams are read with
+``app.engines.sse.SSEDecoder`` (WHATWG event-stream rules).
+
+With a vLLM server every call works except ``reload`` / ``reset_to_base`` (use
+``app.engines.vllm.VLLMReloader``) and ``policy_version``.
+
+Errors: a non-2xx answer raises ``EngineHTTPError`` (status and parsed body kept); a transport
+failure (refused, reset, timed out, malformed HTTP) raises ``EngineConnectionError``.  Both are
+``EngineCallError``.
 """
 from __future__ import annotations
 
 import json
+import queue
+import socket
+import threading
 import time
 from typing import Any, Iterator
 
 import httpx
 
+from app.engines.sse import SSEDecoder
 
-class EngineHTTPError(RuntimeError):
-    """Non-2xx answer from the engine; ``status`` and the parsed ``body`` are kept."""
+DONE = object()   # stream item: the engine sent ``data: [DONE]``
+EOF = object()    # stream item: the engine closed the stream without ``[DONE]``
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+class EngineCallError(RuntimeError):
+    """Any failure talking to an engine."""
+
+
+class EngineHTTPError(EngineCallError):
+    """Non-2xx answer from the engine; ``status``, the parsed ``body`` and its ``message`` are kept."""
 
     def __init__(self, status: int, body: Any) -> None:
-        message = body.get("error", {}).get("message") if isinstance(body, dict) and isinstance(body.get("error"), dict) else body
-        super().__init__(f"engine answered {status}: {message}")
-        self.status, self.body = status, body
+        self.status, self.body = int(status), body
+        self.message = error_message(body) or f"HTTP {status}"
+        super().__init__(f"engine answered {status}: {self.message}")
+
+
+class EngineConnectionError(EngineCallError):
+    """Transport failure: the engine is unreachable, reset the connection, sent malformed HTTP or
+    stayed silent past the timeout (``timed_out``)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+def error_message(body: Any) -> str:
+    """The human message of an engine error body: OpenAI ``{"error": {"message"}}``,
+    ``{"error": "..."}``, FastAPI ``{"detail"}``, ``{"message"}`` or plain text (≤ 2000 chars)."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str) and err:
+            return err
+        for key in ("message", "detail"):
+            if body.get(key):
+                return str(body[key])
+        return _dumps(body)[:2000]
+    if isinstance(body, (bytes, bytearray)):
+        body = body.decode("utf-8", "replace")
+    return str(body if body is not None else "")[:2000]
+
+
+def _parse_body(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def _connection_error(exc: httpx.HTTPError, base_url: str) -> EngineConnectionError:
+    if isinstance(exc, httpx.TimeoutException):
+        return EngineConnectionError(f"engine {base_url} timed out ({type(exc).__name__})", timed_out=True)
+    if isinstance(exc, httpx.ConnectError):
+        return EngineConnectionError(f"engine {base_url} is unreachable: {exc}")
+    return EngineConnectionError(f"connection to engine {base_url} failed: {type(exc).__name__}: {exc}")
+
+
+def stream_items(events: list[tuple[str | None, str]]) -> list:
+    """SSE events of a chat stream -> items: chunk dicts, then ``DONE`` or a ``ValueError`` (bad
+    JSON), each of which ends the list; events with empty data are skipped."""
+    items: list = []
+    for _event, data in events:
+        if not data.strip():
+            continue
+        if data.strip() == "[DONE]":
+            items.append(DONE)
+            return items
+        try:
+            items.append(json.loads(data))
+        except ValueError as exc:
+            items.append(exc)
+            return items
+    return items
+
+
+class ChatStream:
+    """A streamed ``POST /v1/chat/completions`` read by its own thread, so the caller can wait
+    with a timeout and do something else (send a keep-alive) while the engine is silent.
+
+    httpx reads cannot time out and resume (a read timeout ends the response), hence the reader
+    thread; it hands over everything received per network read as one list.  Use ``wait`` for
+    the response head, then ``poll`` for items, and always ``close``.
+    """
+
+    def __init__(self, client: "EngineClient", body: dict, headers: dict | None) -> None:
+        self.base_url = client.base_url
+        self.status: int | None = None
+        self.error: EngineCallError | None = None   # set, with the head, when the engine refused
+        self._head = threading.Event()
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._response: httpx.Response | None = None
+        self._cancelled = False
+        self._ended = False        # the reader has seen DONE, EOF or an error
+        self._released = False     # the reader has closed the response
+        # Identity encoding: the body is read raw (no decompression step per chunk).
+        request = client._http.build_request("POST", "/v1/chat/completions", content=_dumps(body).encode("utf-8"),
+                                             headers={"Content-Type": "application/json", "Accept-Encoding": "identity",
+                                                      **(headers or {})})
+        self._thread = threading.Thread(target=self._read, args=(client._http, request), daemon=True,
+                                        name="engine-stream")
+        self._thread.start()
+
+    def _read(self, http: httpx.Client, request: httpx.Request) -> None:
+        try:
+            response = http.send(request, stream=True)
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the waiting caller
+            self.error = self._failure(exc)
+            self._ended = True
+            self._head.set()
+            return
+        with self._lock:
+            self._response = response
+        try:
+            self.status = response.status_code
+            if response.status_code >= 400:
+                response.read()
+                self.error = EngineHTTPError(response.status_code, _parse_body(response))
+                self._ended = True
+                self._head.set()
+                return
+            self._head.set()
+            if self._cancelled:
+                return
+            decoder = SSEDecoder()
+            for data in response.iter_raw():
+                if self._ended:
+                    continue  # after [DONE]: read to the end so the connection can be reused
+                if self._cancelled:
+                    return
+                items = stream_items(decoder.feed(data))
+                if items:
+                    self._ended = items[-1] is DONE or isinstance(items[-1], Exception)
+                    self._items.put(items)
+                    if isinstance(items[-1], Exception):
+                        return  # garbage from the engine: drop the connection
+            if not self._ended:
+                items = stream_items(decoder.close())
+                if not items or items[-1] is not DONE:
+                    items.append(EOF)
+                self._ended = True
+                self._items.put(items)
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the waiting caller
+            if not self._ended and not self._cancelled:
+                self._ended = True
+                self._items.put([self._failure(exc)])
+        finally:
+            with self._lock:
+                self._released = True
+                response.close()
+            self._head.set()
+
+    def _failure(self, exc: Exception) -> EngineConnectionError:
+        if isinstance(exc, httpx.HTTPError):
+            return _connection_error(exc, self.base_url)
+        return EngineConnectionError(f"reading from engine {self.base_url} failed: {type(exc).__name__}: {exc}")
+
+    def wait(self, timeout: float | None) -> bool:
+        """True once the engine answered (accepted: ``error`` is None; refused: ``error`` is set);
+        False when ``timeout`` seconds passed first (call again)."""
+        return self._head.wait(timeout)
+
+    def poll(self, timeout: float | None) -> list | None:
+        """Everything received so far: chunk dicts, then ``DONE``, ``EOF`` or an exception
+        (``ValueError`` for bad JSON, ``EngineConnectionError``) as the last item; None when
+        ``timeout`` seconds passed without data."""
+        try:
+            items = list(self._items.get(timeout=timeout))
+        except queue.Empty:
+            return None
+        while True:
+            try:
+                items += self._items.get_nowait()
+            except queue.Empty:
+                return items
+
+    def __iter__(self) -> Iterator[dict]:
+        """Chunk dicts until ``[DONE]``; raises the engine's error (``EngineCallError``, also for an
+        in-stream error object) or ``EngineConnectionError`` when the stream ends early."""
+        self.wait(None)
+        if self.error is not None:
+            raise self.error
+        while True:
+            for item in self.poll(None) or []:
+                if item is DONE:
+                    return
+                if item is EOF:
+                    raise EngineConnectionError(f"engine {self.base_url} closed the stream before [DONE]")
+                if isinstance(item, EngineCallError):
+                    raise item
+                if isinstance(item, Exception):
+                    raise EngineConnectionError(f"engine {self.base_url} sent invalid JSON: {item}")
+                if "error" in item and "choices" not in item:
+                    code = item["error"].get("code") if isinstance(item["error"], dict) else None
+                    raise EngineHTTPError(code if isinstance(code, int) and code >= 400 else 500, item)
+                yield item
+
+    def close(self) -> None:
+        """Stop reading.  If the answer is not complete, the connection is shut down so the engine
+        sees the client leave and aborts the request (it is reused otherwise).  Closed before the
+        engine sent its response head, the request is dropped as soon as the head arrives."""
+        self._cancelled = True
+        with self._lock:
+            if self._ended or self._released or self._response is None:
+                return
+            stream = self._response.extensions.get("network_stream")
+            sock = stream.get_extra_info("socket") if stream is not None else None
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes the reader's blocked recv
+                except OSError:
+                    pass
+
+    def __enter__(self) -> "ChatStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class EngineClient:
-    """Synchronous client.  ``base_url`` is the server root (``http://127.0.0.1:8200``, no ``/v1``).
+    """Synchronous, thread-safe client with keep-alive connections to one engine.
 
     Args:
-        timeout: seconds per request (generation can be long on CPU; default 600).
+        base_url: server root (``http://127.0.0.1:8200``, no ``/v1``).
+        timeout: seconds a request may wait for the engine to send anything (generation can be
+            long on CPU; default 600).
+        connect_timeout: seconds to establish a connection (default 5).
+        max_keepalive: idle connections kept for reuse (the gateway relays many at once).
+
+    Proxy environment variables are ignored (``trust_env=False``): engines are a direct hop.
     """
 
-    def __init__(self, base_url: str, timeout: float = 600.0) -> None:
+    def __init__(self, base_url: str, timeout: float = 600.0, *, connect_timeout: float = 5.0,
+                 max_keepalive: int = 32) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        transport = httpx.HTTPTransport(
+            # A plain-http engine never uses TLS: skip loading the CA bundle (~0.1 s per process).
+            verify=self.base_url.startswith("https://"),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=max_keepalive),
+            # The request head and body are separate writes: without TCP_NODELAY, Nagle's
+            # algorithm holds the body until the head is acknowledged (milliseconds per call).
+            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        self._http = httpx.Client(base_url=self.base_url, transport=transport, trust_env=False,
+                                  timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)))
 
     def close(self) -> None:
         self._http.close()
@@ -41,14 +286,33 @@ class EngineClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _json(self, response: httpx.Response) -> Any:
+    # --- plumbing --------------------------------------------------------------------------
+
+    def request(self, method: str, path: str, body: Any = None, *, params: dict | None = None,
+                headers: dict | None = None, timeout: float | None = None) -> Any:
+        """One call: ``body`` is sent as JSON (UTF-8, compact); returns the parsed JSON answer
+        (or its text when it is not JSON).
+
+        Raises:
+            EngineHTTPError: the engine answered 4xx/5xx.
+            EngineConnectionError: transport failure or timeout.
+        """
+        kwargs: dict[str, Any] = {"params": params, "headers": dict(headers or {})}
+        if body is not None:
+            kwargs["content"] = _dumps(body).encode("utf-8")
+            kwargs["headers"]["Content-Type"] = "application/json"
+        if timeout is not None:
+            kwargs["timeout"] = timeout
         try:
-            body = response.json()
-        except ValueError:
-            body = response.text
+            response = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise _connection_error(exc, self.base_url) from exc
+        parsed = _parse_body(response)
         if response.status_code >= 400:
-            raise EngineHTTPError(response.status_code, body)
-        return body
+            raise EngineHTTPError(response.status_code, parsed)
+        return parsed
+
+    # --- status -----------------------------------------------------------------------------
 
     def health(self, wait_s: float = 0.0) -> dict:
         """``GET /health``; with ``wait_s`` > 0 retry connection errors / 5xx until it answers.
@@ -59,67 +323,87 @@ class EngineClient:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                response = self._http.get("/health", timeout=5.0)
-                if response.status_code == 200:
-                    try:
-                        return response.json()
-                    except ValueError:
-                        return {"status": "ok"}  # vLLM answers an empty body
-                last = f"status {response.status_code}"
-            except httpx.HTTPError as exc:
+                body = self.request("GET", "/health", timeout=5.0)
+                return body if isinstance(body, dict) else {"status": "ok"}  # vLLM answers an empty body
+            except EngineCallError as exc:
                 last = str(exc)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"engine {self.base_url} not healthy after {wait_s:.0f}s ({last})")
             time.sleep(0.2)
 
+    def models(self, timeout: float | None = 5.0) -> list[dict]:
+        """``GET /v1/models`` -> the ``data`` list (each ``{"id", "max_model_len", …}``)."""
+        body = self.request("GET", "/v1/models", timeout=timeout)
+        data = body.get("data") if isinstance(body, dict) else None
+        return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+
+    def policy_version(self) -> int:
+        """``GET /v1/policy_version`` (embedded and scripted engines) -> the version it serves."""
+        return int(self.request("GET", "/v1/policy_version")["policy_version"])
+
+    # --- generation -------------------------------------------------------------------------
+
     def chat(self, messages: list[dict], *, stream: bool = False, **fields: Any) -> dict | Iterator[dict]:
         """``POST /v1/chat/completions``.  Extra keyword fields go into the JSON body verbatim
-        (``max_tokens``, ``temperature``, ``seed``, ``tools``, ``logprobs``, ``return_token_ids`` …).
+        (``model``, ``max_tokens``, ``temperature``, ``seed``, ``tools``, ``logprobs``,
+        ``return_token_ids`` …).
 
         Returns the response object, or (``stream=True``) an iterator of chunk objects that
-        stops at ``[DONE]``.  Raises ``EngineHTTPError`` on 4xx/5xx.
+        stops at ``[DONE]`` (see ``ChatStream.__iter__`` for its errors).
+
+        Raises:
+            EngineHTTPError, EngineConnectionError.
         """
         body = {"messages": messages, **fields}
         if not stream:
-            return self._json(self._http.post("/v1/chat/completions", json=body))
-        return self._stream(body)
+            return self.complete(body)
+        return self._iterate(self.open_stream({**body, "stream": True}))
 
-    def _stream(self, body: dict) -> Iterator[dict]:
-        with self._http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
-            if response.status_code >= 400:
-                response.read()
-                self._json(response)
-            for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    return
-                chunk = json.loads(data)
-                if "error" in chunk and "choices" not in chunk:
-                    raise EngineHTTPError(chunk["error"].get("code") or 500, chunk)
-                yield chunk
+    @staticmethod
+    def _iterate(chat_stream: ChatStream) -> Iterator[dict]:
+        with chat_stream:
+            yield from chat_stream
+
+    def complete(self, body: dict, *, headers: dict | None = None) -> dict:
+        """Non-stream ``POST /v1/chat/completions`` with the full request ``body`` as given."""
+        return self.request("POST", "/v1/chat/completions", body, headers=headers)
+
+    def open_stream(self, body: dict, *, headers: dict | None = None) -> ChatStream:
+        """Start a streamed ``POST /v1/chat/completions`` with ``body`` as given (it should say
+        ``"stream": true``); returns at once, the answer is read by the stream's thread."""
+        return ChatStream(self, body, headers)
+
+    # --- tokens -----------------------------------------------------------------------------
 
     def tokenize(self, messages: list[dict] | None = None, *, prompt: str | None = None,
-                 tools: list | None = None, add_generation_prompt: bool = True) -> list[int]:
-        """Prompt token ids exactly as the engine renders them (``POST /tokenize``)."""
+                 tools: list | None = None, add_generation_prompt: bool = True, **fields: Any) -> list[int]:
+        """Prompt token ids exactly as the engine renders them (``POST /tokenize``, vLLM's shape);
+        extra keyword fields (``model``, ``chat_template_kwargs`` …) go into the body verbatim."""
         body: dict[str, Any] = {"prompt": prompt} if messages is None else {
             "messages": messages, "add_generation_prompt": add_generation_prompt}
         if tools:
             body["tools"] = tools
-        return self._json(self._http.post("/tokenize", json=body))["tokens"]
+        body.update(fields)
+        return self.request("POST", "/tokenize", body)["tokens"]
 
     def detokenize(self, tokens: list[int]) -> str:
-        return self._json(self._http.post("/detokenize", json={"tokens": tokens}))["prompt"]
+        """``POST /detokenize`` -> the text of ``tokens``."""
+        return self.request("POST", "/detokenize", {"tokens": tokens})["prompt"]
 
-    def policy_version(self) -> int:
-        return int(self._json(self._http.get("/v1/policy_version"))["policy_version"])
+    # --- weights (embedded engine) ----------------------------------------------------------
 
-    def reload(self, path: str, policy_version: int) -> int:
-        """Load the checkpoint directory ``path`` and tag later completions with ``policy_version``.
+    def reload(self, path: str, policy_version: int, *, timeout: float | None = None) -> int:
+        """Load the checkpoint directory ``path`` and tag later completions with ``policy_version``
+        (``POST /v1/load_weights {"path", "policy_version"}``).
 
         Blocks until requests already running have finished on the old weights and the new
         weights are in place; returns the engine's new policy version.
         """
         body = {"path": str(path), "policy_version": int(policy_version)}
-        return int(self._json(self._http.post("/v1/load_weights", json=body))["policy_version"])
+        return int(self.request("POST", "/v1/load_weights", body, timeout=timeout)["policy_version"])
+
+    def reset_to_base(self, *, timeout: float | None = None) -> int:
+        """Back to the weights the engine was started with, as policy version 0
+        (``POST /v1/load_weights {"base": true, "policy_version": 0}``); returns the new version."""
+        body = {"base": True, "policy_version": 0}
+        return int(self.request("POST", "/v1/load_weights", body, timeout=timeout)["policy_version"])

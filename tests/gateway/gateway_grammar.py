@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from app.proxy.sse import SSEDecoder
+from app.engines.sse import SSEDecoder
 
 
 def frames(raw: bytes) -> list[tuple[str | None, str]]:

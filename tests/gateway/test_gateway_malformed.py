@@ -11,7 +11,7 @@ from gateway_calls import auth_headers, request_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.proxy.sse import SSEDecoder
+from app.engines.sse import SSEDecoder
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False) | st.text(max_size=20),

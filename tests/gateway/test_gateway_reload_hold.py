@@ -41,6 +41,7 @@ def test_reload_during_live_streams_is_invisible_to_clients(gw, real, tmp_path):
     _perturbed_checkpoint(tmp_path / "ckpt")
     errors: list[BaseException] = []
     results: dict[str, tuple[int, str]] = {}
+    started = {f"live{i}": threading.Event() for i in range(3)}
 
     def call(name: str, stream: bool) -> None:
         episode_id, token = make_episode()
@@ -49,8 +50,11 @@ def test_reload_during_live_streams_is_invisible_to_clients(gw, real, tmp_path):
             kwargs = dict(model="tiny", messages=[{"role": "user", "content": f"count for {name}"}],
                           max_tokens=48, temperature=1.0, seed=1)
             if stream:
-                text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(stream=True, **kwargs)
-                               if ch.choices)
+                text = ""
+                for ch in client.chat.completions.create(stream=True, **kwargs):
+                    if name in started:
+                        started[name].set()  # this stream is running on the engine
+                    text += (ch.choices[0].delta.content or "") if ch.choices else ""
             else:
                 text = client.chat.completions.create(**kwargs).choices[0].message.content
             results[name] = (episode_id, text)
@@ -60,7 +64,8 @@ def test_reload_during_live_streams_is_invisible_to_clients(gw, real, tmp_path):
     live = [threading.Thread(target=call, args=(f"live{i}", True)) for i in range(3)]
     for t in live:
         t.start()
-    time.sleep(0.3)  # the live streams are generating
+    for name, event in started.items():  # the live streams are generating
+        assert event.wait(60), f"{name} did not start"
     held = []
     with weight_gate.reloading(engine_url, 1):  # what push_weights does around the engine's reload
         for i, stream in enumerate((True, False, True)):

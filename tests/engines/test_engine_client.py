@@ -1,0 +1,152 @@
+"""The engine client and the project's SSE parser, against real HTTP servers: the scripted engine
+and a small server that writes the event-stream forms the WHATWG spec allows
+(https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from app.engines import scripted
+from app.engines.client import DONE, EOF, EngineClient, EngineConnectionError, EngineHTTPError
+from app.engines.sse import SSEDecoder, iter_json_events
+
+
+def _feed_all(raw: bytes, cut: int | None = None) -> list:
+    dec = SSEDecoder()
+    if cut is None:
+        return dec.feed(raw) + dec.close()
+    return dec.feed(raw[:cut]) + dec.feed(raw[cut:]) + dec.close()
+
+
+def test_sse_data_without_space_multiline_comments_and_line_ends():
+    raw = (b"\xef\xbb\xbf: comment first\r\n"
+           b"data:{\"a\":1}\r\n\r\n"            # no space after the colon, CRLF
+           b"event: x\rdata:  two\rdata:lines\r\r"  # CR only; only ONE leading space is dropped
+           b"event: lonely\n\n"                 # no data: not dispatched, name reset
+           b"data\n\n"                          # field without colon: empty value
+           b"data: [DONE]\n\n")
+    expected = [(None, '{"a":1}'), ("x", " two\nlines"), (None, ""), (None, "[DONE]")]
+    assert _feed_all(raw) == expected
+    for cut in range(1, len(raw)):  # CRLF, BOM and UTF-8 split across network reads
+        assert _feed_all(raw, cut) == expected, cut
+
+
+def test_sse_cr_then_lf_in_separate_reads_is_one_line_end():
+    dec = SSEDecoder()
+    assert dec.feed(b"data: 1\r") == []
+    assert dec.feed(b"\ndata: 2\r\n\r\n") == [(None, "1\n2")]
+
+
+def test_iter_json_events_stops_at_done_and_skips_empty_data():
+    chunks = [b'data:{"n":1}\n', b"\ndata:\n\n", b'data: {"n":2}\n\ndata:[DONE]\n\n', b'data: {"n":3}\n\n']
+    assert list(iter_json_events(chunks)) == [{"n": 1}, {"n": 2}]
+
+
+class _SpecServer(BaseHTTPRequestHandler):
+    """Streams chat chunks as `data:{json}` (no space), CRLF line ends, comments, one TCP write
+    per byte for the first event; or answers an error."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if body.get("fail"):
+            data = json.dumps({"error": {"message": "no such model", "code": 404}}).encode()
+            self.send_response(404)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("connection", "close")
+        self.end_headers()
+        chunks = [{"choices": [{"index": 0, "delta": {"content": t}}]} for t in ("héllo", " wörld")]
+        first = b"data:" + json.dumps(chunks[0], ensure_ascii=False).encode() + b"\r\n\r\n"
+        for i in range(len(first)):
+            self.wfile.write(first[i:i + 1])
+            self.wfile.flush()
+        self.wfile.write(b": keep-alive\r\n\r\n")
+        self.wfile.write(b"data:" + json.dumps(chunks[1], ensure_ascii=False).encode() + b"\r\n\r\n")
+        if not body.get("no_done"):
+            self.wfile.write(b"data:[DONE]\r\n\r\n")
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SpecServer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def scripted_engine():
+    server = scripted.serve(0)
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_stream_parses_data_without_space_and_crlf(spec_server):
+    with EngineClient(spec_server, timeout=10) as client:
+        chunks = list(client.chat([{"role": "user", "content": "hi"}], stream=True))
+        assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["héllo", " wörld"]
+        with pytest.raises(EngineConnectionError, match="before \\[DONE\\]"):
+            list(client.chat([], stream=True, no_done=True))
+        with pytest.raises(EngineHTTPError) as err:
+            list(client.chat([], stream=True, fail=True))
+        assert err.value.status == 404 and err.value.message == "no such model"
+
+
+def test_open_stream_polls_items_and_reports_refusal(scripted_engine):
+    with EngineClient(scripted_engine, timeout=10) as client:
+        model = client.models()[0]["id"]
+        assert client.models()[0]["max_model_len"] > 0
+        body = {"model": model, "messages": [{"role": "user", "content": scripted.directive({"text": "abc def"})}],
+                "stream": True, "return_token_ids": True}
+        stream = client.open_stream(body, headers={"X-Turnstile-Episode": "7"})
+        assert stream.wait(5) and stream.error is None and stream.status == 200
+        items: list = []
+        while not items or items[-1] not in (DONE, EOF):
+            items += stream.poll(5) or []
+        stream.close()
+        assert items[-1] is DONE and "".join(i["choices"][0]["delta"].get("content") or ""
+                                             for i in items[:-1] if i["choices"]) == "abc def"
+        refused = client.open_stream({**body, "model": "nope"})
+        assert refused.wait(5) and isinstance(refused.error, EngineHTTPError) and refused.error.status == 404
+        refused.close()
+
+
+def test_close_during_a_silent_engine_ends_the_reader_at_once(scripted_engine):
+    """The engine sent its headers and then prefills in silence; closing the stream shuts the
+    connection (so the engine sees the client leave) and the reader thread ends right away."""
+    with EngineClient(scripted_engine, timeout=30) as client:
+        model = client.models()[0]["id"]
+        body = {"model": model, "stream": True,
+                "messages": [{"role": "user", "content": scripted.directive({"text": "late", "prefill_delay": 5})}]}
+        stream = client.open_stream(body)
+        assert stream.wait(5) and stream.error is None
+        assert stream.poll(0.2) is None  # nothing yet: the caller would send a keep-alive
+        t0 = time.monotonic()
+        stream.close()
+        stream._thread.join(2)
+        assert not stream._thread.is_alive() and time.monotonic() - t0 < 2
+
+
+def test_unreachable_engine_and_health_timeout():
+    with EngineClient("http://127.0.0.1:1", timeout=2) as client:
+        with pytest.raises(EngineConnectionError, match="unreachable"):
+            client.policy_version()
+        stream = client.open_stream({"messages": []})
+        assert stream.wait(5) and isinstance(stream.error, EngineConnectionError)
+        with pytest.raises(TimeoutError):
+            client.health(wait_s=0.3)
