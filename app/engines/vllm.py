@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-import httpx
+from app.engines.client import EngineClient, EngineHTTPError
 
 WORKER_EXTENSION = "app.engines.vllm_worker.TurnstileWorkerExtension"
 
@@ -90,41 +91,47 @@ class VLLMReloader:
     """
 
     def __init__(self, base_url: str, timeout: float = 600.0) -> None:
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+        self._client = EngineClient(base_url, timeout=timeout)
         self.policy_version: int | None = None
 
     def close(self) -> None:
-        self._http.close()
+        self._client.close()
 
-    def _post(self, step: str, path: str, **kwargs) -> httpx.Response:
-        response = self._http.post(path, **kwargs)
-        if response.status_code >= 400:
-            raise VLLMReloadError(f"{step}: {path} answered {response.status_code}: {response.text[:500]}")
-        return response
+    def _post(self, step: str, path: str, body: Any = None, **params: Any) -> Any:
+        try:
+            return self._client.request("POST", path, body, params=params or None)
+        except EngineHTTPError as exc:
+            raise VLLMReloadError(f"{step}: {path} answered {exc.status}: {exc.message[:500]}") from exc
 
     def reload(self, directory: str, policy_version: int) -> dict:
         """Load the checkpoint ``directory`` into every worker; return timings and receipts.
 
         Raises:
-            VLLMReloadError: the load or the prefix-cache reset failed (the server is resumed
-                in any case when it was paused).
+            VLLMReloadError: the load, the prefix-cache reset or the resume failed (the server
+                is resumed in any case when it was paused).
+            app.engines.client.EngineConnectionError: the server cannot be reached.
         """
         started = time.perf_counter()
-        paused = self._http.post("/pause", params={"mode": "wait"}).status_code < 400
         try:
-            receipt = self._post("load", "/collective_rpc", json={
-                "method": "turnstile_load_weights", "args": [str(directory)]}).json()
+            self._client.request("POST", "/pause", params={"mode": "wait"})
+            paused = True
+        except EngineHTTPError:  # older servers have no /pause
+            paused = False
+        try:
+            receipt = self._post("load", "/collective_rpc", {"method": "turnstile_load_weights",
+                                                             "args": [str(directory)]})
             self._post("reset_prefix_cache", "/reset_prefix_cache")
         finally:
             if paused:
-                self._http.post("/resume")
+                self._post("resume", "/resume")
         self.policy_version = int(policy_version)
+        workers = receipt.get("results") if isinstance(receipt, dict) else None
         return {"policy_version": self.policy_version, "paused": paused,
-                "load_s": round(time.perf_counter() - started, 3), "workers": receipt.get("results")}
+                "load_s": round(time.perf_counter() - started, 3), "workers": workers}
 
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory for a colocated trainer (level 1: offload weights, drop KV cache)."""
-        self._post("sleep", "/sleep", params={"level": level})
+        self._post("sleep", "/sleep", level=level)
 
     def wake_up(self) -> None:
         self._post("wake_up", "/wake_up")

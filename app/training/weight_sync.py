@@ -11,9 +11,8 @@ import logging
 import time
 from pathlib import Path
 
-import httpx
-
 from app import weight_gate
+from app.engines.client import EngineCallError, EngineClient, EngineHTTPError
 
 log = logging.getLogger(__name__)
 
@@ -30,36 +29,38 @@ def push_weights(engine_urls: list[str], path: Path, policy_version: int, *, tim
     (`app.engines.vllm.VLLMReloader`: pause, load on every worker, reset the prefix cache, resume).
     """
     results: dict[str, str] = {}
-    body = {"path": str(path), "policy_version": int(policy_version)}
     for url in engine_urls:
-        endpoint = url.rstrip("/") + "/v1/load_weights"
         # Close the engine's gate: the gateway holds new harness calls (with keep-alives)
         # instead of sending them to an engine that is swapping weights.
         with weight_gate.reloading(url, policy_version):
             if engine_kind == "vllm":
                 error = _load_vllm(url, path, policy_version, timeout_s)
             else:
-                error = _load(endpoint, body, policy_version, timeout_s, attempts)
+                error = _load(url, path, policy_version, timeout_s, attempts)
         results[url] = "ok" if not error else f"error: {error}"
         if error:
             log.error("engine %s did not load policy_version=%s from %s: %s", url, policy_version, path, error)
     return results
 
 
-def _load(endpoint: str, body: dict, policy_version: int, timeout_s: float, attempts: int) -> str:
-    """POST the reload with retries; returns "" on success or the last error."""
+def _load(url: str, path: Path, policy_version: int, timeout_s: float, attempts: int) -> str:
+    """`EngineClient.reload` with retries; returns "" on success or the last error."""
     error = "not tried"
-    for attempt in range(attempts):
-        try:
-            response = httpx.post(endpoint, json=body, timeout=timeout_s)
-            if response.status_code == 200 and response.json().get("policy_version") == policy_version:
-                return ""
-            error = f"HTTP {response.status_code}: {response.text[:200]}"
-            if 400 <= response.status_code < 500:
-                return error  # the engine refused this request; repeating it will not help
-        except (httpx.HTTPError, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        time.sleep(min(2.0**attempt, 10.0))
+    with EngineClient(url, timeout=timeout_s) as client:
+        for attempt in range(attempts):
+            try:
+                served = client.reload(str(path), policy_version)
+                if served == policy_version:
+                    return ""
+                error = f"engine answered policy_version={served}, expected {policy_version}"
+            except EngineHTTPError as exc:
+                error = str(exc)
+                if 400 <= exc.status < 500:
+                    return error  # the engine refused this request; repeating it will not help
+            except (EngineCallError, KeyError, TypeError, ValueError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            if attempt + 1 < attempts:
+                time.sleep(min(2.0**attempt, 10.0))
     return error
 
 
@@ -80,16 +81,16 @@ def _load_vllm(url: str, path: Path, policy_version: int, timeout_s: float) -> s
 def reset_to_base(engine_urls: list[str], timeout_s: float = 300.0) -> dict[str, str]:
     """Put embedded engines back on the weights they were started with, as policy version 0.
 
-    Embedded engines only (`POST /v1/load_weights {"base": true}`); returns `{url: "ok" | "error: …"}`.
+    Embedded engines only (`EngineClient.reset_to_base`: `POST /v1/load_weights {"base": true,
+    "policy_version": 0}`); returns `{url: "ok" | "error: …"}`, never raises.
     """
     results: dict[str, str] = {}
     for url in engine_urls:
         with weight_gate.reloading(url, 0):
             try:
-                response = httpx.post(url.rstrip("/") + "/v1/load_weights", json={"base": True, "policy_version": 0},
-                                      timeout=timeout_s)
-                ok = response.status_code == 200 and response.json().get("policy_version") == 0
-                results[url] = "ok" if ok else f"error: HTTP {response.status_code}: {response.text[:200]}"
-            except (httpx.HTTPError, ValueError) as exc:
+                with EngineClient(url, timeout=timeout_s) as client:
+                    served = client.reset_to_base()
+                results[url] = "ok" if served == 0 else f"error: engine answered policy_version={served}, expected 0"
+            except (EngineCallError, KeyError, TypeError, ValueError) as exc:
                 results[url] = f"error: {type(exc).__name__}: {exc}"
     return results
