@@ -31,9 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from app.engines.batching import BatchScheduler, GenerationRequest, TokenEvent  # noqa: E402
 from app.engines.modeling import build_tiny_model, load_tokenizer, save_weights  # noqa: E402
 from app.engines.sampling import SamplingParams  # noqa: E402
-from app.engines.scheduler import BatchScheduler, GenerationRequest, TokenEvent  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
 RESULTS: dict = {}
@@ -161,7 +161,10 @@ def check_vllm(tmp: Path) -> dict:
         perturb(hf, 7)
         ckpt = save_weights(hf, tmp / "step-1", {"policy_version": 1})
         reloader = VLLMReloader(f"http://127.0.0.1:{port}")
-        out["reload"] = reloader.reload(str(ckpt), 1)
+        try:
+            out["reload"] = reloader.reload(str(ckpt), 1)
+        finally:
+            reloader.close()
         b = client.chat(MESSAGES, **fields)
         got_b = torch.tensor([e["logprob"] for e in b["choices"][0]["logprobs"]["content"]])
         diff_b = (recompute(hf, b["prompt_token_ids"], b["choices"][0]["token_ids"]) - got_b).abs()

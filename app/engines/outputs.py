@@ -20,7 +20,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from app.engines.scheduler import TokenEvent
+from app.engines.batching import TokenEvent
 from app.engines.toolparse import ContentEvent, ToolCallEvent, ToolCallParser
 
 

@@ -41,6 +41,7 @@ import torch
 from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
+from app.engines.batching import BatchScheduler, Failed, GenerationRequest, Started, TokenEvent
 from app.engines.modeling import load_model, read_metadata, read_state_dict
 from app.engines.outputs import (
     ChatOptions,
@@ -53,7 +54,6 @@ from app.engines.outputs import (
     new_completion_id,
     usage,
 )
-from app.engines.scheduler import BatchScheduler, Failed, GenerationRequest, Started, TokenEvent
 from app.engines.templates import TemplateError, render_prompt
 from app.engines.validation import (
     EngineError,

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from app.engines.batching import BatchScheduler, GenerationRequest, TokenEvent
 from app.engines.modeling import (
     SMOLLM2_NAME,
     build_tiny_model,
@@ -17,7 +18,6 @@ from app.engines.modeling import (
     save_weights,
 )
 from app.engines.sampling import SamplingParams
-from app.engines.scheduler import BatchScheduler, GenerationRequest, TokenEvent
 
 
 @pytest.fixture

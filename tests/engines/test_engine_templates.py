@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.engines.batching import TokenEvent
 from app.engines.modeling import load_tokenizer
 from app.engines.outputs import ChatOptions, ChoiceAssembler, ChunkBuilder, TokenTexts, build_response
 from app.engines.sampling import TokenSample
-from app.engines.scheduler import TokenEvent
 from app.engines.templates import TOOL_CHAT_TEMPLATE, TemplateError, render_prompt
 from app.engines.toolparse import ToolCallParser, parse_tool_calls
 
