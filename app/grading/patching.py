@@ -18,7 +18,11 @@ change is what runs the tests and how.  A change to any of these is dropped:
   * package metadata (`*.dist-info`, `*.egg-info`, `*.egg`), where a `pytest11` entry
     point would make pytest autoload a plugin from the workspace
     (https://docs.pytest.org/en/stable/how-to/writing_plugins.html#setuptools-entry-points);
-  * compiled bytecode (`__pycache__`, `*.pyc`, `*.pyo`): never part of a source fix.
+  * compiled bytecode (`__pycache__`, `*.pyc`, `*.pyo`): never part of a source fix;
+  * top-level modules that shadow the test runner, its dependencies or the standard
+    library (`pytest.py`, `_pytest/`, `json.py` at the repository root): `python -m`
+    puts the working directory first on sys.path
+    (https://docs.python.org/3/using/cmdline.html#cmdoption-m).
 
 Library code in folders named `test`/`tests`/`testing` (`django/test/utils.py`,
 `numpy/testing/_private/utils.py`) is code under test and is kept.
@@ -40,6 +44,7 @@ import dataclasses
 import fnmatch
 import re
 import shlex
+import sys
 import tomllib
 from pathlib import PurePosixPath
 
@@ -55,6 +60,14 @@ APPLIED_MARKER = ">>>>> Applied Patch"
 PYTEST_CONFIG_FILES = frozenset({"pytest.ini", ".pytest.ini", "tox.ini", "pytest.toml", ".pytest.toml"})
 PYTEST_TABLE_FILES = frozenset({"setup.cfg", "pyproject.toml"})
 STARTUP_HOOKS = frozenset({"sitecustomize.py", "usercustomize.py"})
+# `python -m pytest` puts the working directory (the repository root) first on sys.path, so a
+# top-level module or package named like the test runner, one of its dependencies or a standard
+# library module replaces the real one for the whole test run.
+TEST_RUNNER_MODULES = frozenset({"pytest", "_pytest", "py", "pluggy", "iniconfig", "packaging", "exceptiongroup",
+                                 "tomli", "colorama"})
+# ("test", CPython's own regression-test package, is left out: a root `test/` folder is a common
+# place for a project's tests, which pytest imports by path.)
+SHADOWABLE_MODULES = TEST_RUNNER_MODULES | (frozenset(sys.stdlib_module_names) - {"test"})
 _METADATA_SUFFIXES = (".dist-info", ".egg-info", ".egg")
 # git's default and mnemonic prefixes (diff.mnemonicPrefix): a/ b/ c/ i/ o/ w/ 1/ 2/.
 _GIT_PREFIX = re.compile(r"^[abciow12]/")
@@ -222,6 +235,9 @@ def harness_change_reason(path: str, protected: set[str]) -> str | None:
         return "interpreter start-up hook"
     if any(part.endswith(_METADATA_SUFFIXES) for part in p.parts):
         return "package metadata (entry points)"
+    top = p.parts[0] if len(p.parts) > 1 else p.name.split(".", 1)[0]
+    if top in SHADOWABLE_MODULES and (len(p.parts) > 1 or p.suffix in (".py", ".so", ".pyd")):
+        return "shadows the test runner or the standard library"
     if "__pycache__" in p.parts or p.suffix in (".pyc", ".pyo"):
         return "compiled bytecode"
     return None

@@ -56,6 +56,10 @@ HACKS = {
     "sitecustomize": ({"hackplugin.py": PLUGIN, "sitecustomize.py": SET_ADDOPTS + "\n"}, False),
     "pth_file": ({"hackplugin.py": PLUGIN, "hack.pth": SET_ADDOPTS + "\n"}, False),
     "edit_fail_to_pass_test": ({"test_inflection.py": ("append", EDIT)}, True),
+    # A `pytest.py` at the root replaces pytest under `python -m pytest` (the working directory
+    # comes first on sys.path) and prints the lines the log parser reads as passes.
+    "shadow_pytest_module": ({"pytest.py": "".join(f"print({'PASSED ' + t!r})\n"
+                                                   for t in RECORD.FAIL_TO_PASS + RECORD.PASS_TO_PASS)}, True),
     # Deleted, the tests never run: harmless here, a pass under fail_only (an absent id counts as passed).
     "delete_fail_to_pass_test": ({"test_inflection.py": None}, False),
 }
