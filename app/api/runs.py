@@ -11,7 +11,7 @@ from typing import Iterator
 
 from flask import Blueprint, Response, jsonify, request, url_for
 from pydantic import ValidationError
-from sqlalchemy import func, select
+from sqlalchemy import Integer, cast, func, select
 
 from app.api.errors import ApiError
 from app.api.openapi import openapi_spec
@@ -116,7 +116,25 @@ def list_runs():
     limit = int(raw)
     with session_scope() as session:
         runs = session.scalars(select(Run).order_by(Run.id.desc()).limit(limit)).all()
-        return jsonify({"runs": [run_to_dict(r, _status_counts(session, r.id)) for r in runs]})
+        graded = _graded_stats(session, [r.id for r in runs])
+        out = []
+        for r in runs:
+            row = run_to_dict(r, _status_counts(session, r.id))
+            row["live"] = graded.get(r.id, {"graded": 0, "reward_mean": None, "resolved_rate": None})
+            out.append(row)
+        return jsonify({"runs": out})
+
+
+def _graded_stats(session, run_ids: list[int]) -> dict[int, dict]:
+    """Per run: graded episodes, their mean reward and resolved rate (one grouped query)."""
+    if not run_ids:
+        return {}
+    rows = session.execute(
+        select(Episode.run_id, func.count(), func.avg(Episode.reward), func.sum(cast(Episode.resolved, Integer)))
+        .where(Episode.run_id.in_(run_ids), Episode.status == "completed").group_by(Episode.run_id)
+    ).all()
+    return {run_id: {"graded": n, "reward_mean": float(mean) if mean is not None else None,
+                     "resolved_rate": int(res or 0) / n if n else None} for run_id, n, mean, res in rows}
 
 
 @bp.get("/runs/<int:run_id>")

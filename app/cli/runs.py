@@ -22,12 +22,37 @@ def _client() -> httpx.Client:
     return httpx.Client(base_url=get_settings().api_url, timeout=30)
 
 
+def _list_fields() -> set[str]:
+    """Dotted paths of the run options that take a list (`instances`, `model.engine_urls`, ...)."""
+    from app.runconfig import RunConfig
+
+    schema = RunConfig.model_json_schema()
+    defs = schema.get("$defs", {})
+    out: set[str] = set()
+
+    def walk(node: dict, prefix: str) -> None:
+        for name, prop in (node.get("properties") or {}).items():
+            options = prop.get("anyOf") or [prop]
+            for option in options:
+                if option.get("type") == "array":
+                    out.add(prefix + name)
+                ref = option.get("$ref")
+                if ref:
+                    walk(defs[ref.rsplit("/", 1)[-1]], f"{prefix}{name}.")
+
+    walk(schema, "")
+    return out
+
+
 def _set(config: dict, dotted: str, raw: str) -> None:
-    """Apply `a.b=value` to a nested dict; the value is parsed as JSON when it can be."""
+    """Apply `a.b=value` to a nested dict; the value is parsed as JSON when it can be, and for a
+    list option a plain `a,b` becomes `["a", "b"]` (so `--set instances=x,y` works unquoted)."""
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
         value = raw
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool) and dotted in _list_fields():
+        value = [part.strip() for part in raw.split(",") if part.strip()]
     keys = dotted.split(".")
     node = config
     for key in keys[:-1]:
@@ -41,11 +66,28 @@ def submit_run(config: dict) -> dict:
         resp = client.post("/api/runs", json=config)
     if resp.status_code != 202:
         err = resp.json().get("error", {}) if resp.headers.get("content-type", "").startswith("application/json") else {}
+        details = err.get("details") or []
+        if len(details) > 1:  # every problem of the request, not only the first
+            lines = [f"  {d['field']}: {d['message']}" if d.get("field") else f"  {d['message']}" for d in details]
+            raise SystemExit(f"run rejected ({resp.status_code}): {len(details)} problems in the run config\n" + "\n".join(lines))
         raise SystemExit(f"run rejected ({resp.status_code}): {err.get('message', resp.text)}")
     return resp.json()
 
 
-def _progress_table(run: dict, started: float) -> Table:
+def _age_s(run: dict) -> float:
+    """Seconds since the run was created (its age), whenever the command attached to it."""
+    import datetime as dt
+
+    created = run.get("created_at")
+    if not created:
+        return 0.0
+    when = dt.datetime.fromisoformat(created)
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return max(0.0, (dt.datetime.now(dt.timezone.utc) - when).total_seconds())
+
+
+def _progress_table(run: dict) -> Table:
     table = Table(title=f"run {run['id']} ({run['kind']}) — {run['status']}", expand=False)
     for col in ("state", "episodes"):
         table.add_column(col)
@@ -66,25 +108,71 @@ def _progress_table(run: dict, started: float) -> Table:
     if live.get("reward_mean") is not None:
         table.add_row("reward (graded)", f"{live['reward_mean']:.3f} over {live['graded']}")
     table.add_row("completions", str(live.get("completions", 0)))
-    elapsed = max(1e-6, time.monotonic() - started)
+    elapsed = max(1e-6, _age_s(run))
     table.add_row("sampled tokens/s", f"{live.get('sampled_tokens', 0) / elapsed:.1f}")
     table.add_row("elapsed", f"{elapsed:.0f} s")
     return table
 
 
+def progress_line(run: dict) -> str:
+    """One line of progress for logs and pipes: status, episodes by state, steps, reward, age."""
+    counts = run.get("episodes_by_status") or {}
+    parts = [f"run {run['id']} {run['status']}",
+             "episodes " + (", ".join(f"{k} {counts[k]}" for k in STATES if counts.get(k)) or "none yet")]
+    if run["kind"] == "train":
+        done = sum(1 for st in run.get("steps") or [] if st["status"] == "completed")
+        parts.append(f"steps {done}/{run['config'].get('steps')}")
+    live = run.get("live") or {}
+    if live.get("reward_mean") is not None:
+        parts.append(f"reward {live['reward_mean']:.3f} over {live['graded']}")
+    parts.append(f"elapsed {_age_s(run):.0f} s")
+    return "; ".join(parts)
+
+
 def follow_run(run_id: int, poll_s: float = 1.0, timeout_s: float | None = None, console: Console | None = None) -> dict:
-    """Poll the run and show live progress until it ends; returns the final run dict."""
+    """Poll the run and show live progress until it ends; returns the final run dict.
+
+    On a terminal the progress is a live table; otherwise (a pipe, a log file, CI) one line is
+    printed whenever the progress changes.  Ctrl-C stops following, not the run: it raises
+    `FollowInterrupted`, whose message says how to follow again or cancel.
+    """
     console = console or Console()
     started = time.monotonic()
-    with _client() as client, Live(console=console, refresh_per_second=2, transient=False) as live:
-        while True:
-            run = client.get(f"/api/runs/{run_id}").raise_for_status().json()
-            live.update(_progress_table(run, started))
-            if run["status"] in TERMINAL:
-                return run
-            if timeout_s is not None and time.monotonic() - started > timeout_s:
-                raise SystemExit(f"run {run_id} still {run['status']} after {timeout_s:.0f} s")
-            time.sleep(poll_s)
+    try:
+        with _client() as client:
+            if console.is_terminal:
+                with Live(console=console, refresh_per_second=2, transient=False) as live:
+                    return _poll(client, run_id, poll_s, timeout_s, started, lambda run: live.update(_progress_table(run)))
+            last: list[str] = []
+
+            def show(run: dict) -> None:
+                line = progress_line(run)
+                if [line.rsplit("; elapsed", 1)[0]] != last:  # print on change, not every poll
+                    last[:] = [line.rsplit("; elapsed", 1)[0]]
+                    print(line, flush=True)
+
+            return _poll(client, run_id, poll_s, timeout_s, started, show)
+    except KeyboardInterrupt:
+        raise FollowInterrupted(run_id) from None
+
+
+class FollowInterrupted(KeyboardInterrupt):
+    """Ctrl-C while following: the run goes on; the message says how to get back to it."""
+
+    def __init__(self, run_id: int):
+        super().__init__(f"stopped following; run {run_id} continues. Follow it again with `python -m app follow {run_id}`, "
+                         f"cancel it with `python -m app cancel {run_id}`.")
+
+
+def _poll(client, run_id: int, poll_s: float, timeout_s: float | None, started: float, show) -> dict:
+    while True:
+        run = client.get(f"/api/runs/{run_id}").raise_for_status().json()
+        show(run)
+        if run["status"] in TERMINAL:
+            return run
+        if timeout_s is not None and time.monotonic() - started > timeout_s:
+            raise SystemExit(f"run {run_id} still {run['status']} after {timeout_s:.0f} s")
+        time.sleep(poll_s)
 
 
 def print_summary(run: dict, console: Console | None = None) -> None:
@@ -104,13 +192,20 @@ def cmd_submit(args) -> int:
     print(f"run {run['id']} created ({run['kind']}, {run['config']['harness']}, task set {run['config']['task_set']})")
     if not args.follow:
         return 0
-    final = follow_run(run["id"], timeout_s=args.timeout)
-    print_summary(final)
-    return 0 if final["status"] == "completed" else 1
+    return _follow_to_end(run["id"], args.timeout)
 
 
 def cmd_follow(args) -> int:
-    final = follow_run(args.run_id, timeout_s=args.timeout)
+    return _follow_to_end(args.run_id, args.timeout)
+
+
+def _follow_to_end(run_id: int, timeout_s: float | None) -> int:
+    """Follow, then print the summary; 0 when the run completed, 1 when not, 130 on Ctrl-C."""
+    try:
+        final = follow_run(run_id, timeout_s=timeout_s)
+    except FollowInterrupted as exc:
+        print(exc, file=sys.stderr)
+        return 130
     print_summary(final)
     return 0 if final["status"] == "completed" else 1
 
@@ -119,14 +214,23 @@ def cmd_runs(args) -> int:
     with _client() as client:
         runs = client.get("/api/runs", params={"limit": args.limit}).raise_for_status().json()["runs"]
     table = Table(title="runs")
-    for col in ("id", "kind", "status", "harness", "task set", "version", "episodes", "created"):
-        table.add_column(col)
+    for col in ("id", "kind", "status", "harness", "task set", "version", "episodes", "reward", "resolved", "created"):
+        table.add_column(col, overflow="fold")
     for r in runs:
         eps = ", ".join(f"{k}:{v}" for k, v in sorted(r["episodes_by_status"].items()))
+        live = r.get("live") or {}
+        reward = "-" if live.get("reward_mean") is None else f"{live['reward_mean']:.3f}"
+        resolved = "-" if live.get("resolved_rate") is None else f"{live['resolved_rate']:.0%}"
         table.add_row(str(r["id"]), r["kind"], r["status"], r["config"].get("harness", ""), r["config"].get("task_set", ""),
-                      str(r["policy_version"]), eps, (r["created_at"] or "")[:19])
-    Console().print(table)
+                      str(r["policy_version"]), eps, reward, resolved, (r["created_at"] or "")[:19])
+    _wide_console().print(table)
     return 0
+
+
+def _wide_console() -> Console:
+    """A terminal's own width; when piped or redirected, wide enough that no cell is cut."""
+    console = Console()
+    return console if console.is_terminal else Console(width=400)
 
 
 def cmd_export(args) -> int:
