@@ -238,7 +238,11 @@ def cmd_export(args) -> int:
     with _client() as client, client.stream("GET", f"/api/runs/{args.run_id}/export") as resp:
         if resp.status_code != 200:
             resp.read()
-            raise SystemExit(f"export failed ({resp.status_code}): {resp.text}")
+            try:
+                message = resp.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = resp.text[:300]
+            raise SystemExit(f"error: export of run {args.run_id}: {resp.status_code} {message}")
         out = open(args.output, "w") if args.output else sys.stdout  # only once the run exists
         for line in resp.iter_lines():
             if line:

@@ -107,3 +107,10 @@ def test_ctrl_c_in_follow_says_the_run_continues(api, capsys, monkeypatch):
     assert f"python -m app follow {run_id}" in err and f"python -m app cancel {run_id}" in err
     with session_scope() as s:
         assert s.get(Run, run_id).status == "running"
+
+
+def test_export_of_a_missing_run_is_one_line(api, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["export", "999", "-o", str(tmp_path / "out.jsonl")])
+    assert str(exc.value) == "error: export of run 999: 404 run 999 not found"
+    assert not (tmp_path / "out.jsonl").exists()
