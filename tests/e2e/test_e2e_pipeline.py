@@ -5,12 +5,15 @@ instance -> prefix-merged GRPO step on the gpu queue -> checkpoint -> engine rel
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
+from app.control.preflight import EMBEDDED_CONTEXT
+from app.control.stages import HARNESS_FAILED
 from app.db import session_scope
 from app.harnesses import get_preset
 from app.models import Completion, Episode, Run, TrainingStep, Trajectory
@@ -86,18 +89,29 @@ def test_mini_swe_agent_train_run_end_to_end(stack):
     assert run["summary"]["steps"][0]["episodes"] == 2 and run["summary"]["completions"] >= 2
 
 
-def test_other_harnesses_complete_a_train_run(stack):
-    """Each other preset at the smallest size: captured, graded and trained (or cleanly overflowed)."""
+def test_other_harnesses_complete_a_train_run_or_are_refused_at_creation(stack):
+    """Each other preset at the smallest size: a harness whose measured minimum prompt does not fit
+    the model's 8k context is refused with a 400 naming both numbers; the others are captured,
+    graded and trained."""
     names = [n for n in HARNESSES if n != "mini-swe-agent"]
     missing = [n for n in names if not get_preset(n).is_installed()]
     if missing:
         pytest.fail(f"harness CLIs not installed: {missing}; run `make ci-deps`")
-    run_ids = {}
+    run_ids, refused = {}, []
     for name in names:
         resp = stack.api.post("/api/runs", json={**SMALLEST, "harness": name,
                                                  "scheduling": {"rollout_slots": 2}})
+        need = get_preset(name).min_prompt_tokens
+        if need is not None and need >= EMBEDDED_CONTEXT:
+            assert resp.status_code == 400, (name, resp.text)
+            err = resp.json()["error"]
+            assert err["field"] == "harness" and f"at least {need} tokens" in err["message"], err
+            assert f"{EMBEDDED_CONTEXT}-token context" in err["message"], err
+            refused.append(name)
+            continue
         assert resp.status_code == 202, resp.text
         run_ids[name] = resp.json()["id"]
+    assert "codex" in refused and run_ids  # Codex's first prompt alone exceeds SmolLM2's context
     for name, run_id in run_ids.items():
         run = _finish(stack, run_id, 900)
         assert run["status"] == "completed", (name, run["error"], stack.logs())
@@ -105,23 +119,14 @@ def test_other_harnesses_complete_a_train_run(stack):
             eps = s.scalars(select(Episode).where(Episode.run_id == run_id)).all()
             assert {e.status for e in eps} == {"completed"}, name
             comps = s.scalars(select(Completion).join(Episode).where(Episode.run_id == run_id)).all()
+            assert comps, name  # every graded episode made at least one usable model call
             api = get_preset(name).api
-            assert {c.api for c in comps} <= {api}, (name, [c.api for c in comps])
+            assert {c.api for c in comps} == {api}, (name, [c.api for c in comps])
             for c in comps:
                 assert c.sampled_ids and len(c.sampled_ids) == len(c.logprobs), (name, c.error)
-            if not comps:
-                # The harness's prompt did not fit the 8k context: the gateway answered with its
-                # API's context-overflow error (nothing recorded for a rejected call), the harness
-                # said so and exited, and the episode was still graded.
-                logs = [p.read_text() for e in eps for p in
-                        (Path(stack.env["TURNSTILE_VAR_DIR"]) / "runs" / str(run_id) / "episodes" / str(e.id)).glob("harness-*.log")]
-                # each API's own overflow wording: OpenAI/Codex "context", Anthropic "prompt is too
-                # long", Gemini "exceeds the maximum number of tokens"
-                overflow = ("context", "too long", "maximum number of tokens")
-                assert logs and all(any(w in text.lower() for w in overflow) for text in logs), (name, logs[:1])
-                assert all(e.reward == 0.0 and e.exit_status for e in eps), name
             step = s.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id)).one()
             assert step.status == "completed" and step.policy_version == s.get(Run, run_id).policy_version
+            assert step.metrics["scheduling"]["episodes_harness_failed"] == 0
 
 
 def test_eval_of_a_trained_checkpoint_gives_a_before_after_table(stack):
@@ -157,14 +162,96 @@ def test_eval_of_a_trained_checkpoint_gives_a_before_after_table(stack):
 
 
 def test_agent_timeout_keeps_the_episode_and_grades_it(stack):
-    """A harness that outlives its budget is killed; the episode is graded and flagged, not lost."""
+    """A harness that outlives its budget after making model calls is killed; the episode is graded
+    and flagged, not lost.
+
+    Deterministic: once the episode's first completion is recorded, the test closes the engine's
+    weight-reload gate (as the trainer does during a reload), so the harness's next call is held
+    by the gateway until the agent budget runs out.  Each call samples up to 400 tokens, so the
+    gate is closed while the second call is still generating, before a third one is sent.
+    """
+    import redis
+
+    from app.weight_gate import gate_key
+
     resp = stack.api.post("/api/runs", json={**SMALLEST, "kind": "collect", "harness": "mini-swe-agent",
-                                             "group_size": 1, "timeouts": {"agent_s": 2, "grade_s": 300}})
+                                             "group_size": 1, "budget": {"max_turns": 20, "max_tokens": 400},
+                                             "timeouts": {"agent_s": 60, "grade_s": 300}})
     assert resp.status_code == 202, resp.text
-    run = _finish(stack, resp.json()["id"], 300)
+    run_id = resp.json()["id"]
+
+    def first_call():
+        with session_scope() as s:
+            return s.scalar(select(Completion.id).join(Episode).where(Episode.run_id == run_id).limit(1))
+
+    gate = redis.Redis.from_url(stack.env["REDIS_URL"])
+    key = gate_key(stack.env["TURNSTILE_ENGINE_URLS"])
+    try:
+        wait_for(first_call, 60, interval=0.05, what=f"the first model call of run {run_id}\n{stack.logs()}")
+        gate.set(key, 1, ex=120)
+        wait_for(lambda: stack.api.get(f"/api/runs/{run_id}").json()["episodes_by_status"].get("running") is None,
+                 90, interval=0.5, what="the rollout to end")
+    finally:
+        gate.delete(key)
+    run = _finish(stack, run_id, 300)
     assert run["status"] == "completed", (run["error"], stack.logs())
     with session_scope() as s:
         ep = s.scalars(select(Episode).where(Episode.run_id == run["id"])).one()
         assert ep.status == "completed" and ep.timed_out and ep.exit_status == "timeout"
-        assert ep.reward == 0.0 and ep.grading_report and ep.patch is not None
-    assert run["summary"]["timed_out_episodes"] == 1
+        assert ep.reward == 0.0 and ep.grading_report and ep.patch is not None and ep.error is None
+        comps = s.scalars(select(Completion).where(Completion.episode_id == ep.id)).all()
+        assert comps and all(c.sampled_ids for c in comps)  # the calls made before the timeout
+    assert run["summary"]["timed_out_episodes"] == 1 and run["summary"]["episodes_harness_failed"] == 0
+
+
+def _long_statement_task_set(path: Path) -> str:
+    """A copy of the bundled instance whose problem statement (a pasted log) alone overflows the
+    8k context: ~1,600 lines, about 20k SmolLM2 tokens.  Returns the task set's path."""
+    from app.tasksets import load_task_set
+
+    record = dict(next(r for r in load_task_set("synthetic").raw if r["instance_id"] == SMALLEST["instances"][0]))
+    log = "\n".join(f"ordinalize({n}) -> {n}th  # checked against the table, row {n}" for n in range(1600))
+    record.update(instance_id="synthetic__inflection-1-long-log",
+                  problem_statement=record["problem_statement"] + "\n\nFull output of my check script:\n" + log)
+    path.write_text(json.dumps(record) + "\n")
+    return str(path)
+
+
+def test_harness_failures_are_not_reward_0_and_stop_the_run(stack, tmp_path):
+    """Two real ways a harness makes no usable model call, through the whole pipeline: its budget
+    ends before any call is answered (agent_s=1), and its first prompt overflows the context (a
+    problem statement larger than 8k tokens).  Each episode is failed with the cause and the log's
+    tail, never graded, never trained; each run stops with one clear error naming the cause."""
+    timeout_run = stack.api.post("/api/runs", json={**SMALLEST, "harness": "mini-swe-agent",
+                                                    "timeouts": {"agent_s": 1, "grade_s": 300}})
+    overflow_run = stack.api.post("/api/runs", json={**SMALLEST, "harness": "mini-swe-agent",
+                                                     "task_set": _long_statement_task_set(tmp_path / "long.jsonl"),
+                                                     "instances": ["synthetic__inflection-1-long-log"]})
+    assert timeout_run.status_code == overflow_run.status_code == 202, (timeout_run.text, overflow_run.text)
+    causes = {
+        timeout_run.json()["id"]: "mini-swe-agent was killed at its 1 s time limit (timeouts.agent_s) "
+                                  "before any model call was answered",
+        overflow_run.json()["id"]: "mini-swe-agent exited 1: its first prompt did not fit the model's context "
+                                   "window (the gateway answered with a context-length error)",
+    }
+    for run_id, cause in causes.items():
+        run = _finish(stack, run_id, 420)
+        assert run["status"] == "failed", (run["status"], run["error"], stack.logs())
+        match = re.fullmatch(r"harness mini-swe-agent failed before any usable model call in (\d+) of (\d+) "
+                             r"finished episodes: (.*)", run["error"])
+        assert match and match[1] == match[2] and int(match[1]) >= 2 and match[3] == cause, run["error"]
+        assert run["summary"]["episodes_harness_failed"] == int(match[1])
+        with session_scope() as s:
+            failed = s.scalars(select(Episode).where(Episode.run_id == run_id, Episode.status == "failed")).all()
+            assert len(failed) == int(match[1])
+            for ep in failed:
+                assert ep.reward is None and ep.resolved is None and ep.grading_report is None  # not a reward 0
+                assert ep.error.startswith(HARNESS_FAILED + cause + "\n--- harness log tail (")
+                log = Path(stack.env["TURNSTILE_VAR_DIR"]) / "runs" / str(run_id) / "episodes" / str(ep.id) / \
+                    f"harness-attempt{ep.attempts}.log"
+                assert f"({log})" in ep.error and ep.error.endswith(log.read_text()[-1000:])  # the log's own tail
+                assert ep.exit_status and ep.session_token_hash is None and ep.rollout_finished_at
+                assert not s.scalars(select(Completion).where(Completion.episode_id == ep.id,
+                                                              func.length(Completion.sampled_ids) > 0)).all()
+            assert not s.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id)).all()
+            assert not s.scalars(select(Trajectory).join(Episode).where(Episode.run_id == run_id)).all()
