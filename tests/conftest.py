@@ -15,7 +15,7 @@ from pathlib import Path
 
 # Before any app module reads settings: the broker and app data live in Redis DB 10
 # during tests, never in the DB 0 a developer's running deployment uses.
-os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/10")
+os.environ.setdefault("REDIS_URL", os.environ.get("TURNSTILE_TEST_REDIS", "redis://127.0.0.1:6379") + "/10")
 
 import pytest
 import redis as redis_lib
@@ -23,10 +23,9 @@ from sqlalchemy import create_engine, text
 
 from app import config, db
 from app.models import Base
-from support import Proc
+from support import REDIS_BASE, Proc
 
 PG_ADMIN_URL = os.environ.get("TURNSTILE_TEST_PG_ADMIN", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
-REDIS_BASE = os.environ.get("TURNSTILE_TEST_REDIS", "redis://127.0.0.1:6379")
 
 
 def _use_database(monkeypatch, url: str) -> None:

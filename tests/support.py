@@ -11,6 +11,9 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parent.parent
+# The Redis server the tests use (databases are chosen per area); TURNSTILE_TEST_REDIS points a
+# whole test run at another server, e.g. to run two suites side by side.
+REDIS_BASE = os.environ.get("TURNSTILE_TEST_REDIS", "redis://127.0.0.1:6379")
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):

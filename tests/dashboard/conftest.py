@@ -18,12 +18,12 @@ import redis as redis_lib
 
 from app import config, db
 from app.models import Base
-from support import ROOT, Proc, wait_for
+from support import REDIS_BASE, ROOT, Proc, wait_for
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 # The API enqueues Celery messages (a run's start, a cancel); they go to a Redis database
 # no other suite's workers read, so no worker elsewhere acts on this site's run ids.
-REDIS_URL = os.environ.get("TURNSTILE_TEST_REDIS", "redis://127.0.0.1:6379") + "/12"
+REDIS_URL = f"{REDIS_BASE}/12"
 
 
 def _free_port() -> int:

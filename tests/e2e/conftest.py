@@ -19,7 +19,7 @@ from alembic import command
 from alembic.config import Config
 
 from app import config, db
-from support import ROOT, celery_worker_args, wait_for
+from support import REDIS_BASE, ROOT, celery_worker_args, wait_for
 
 E2E_REDIS_DB = 6
 
@@ -44,7 +44,7 @@ class Stack:
 def stack(tmp_path, monkeypatch, spawn):
     import redis
 
-    redis.Redis.from_url(f"redis://127.0.0.1:6379/{E2E_REDIS_DB}").flushdb()
+    redis.Redis.from_url(f"{REDIS_BASE}/{E2E_REDIS_DB}").flushdb()
     var = tmp_path / "var"
     var.mkdir()
     project_var = ROOT / "var"
@@ -53,7 +53,7 @@ def stack(tmp_path, monkeypatch, spawn):
     api_port, gw_port, engine_port = _free_port(), _free_port(), _free_port()
     env = {
         "DATABASE_URL": f"sqlite:///{tmp_path / 'turnstile.db'}",
-        "REDIS_URL": f"redis://127.0.0.1:6379/{E2E_REDIS_DB}",
+        "REDIS_URL": f"{REDIS_BASE}/{E2E_REDIS_DB}",
         "TURNSTILE_VAR_DIR": str(var),
         "TURNSTILE_CACHE_DIR": str(project_var / "cache"),
         "TURNSTILE_TOOLS_DIR": str(project_var / "tools"),

@@ -14,6 +14,7 @@ import pytest
 from app.conformance.pipeline_check import run_pipeline_checks
 from app.harnesses import get_preset
 from app.runconfig import HARNESSES
+from support import REDIS_BASE
 
 REDIS_DB = 15
 pytestmark = pytest.mark.slow
@@ -24,7 +25,7 @@ def test_all_harnesses_through_real_pipeline(redis_db, tmp_path):
     if not names:
         pytest.skip("no harness CLI installed: `python -m app harness install all`")
     missing = sorted(set(HARNESSES) - set(names))
-    reports = run_pipeline_checks(names, redis_url=f"redis://127.0.0.1:6379/{REDIS_DB}", timeout_s=420,
+    reports = run_pipeline_checks(names, redis_url=f"{REDIS_BASE}/{REDIS_DB}", timeout_s=420,
                                   workdir=tmp_path)
     assert [r.harness for r in reports] == names
     for r in reports:

@@ -6,7 +6,7 @@ import sys
 
 import httpx
 
-from support import celery_worker_args, wait_for
+from support import REDIS_BASE, celery_worker_args, wait_for
 
 REDIS_DB = 10
 
@@ -18,7 +18,7 @@ def _free_port() -> int:
 
 
 def test_flower_lists_the_worker(database, redis_db, spawn):
-    env = {"DATABASE_URL": database, "REDIS_URL": "redis://127.0.0.1:6379/10",
+    env = {"DATABASE_URL": database, "REDIS_URL": f"{REDIS_BASE}/10",
            "FLOWER_UNAUTHENTICATED_API": "true"}  # flower 2 serves its JSON API only with auth or this switch
     worker = spawn(celery_worker_args("control", concurrency=1, name="flowered"), env, name="worker")
     port = _free_port()

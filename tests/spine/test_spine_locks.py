@@ -11,10 +11,10 @@ import redis as redis_lib
 
 from app.control import state
 from app.redis_client import held_lock
-from support import ROOT, wait_for
+from support import REDIS_BASE, ROOT, wait_for
 
 REDIS_DB = 11
-REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
+REDIS_URL = f"{REDIS_BASE}/{REDIS_DB}"
 
 # Each child takes run 7's tick lock as often as it can for `seconds`, and logs when it
 # enters and leaves the critical section.

@@ -7,7 +7,7 @@ from app.control import watchdog
 from app.tasks import control as control_tasks
 from app.db import session_scope
 from app.models import Run, TrainingStep
-from support import celery_worker_args, wait_for
+from support import REDIS_BASE, celery_worker_args, wait_for
 
 REDIS_DB = 10
 
@@ -37,7 +37,7 @@ def test_watchdog_resends_and_a_worker_finishes_the_step(database, redis_db, spa
     done = control_tasks.watchdog()  # the beat's task, run here in-process: asks workers (none) and Redis
     assert done["resent"] == [(run_id, 0)] and run_id in done["ticked"]
     spawn(celery_worker_args("gpu,control", concurrency=1, name="gpu"),
-          {"DATABASE_URL": database, "REDIS_URL": "redis://127.0.0.1:6379/10"}, "gpu")
+          {"DATABASE_URL": database, "REDIS_URL": f"{REDIS_BASE}/10"}, "gpu")
 
     def completed():
         with session_scope() as s:

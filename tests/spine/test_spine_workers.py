@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 from app import create_app
 from app.db import session_scope
 from app.models import Episode, Group, Run, TrainingStep
-from support import celery_worker_args, wait_for
+from support import REDIS_BASE, celery_worker_args, wait_for
 
 REDIS_DB = 10
 QUEUES = "control,prepare,rollout,grade,gpu"
@@ -24,7 +24,7 @@ QUEUES = "control,prepare,rollout,grade,gpu"
 
 @pytest.fixture
 def env(database, redis_db):
-    return {"DATABASE_URL": database, "REDIS_URL": "redis://127.0.0.1:6379/10",
+    return {"DATABASE_URL": database, "REDIS_URL": f"{REDIS_BASE}/10",
             "TURNSTILE_VISIBILITY_TIMEOUT": "6"}
 
 

@@ -15,9 +15,10 @@ from app.celery import app as celery_app
 from app.db import session_scope
 from app.models import Run, TrainingStep
 from app.tasks.training import train_step
+from support import REDIS_BASE
 
 REDIS_DB = 14
-BROKER = os.environ.get("TURNSTILE_TEST_REDIS", "redis://127.0.0.1:6379") + f"/{REDIS_DB}"
+BROKER = f"{REDIS_BASE}/{REDIS_DB}"
 
 
 def children(pid: int) -> list[int]:
