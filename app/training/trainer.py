@@ -242,8 +242,8 @@ class Trainer:
                 # FSDP averages gradients over the ranks, but each rank's loss is its share of
                 # the step's sum: scale by the world size so the gradient is the sum's.
                 (loss * self.world).backward()
-                if not real:
-                    continue
+                if not (real and (cfg.kl_coef > 0 or bool(mb.advantages.any()))):
+                    continue  # a filler, or one only run for the other ranks: stats as if skipped
                 totals["loss"] += loss.item() / len(chunks)
                 totals["clipped"] += stats.clipped
                 totals["kl"] += stats.kl
