@@ -191,13 +191,15 @@ class RealStages:
         env = preset.env(Path(runtime.home_dir), runtime.gateway_url, token, model)
         command = preset.command(claim.record["problem_statement"], cfg.budget)
         result = runtime.run(command, env=env, timeout_s=cfg.timeouts.agent_s, network="gateway",
-                             stdin="", path_prepend=preset.path_prepend())
+                             stdin="", path_prepend=preset.path_prepend(),
+                             should_stop=cancelled)  # a cancelled episode's harness is killed at once
         patch = runtime.patch()
         log_path = episode_dir(claim.run_id, claim.episode_id) / f"harness-attempt{claim.attempt}.log"
         log_text = (f"$ {preset.name} (exit {result.exit_code}, {result.duration_s:.1f} s, confined={runtime.confined})\n"
                     f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}\n").replace(token, "<session-token>")
         log_path.write_text(log_text)
-        status = "timeout" if result.timed_out else ("cancelled" if cancelled() else f"exit {result.exit_code}")
+        stopped = result.stopped or cancelled()
+        status = "timeout" if result.timed_out else ("cancelled" if stopped else f"exit {result.exit_code}")
         failure = None
         if status != "cancelled" and usable_completions(claim.episode_id) == 0:
             failure = harness_failure(preset.name, result.exit_code, result.timed_out, cfg.timeouts.agent_s,

@@ -23,7 +23,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from app.config import Settings, get_settings
@@ -234,12 +234,14 @@ class LocalRuntime:
         stdin: str | bytes | None = None,
         path_prepend: Sequence[str] = (),
         extra_mounts: Sequence[Mount] = (),
+        should_stop: Callable[[], bool] | None = None,
     ) -> RunResult:
         """Run `cmd` (a shell string for bash -c, or an argv) in the workspace.
 
         network: "none" (no network at all) or "gateway" (only the gateway, at
         `self.gateway_url`).  Returns `RunResult`; a timeout gives exit_code 124 and
-        timed_out=True (every process of the command is killed).  Raises `RuntimeClosed`.
+        timed_out=True (every process of the command is killed); `should_stop()` returning
+        True (asked twice a second) kills them at once (`stopped`).  Raises `RuntimeClosed`.
         Unconfined runtimes run directly on the host: no filesystem or network isolation.
         """
         if self._closed:
@@ -251,7 +253,7 @@ class LocalRuntime:
         if not self.confined:
             host_env = dict(full_env)
             return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=False, network=network,
-                           env=host_env, cwd=self.workspace, stdin=stdin)
+                           env=host_env, cwd=self.workspace, stdin=stdin, should_stop=should_stop)
         mounts = [Mount(self.workspace, SANDBOX_REPO, True), Mount(self.home, SANDBOX_HOME, True),
                   Mount(Path(self._state["venv"]), SANDBOX_VENV, False)]
         mounts += [Mount(Path(h), s, False) for h, s in self._state["ro_binds"]]
@@ -264,10 +266,12 @@ class LocalRuntime:
                           python_prefixes=[Path(self._state["python_prefix"])],
                           init_python=self._state["python_executable"], gateway_port=port)
         if network != "gateway":
-            return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network, stdin=stdin)
+            return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network, stdin=stdin,
+                           should_stop=should_stop)
         gw = urlsplit(self._state["gateway_url"])
         with GatewayBridge(self.root / "gateway.sock", gw.hostname or "127.0.0.1", self._gateway_port()):
-            return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network, stdin=stdin)
+            return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network, stdin=stdin,
+                           should_stop=should_stop)
 
     # --- results and cleanup ------------------------------------------------------------
 

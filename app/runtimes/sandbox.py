@@ -44,7 +44,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 Network = Literal["none", "gateway", "host"]
 INIT_PATH = "/run/turnstile/init.py"
@@ -84,10 +84,11 @@ class RunResult:
     confined: bool
     network: str = "none"
     truncated: bool = False
+    stopped: bool = False  # killed because `should_stop()` said so (e.g. the episode was cancelled)
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
+        return self.exit_code == 0 and not self.timed_out and not self.stopped
 
 
 @functools.lru_cache(maxsize=1)
@@ -215,11 +216,15 @@ def execute(
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     stdin: str | bytes | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    poll_s: float = 0.5,
 ) -> RunResult:
     """Run `argv` under `prlimit` in its own process group; SIGKILL the group after `timeout_s` seconds.
 
     `env`/`cwd` apply to the outer process (bwrap itself, or the command when unconfined).
-    On timeout `exit_code` is 124 (as GNU timeout) and `timed_out` is True.
+    On timeout `exit_code` is 124 (as GNU timeout) and `timed_out` is True.  `should_stop` is
+    asked every `poll_s` seconds; when it returns True the group is killed at once and the
+    result has `stopped` True and exit code 130 (as after Ctrl-C).
     """
     full = prlimit_prefix(limits) + list(argv)
     started = time.monotonic()
@@ -228,7 +233,7 @@ def execute(
             full, stdout=out, stderr=err, env=env, cwd=cwd, start_new_session=True,
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
         )
-        timed_out = False
+        timed_out = stopped = False
         try:
             if stdin is not None:
                 try:
@@ -236,7 +241,19 @@ def execute(
                     proc.stdin.close()
                 except BrokenPipeError:
                     pass
-            code = proc.wait(timeout=timeout_s)
+            deadline = started + timeout_s
+            while True:
+                try:
+                    code = proc.wait(timeout=max(0.0, min(poll_s, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        raise
+                    if should_stop is not None and should_stop():
+                        stopped = True
+                        _kill_group(proc)
+                        code = 130
+                        break
         except subprocess.TimeoutExpired:
             timed_out = True
             _kill_group(proc)
@@ -251,7 +268,8 @@ def execute(
         stderr, t2 = _read_tail(err)
     if code < 0:
         code = 128 - code
-    return RunResult(code, stdout, stderr, timed_out, time.monotonic() - started, confined, network, t1 or t2)
+    return RunResult(code, stdout, stderr, timed_out, time.monotonic() - started, confined, network, t1 or t2,
+                     stopped)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

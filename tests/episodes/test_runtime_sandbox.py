@@ -170,6 +170,27 @@ def test_own_pid_namespace_and_timeout_kills_everything(two_runtimes):
     assert leftovers == []
 
 
+def test_should_stop_kills_the_command_at_once(two_runtimes):
+    """A cancelled episode's harness is killed within a poll, not at the end of its budget."""
+    _, a, _ = two_runtimes
+    asked_at = time.monotonic() + 1.0
+    t0 = time.monotonic()
+    res = a.run("(setsid sleep 4343.5 &); sleep 4343.5", timeout_s=120,
+                should_stop=lambda: time.monotonic() >= asked_at)
+    assert res.stopped and not res.timed_out and res.exit_code == 130 and not res.ok
+    assert time.monotonic() - t0 < 10
+    time.sleep(0.5)
+    alive = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, b"4343.5")]
+    assert alive == []
+
+
+def _cmdline_has(pid: str, needle: bytes) -> bool:
+    try:
+        return needle in open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return False
+
+
 def test_close_removes_everything_and_is_idempotent(settings):
     rec = load_task_set("synthetic").get("synthetic__toolz-1")
     with LocalRuntime.prepare(rec, settings=settings) as rt:
