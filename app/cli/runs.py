@@ -44,6 +44,37 @@ def _list_fields() -> set[str]:
     return out
 
 
+def read_config_file(path: str) -> dict:
+    """A run config from a JSON, YAML (`.yaml`/`.yml`) or TOML (`.toml`) file, by its suffix.
+
+    Raises ValueError naming the file on a parse error or when the top level is not a mapping,
+    OSError when it cannot be read.
+    """
+    import tomllib
+
+    import yaml
+
+    text = Path(path).read_text()
+    suffix = Path(path).suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            config = yaml.safe_load(text)
+        elif suffix == ".toml":
+            config = tomllib.loads(text)
+        else:
+            config = json.loads(text)
+    except yaml.MarkedYAMLError as exc:  # multi-line by default: keep the problem and its position
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{path}: not valid YAML: {exc.problem or exc.context}{where}") from None
+    except (json.JSONDecodeError, yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        kind = {".yaml": "YAML", ".yml": "YAML", ".toml": "TOML"}.get(suffix, "JSON")
+        raise ValueError(f"{path}: not valid {kind}: {' '.join(str(exc).split())}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a run config must be a mapping of options, got {type(config).__name__}")
+    return config
+
+
 def _set(config: dict, dotted: str, raw: str) -> None:
     """Apply `a.b=value` to a nested dict; the value is parsed as JSON when it can be, and for a
     list option a plain `a,b` becomes `["a", "b"]` (so `--set instances=x,y` works unquoted)."""
@@ -182,7 +213,7 @@ def print_summary(run: dict, console: Console | None = None) -> None:
 
 
 def cmd_submit(args) -> int:
-    config: dict = json.loads(Path(args.config).read_text()) if args.config else {}
+    config: dict = read_config_file(args.config) if args.config else {}
     for item in args.set or []:
         key, eq, value = item.partition("=")
         if not eq or not key:
@@ -267,7 +298,7 @@ def cmd_cancel(args) -> int:
 
 def cmd_demo(args) -> int:
     """Submit the demo run, follow it, export its trajectories, print the summary."""
-    config = json.loads(Path(args.config).read_text())
+    config = read_config_file(args.config)
     run = submit_run(config)
     console = Console()
     console.print(f"run {run['id']} submitted: {config.get('kind')} {config.get('harness')} on "
@@ -289,7 +320,7 @@ def cmd_demo(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("submit", help="create a run (train/eval/collect) and optionally follow it")
-    p.add_argument("--config", help="JSON file with the run config (see /api/openapi.json)")
+    p.add_argument("--config", help="run config file: JSON, YAML (.yaml/.yml) or TOML (.toml); see /api/openapi.json")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. --set group_size=4")
     p.add_argument("--follow", action="store_true", help="show live progress until the run ends")
     p.add_argument("--timeout", type=float, default=None, help="give up following after this many seconds")

@@ -114,3 +114,27 @@ def test_export_of_a_missing_run_is_one_line(api, tmp_path):
         main(["export", "999", "-o", str(tmp_path / "out.jsonl")])
     assert str(exc.value) == "error: export of run 999: 404 run 999 not found"
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("name, text", [
+    ("run.json", '{"kind": "eval", "group_size": 3, "simulate": {"episode_median_s": 0.1}}'),
+    ("run.yaml", "kind: eval\ngroup_size: 3\nsimulate:\n  episode_median_s: 0.1\n"),
+    ("run.toml", 'kind = "eval"\ngroup_size = 3\n[simulate]\nepisode_median_s = 0.1\n'),
+])
+def test_submit_reads_json_yaml_and_toml_configs(api, tmp_path, capsys, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["submit", "--config", str(path)]) == 0
+    with session_scope() as s:
+        run = s.query(Run).one()
+        assert run.config["group_size"] == 3 and run.config["simulate"]["episode_median_s"] == 0.1
+
+
+@pytest.mark.parametrize("name, text", [("bad.yaml", "kind: [eval\n"), ("bad.toml", "kind = \n"),
+                                        ("bad.json", "{kind"), ("list.yaml", "- 1\n- 2\n")])
+def test_a_config_file_that_does_not_parse_is_named(api, tmp_path, capsys, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["submit", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(path) in err and len(err.splitlines()) == 1
