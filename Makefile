@@ -47,7 +47,7 @@ model: venv
 
 ## up: start every process of the Procfile in the foreground (Ctrl-C stops them)
 up: setup
-	$(BIN)/honcho start -e /dev/null
+	bash scripts/up.sh
 
 ## ci-deps: what the tests need beyond `setup` (harness CLIs, model cache)
 ci-deps: setup harnesses model

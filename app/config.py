@@ -132,6 +132,8 @@ class Settings(BaseSettings):
                                      description="Processes of the `rollout` worker (harness episodes at once).")
     flower_port: int = Field(5555, ge=1, le=65535, **_env("TURNSTILE_FLOWER_PORT"),
                              description="Port of the Flower dashboard (bound to 127.0.0.1).")
+    tensorboard_port: int = Field(6006, ge=1, le=65535, **_env("TURNSTILE_TENSORBOARD_PORT"),
+                                  description="Port of TensorBoard over var/runs (bound to 127.0.0.1; `make up`).")
 
     # --- REST API -----------------------------------------------------------------------
     api_url: str = Field("http://127.0.0.1:8000", **_env("TURNSTILE_API_URL"),

@@ -31,6 +31,7 @@ from sqlalchemy import func, select, update
 from app.control import state
 from app.control.plan import Plan, celery_priority
 from app.control.summary import scheduling_metrics, summarize_run
+from app.control.tracking import log_run_summary
 from app.db import session_scope
 from app.models import Completion, Episode, Group, Run, TrainingStep, utcnow
 from app.runconfig import RunConfig
@@ -298,7 +299,11 @@ def _maybe_finish(s, run: Run, cfg: RunConfig) -> bool:
         if unfinished:
             return False
     run.summary = {**(run.summary or {}), **summarize_run(s, run.id)}
-    return transition(s, Run, run.id, "completed", finished_at=utcnow())
+    done = transition(s, Run, run.id, "completed", finished_at=utcnow())
+    if done:
+        # Run-level scalars for every kind (train steps also log their own), at the last step.
+        log_run_summary(run.id, cfg.kind, run.summary, step=cfg.steps if cfg.kind == "train" else 0)
+    return done
 
 
 def _cancel_unfinished(s, run_id: int, reason: str) -> None:

@@ -138,3 +138,26 @@ def test_a_config_file_that_does_not_parse_is_named(api, tmp_path, capsys, name,
     assert main(["submit", "--config", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(path) in err and len(err.splitlines()) == 1
+
+
+def test_make_up_refuses_to_start_twice_with_one_line(monkeypatch):
+    """`make up` checks the configured ports first: a second stack gets one line naming them."""
+    import socket
+    import subprocess
+    import sys
+
+    from support import ROOT
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        env = {"PATH": "/usr/bin:/bin", "TURNSTILE_API_BIND": f"127.0.0.1:{port}", "TURNSTILE_VAR_DIR": "/tmp"}
+        busy = subprocess.run([sys.executable, "-m", "app.cli.ports"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60)
+    assert busy.returncode == 1
+    assert busy.stderr.count("\n") == 1 and f"api :{port}" in busy.stderr and "already running" in busy.stderr
+    free = subprocess.run([sys.executable, "-m", "app.cli.ports"], cwd=ROOT, timeout=60, capture_output=True, text=True,
+                          env={**env, "TURNSTILE_ENGINE_PORT": "1", "TURNSTILE_FLOWER_PORT": "2",
+                               "TURNSTILE_TENSORBOARD_PORT": "3", "TURNSTILE_GATEWAY_BIND": "127.0.0.1:4"})
+    assert free.returncode == 0, free.stderr

@@ -124,3 +124,31 @@ def test_killed_gpu_pool_child_leaves_the_step_to_the_watchdog(env, spawn, monke
     assert _run_status(run_id) == "completed", gpu.output()[-3000:]
     with session_scope() as s:
         assert s.get(Run, run_id).policy_version == 1
+
+
+def test_an_eval_run_writes_its_figures_to_tensorboard(env, spawn):
+    """Eval runs appear in TensorBoard too: pass@k, resolved rate and reward mean at the end."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from app.config import get_settings
+
+    worker = spawn(celery_worker_args(QUEUES, concurrency=4), env, name="worker")
+    run_id = _create({"kind": "eval", "group_size": 4, "tasks_per_step": 2,
+                      "simulate": {"episode_median_s": 0.1, "reward_p": 0.5, "seed": 3}})
+    wait_for(lambda: _run_status(run_id) in ("completed", "failed"), 90, what=f"run to finish\n{worker.output()[-3000:]}")
+    assert _run_status(run_id) == "completed"
+    with session_scope() as s:
+        summary = s.get(Run, run_id).summary
+    from tensorboard.util.tensor_util import make_ndarray
+
+    events = EventAccumulator(str(get_settings().var_dir / "runs" / str(run_id) / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["tensors"]  # TensorBoard's torch-free writer stores scalars as tensor summaries
+
+    def value(tag):
+        return float(make_ndarray(events.Tensors(tag)[0].tensor_proto))
+
+    assert {"eval/reward_mean", "eval/resolved_rate", "eval/pass_at_k"} <= set(tags), tags
+    assert value("eval/resolved_rate") == pytest.approx(summary["resolved_rate"])
+    passed = sum(1 for v in summary["pass_at_k"].values() if v) / len(summary["pass_at_k"])
+    assert value("eval/pass_at_k") == pytest.approx(passed)
