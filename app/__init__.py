@@ -19,7 +19,8 @@ def create_app(overrides: dict[str, Any] | None = None) -> Flask:
     from app.api import register_api
 
     flask_app = Flask(__name__)
-    flask_app.config.update(JSON_SORT_KEYS=False, MAX_CONTENT_LENGTH=4 * 1024 * 1024)
+    flask_app.config.update(MAX_CONTENT_LENGTH=4 * 1024 * 1024)
+    flask_app.json.sort_keys = False  # keep the response models' field order (Flask 3 reads this, not JSON_SORT_KEYS)
     if overrides:
         flask_app.config.update(overrides)
     register_api(flask_app)

@@ -2,8 +2,7 @@
 
 Queues, one per resource: `control` (scheduling, cheap), `prepare` (runtimes),
 `rollout` (harness episodes, minutes), `grade` (test runs), `gpu` (GRPO steps,
-one process that keeps the model resident).  Settings follow
-../shared/research/aesthetics.md §5: late ack + reject on worker loss for the
+one process that keeps the model resident).  Settings: late ack + reject on worker loss for the
 idempotent episode stages, prefetch 1, a visibility timeout above the longest
 task, soft and hard time limits, JSON only, explicit task names.
 """

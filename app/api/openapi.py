@@ -1,12 +1,16 @@
 """OpenAPI 3.1 document for the REST API, served at /api/openapi.json.
 
-The run-config schema is generated from the pydantic model, so the document and
-the validation can never disagree.
+Every schema is generated from a pydantic model: the request body from `RunConfig` (the
+validation itself) and the responses from `app.api.schemas` (the models every response is
+built through), so the document, the validation and the answers cannot disagree.
 """
 from __future__ import annotations
 
 from functools import lru_cache
 
+from pydantic.json_schema import models_json_schema
+
+from app.api.schemas import RESPONSE_MODELS
 from app.runconfig import RunConfig
 
 _ERROR = {
@@ -38,6 +42,13 @@ def _id_param(name: str) -> dict:
 def openapi_spec() -> dict:
     config_schema = RunConfig.model_json_schema(ref_template="#/components/schemas/{model}")
     defs = config_schema.pop("$defs", {})
+    _, responses = models_json_schema([(m, "serialization") for m in RESPONSE_MODELS],
+                                      ref_template="#/components/schemas/{model}")
+    response_schemas = responses.get("$defs", {})
+    for schema in response_schemas.values():  # stored configs have RunConfig's shape
+        for name, prop in schema.get("properties", {}).items():
+            if prop.get("x-schema") == "RunConfig":
+                schema["properties"][name] = {"$ref": "#/components/schemas/RunConfig"}
     err = _json("#/components/schemas/Error", "error")
     run = _json("#/components/schemas/Run", "the run")
     return {
@@ -45,6 +56,10 @@ def openapi_spec() -> dict:
         "info": {"title": "Turnstile API", "version": "1.0.0",
                  "description": "Drive and watch GRPO training runs of unmodified coding agents."},
         "paths": {
+            "/api/health": {"get": {"summary": "Liveness of the API process.",
+                                    "responses": {"200": _json("#/components/schemas/Health", "ok")}}},
+            "/api/openapi.json": {"get": {"summary": "This document.",
+                                          "responses": {"200": {"description": "OpenAPI 3.1 document"}}}},
             "/api/runs": {
                 "post": {
                     "summary": "Create a run (train, eval or collect); it is queued and started by the control queue.",
@@ -53,7 +68,7 @@ def openapi_spec() -> dict:
                 },
                 "get": {"summary": "List runs, newest first.",
                         "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer", "maximum": 500}}],
-                        "responses": {"200": {"description": "runs", "content": {"application/json": {"schema": {"type": "object", "properties": {"runs": {"type": "array", "items": {"$ref": "#/components/schemas/Run"}}}}}}}}},
+                        "responses": {"200": _json("#/components/schemas/RunList", "runs")}},
             },
             "/api/runs/{run_id}": {"get": {"summary": "One run with its episode counts and training steps.",
                                            "parameters": [_id_param("run_id")], "responses": {"200": run, "404": err}}},
@@ -61,7 +76,7 @@ def openapi_spec() -> dict:
                                                    "parameters": [_id_param("run_id")], "responses": {"202": run, "404": err, "409": err}}},
             "/api/runs/{run_id}/episodes": {"get": {"summary": "Episodes of a run.",
                                                     "parameters": [_id_param("run_id"), {"name": "status", "in": "query", "schema": {"type": "string"}}],
-                                                    "responses": {"200": {"description": "episodes", "content": {"application/json": {"schema": {"type": "object", "properties": {"episodes": {"type": "array", "items": {"$ref": "#/components/schemas/Episode"}}}}}}}, "404": err}}},
+                                                    "responses": {"200": _json("#/components/schemas/EpisodeList", "episodes"), "404": err}}},
             "/api/episodes/{episode_id}": {"get": {"summary": "One episode with its completions (token ids and logprobs).",
                                                    "parameters": [_id_param("episode_id")], "responses": {"200": _json("#/components/schemas/Episode", "the episode"), "404": err}}},
             "/api/runs/{run_id}/export": {"get": {"summary": "Stream the run's episodes, completions and trajectories as JSON lines.",
@@ -73,20 +88,7 @@ def openapi_spec() -> dict:
                 **defs,
                 "RunConfig": config_schema,
                 "Error": _ERROR,
-                "Run": {"type": "object", "properties": {
-                    "id": {"type": "integer"}, "kind": {"type": "string", "enum": ["train", "eval", "collect"]},
-                    "status": {"type": "string", "enum": ["queued", "running", "cancelling", "completed", "failed", "cancelled"]},
-                    "policy_version": {"type": "integer"}, "config": {"$ref": "#/components/schemas/RunConfig"},
-                    "episodes_by_status": {"type": "object", "additionalProperties": {"type": "integer"}},
-                    "steps": {"type": "array", "items": {"type": "object"}},
-                    "summary": {"type": ["object", "null"]}, "error": {"type": ["string", "null"]}},
-                    "required": ["id", "kind", "status"]},
-                "Episode": {"type": "object", "properties": {
-                    "id": {"type": "integer"}, "run_id": {"type": "integer"}, "instance_id": {"type": "string"},
-                    "status": {"type": "string"}, "reward": {"type": ["number", "null"]},
-                    "resolved": {"type": ["boolean", "null"]}, "patch": {"type": ["string", "null"]},
-                    "completions": {"type": "array", "items": {"type": "object"}}},
-                    "required": ["id", "run_id", "status"]},
+                **response_schemas,
             }
         },
     }

@@ -15,7 +15,8 @@ from sqlalchemy import Integer, cast, func, select
 
 from app.api.errors import ApiError
 from app.api.openapi import openapi_spec
-from app.api.serialize import completion_to_dict, episode_to_dict, run_to_dict, step_to_dict
+from app.api.schemas import Health
+from app.api.serialize import completion_to_dict, episode_to_dict, run_to_dict
 from app.db import new_session, session_scope
 from app.models import Completion, Episode, Run, TrainingStep, Trajectory
 from app.runconfig import RunConfig
@@ -74,7 +75,7 @@ def get_openapi():
 
 @bp.get("/health")
 def health():
-    return jsonify({"status": "ok"})
+    return jsonify(Health().model_dump(mode="json"))
 
 
 @bp.post("/runs")
@@ -119,9 +120,8 @@ def list_runs():
         graded = _graded_stats(session, [r.id for r in runs])
         out = []
         for r in runs:
-            row = run_to_dict(r, _status_counts(session, r.id))
-            row["live"] = graded.get(r.id, {"graded": 0, "reward_mean": None, "resolved_rate": None})
-            out.append(row)
+            live = graded.get(r.id, {"graded": 0, "reward_mean": None, "resolved_rate": None})
+            out.append(run_to_dict(r, _status_counts(session, r.id), live=live))
         return jsonify({"runs": out})
 
 
@@ -141,11 +141,10 @@ def _graded_stats(session, run_ids: list[int]) -> dict[int, dict]:
 def get_run(run_id: int):
     with session_scope() as session:
         run = _get_run(session, run_id)
-        out = run_to_dict(run, _status_counts(session, run_id))
-        out["live"] = _live_stats(session, run_id)
-        steps = session.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id).order_by(TrainingStep.step))
-        out["steps"] = [step_to_dict(s) for s in steps]
-        return jsonify(out)
+        steps = list(session.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id)
+                                     .order_by(TrainingStep.step)))
+        return jsonify(run_to_dict(run, _status_counts(session, run_id), live=_live_stats(session, run_id),
+                                   steps=steps))
 
 
 @bp.post("/runs/<int:run_id>/cancel")
@@ -179,9 +178,7 @@ def get_episode(episode_id: int):
         ep = session.get(Episode, episode_id)
         if ep is None:
             raise ApiError(404, f"episode {episode_id} not found")
-        out = episode_to_dict(ep)
-        out["completions"] = [completion_to_dict(c) for c in ep.completions]
-        return jsonify(out)
+        return jsonify(episode_to_dict(ep, completions=list(ep.completions)))
 
 
 def _export_lines(run_id: int) -> Iterator[str]:

@@ -1,8 +1,10 @@
-"""Row -> JSON dicts for the REST API (ids and timestamps as strings where needed)."""
+"""Row -> JSON dicts for the REST API, built through the response models of `app.api.schemas`
+(so every body has exactly the documented fields, in the documented order)."""
 from __future__ import annotations
 
 import datetime as dt
 
+from app.api import schemas
 from app.models import Completion, Episode, Run, TrainingStep
 
 
@@ -10,8 +12,9 @@ def _ts(value: dt.datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def run_to_dict(run: Run, counts: dict[str, int] | None = None) -> dict:
-    return {
+def run_to_dict(run: Run, counts: dict[str, int] | None = None, live: dict | None = None,
+                steps: list[TrainingStep] | None = None) -> dict:
+    return schemas.Run(**{
         "id": run.id,
         "kind": run.kind,
         "status": run.status,
@@ -24,11 +27,13 @@ def run_to_dict(run: Run, counts: dict[str, int] | None = None) -> dict:
         "created_at": _ts(run.created_at),
         "started_at": _ts(run.started_at),
         "finished_at": _ts(run.finished_at),
-    }
+        "live": live,
+        "steps": [step_to_dict(st) for st in steps] if steps is not None else None,
+    }).model_dump(mode="json")
 
 
-def episode_to_dict(ep: Episode) -> dict:
-    return {
+def episode_to_dict(ep: Episode, completions: list[Completion] | None = None) -> dict:
+    return schemas.Episode(**{
         "id": ep.id,
         "run_id": ep.run_id,
         "instance_id": ep.instance.instance_id if ep.instance is not None else None,
@@ -49,7 +54,8 @@ def episode_to_dict(ep: Episode) -> dict:
         "created_at": _ts(ep.created_at),
         "started_at": _ts(ep.started_at),
         "finished_at": _ts(ep.finished_at),
-    }
+        "completions": [completion_to_dict(c) for c in completions] if completions is not None else None,
+    }).model_dump(mode="json")
 
 
 def completion_to_dict(c: Completion, with_tokens: bool = True) -> dict:
@@ -80,11 +86,11 @@ def completion_to_dict(c: Completion, with_tokens: bool = True) -> dict:
             sampled_ids=c.sampled_ids,
             logprobs=c.logprobs,
         )
-    return out
+    return schemas.Completion(**out).model_dump(mode="json")
 
 
 def step_to_dict(s: TrainingStep) -> dict:
-    return {
+    return schemas.Step(**{
         "step": s.step,
         "status": s.status,
         "policy_version": s.policy_version,
@@ -94,4 +100,4 @@ def step_to_dict(s: TrainingStep) -> dict:
         "error": s.error,
         "started_at": _ts(s.started_at),
         "finished_at": _ts(s.finished_at),
-    }
+    }).model_dump(mode="json")

@@ -2,7 +2,7 @@
 
     result = grade(instance_record, patch)   # GradeResult(resolved, reward, report, log_path, cached)
 
-Steps (../shared/tasks/README.md section 4; swebench 5.0.2 `run_instance`):
+Steps (as swebench 5.0.2's `run_instance`, without docker):
   1. Read the patch's paths with unidiff and drop its changes to the test harness: the
      instance's test files, test modules, pytest configuration, interpreter start-up hooks,
      package metadata, bytecode (`patching.drop_test_changes`; the rule is stated there).

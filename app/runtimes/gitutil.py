@@ -7,7 +7,8 @@ from pathlib import Path
 
 from app.runtimes.errors import RuntimeSetupError
 
-# The identity and date of the single base commit (../shared/tasks/README.md section 2).
+# The identity and date of the single base commit of an sdist repository: fixed, so the same
+# sdist always gives the same commit id on every machine.
 SDIST_IDENTITY = {
     "GIT_AUTHOR_NAME": "sdist",
     "GIT_AUTHOR_EMAIL": "sdist@localhost",

@@ -1,6 +1,6 @@
 """Materialize an instance's base repository (the tree the agent starts from), cached per instance.
 
-`pypi_sdist` (../shared/tasks/README.md section 2): unpack the sdist, `git init -b
+`pypi_sdist`: unpack the sdist, `git init -b
 main`, append the by-product patterns to `.git/info/exclude`, apply `bug_patch`
 (synthetic instances) *before* the only commit, `git add -A`, commit as `sdist
 <sdist@localhost>` at 2020-01-01T00:00:00+00:00 with message `<name> <version>`.

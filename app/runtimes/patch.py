@@ -9,8 +9,8 @@ applies and nothing is written to the base.  Without a base repository, the
 workspace's git is used with hooks, fsmonitor, external diff and textconv
 switched off.
 
-By-products never enter the patch: `.git/info/exclude` carries the patterns of
-../shared/tasks/README.md section 2, and `extra_excludes` (a gitignore-format
+By-products never enter the patch: `.git/info/exclude` carries the by-product patterns
+(`gitutil.write_excludes`: build folders, caches, egg-info), and `extra_excludes` (a gitignore-format
 file, e.g. files the venv install left in the tree) is added on top.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ The layout is the one `swebench` 5.0.2 reads (`swebench/types.py`,
 `FAIL_TO_PASS` / `PASS_TO_PASS` are JSON-encoded lists *inside* strings.  Both
 that form and plain lists are accepted; the model always holds lists.
 
-Turnstile's extras (see data/tasks/PROVENANCE.md and ../shared/tasks/README.md):
+Turnstile's extras (see data/tasks/PROVENANCE.md):
 `source` (where the repository comes from: a PyPI sdist, or a git repository at
 `base_commit`, the SWE-bench default), `bug_patch`, `install`, `test_cmd`,
 `test_files`, `python`, `sdist_base_commit`.  Unknown fields are kept (`extra`)

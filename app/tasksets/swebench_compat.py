@@ -110,7 +110,7 @@ def eval_script_lines(eval_script: str) -> list[str]:
 
 
 def default_eval_script(record: Any) -> str:
-    """An eval script of the ../shared/tasks shape for a record that has only `test_cmd`.
+    """An eval script (reset the test files, then run `test_cmd`) for a record that has only `test_cmd`.
 
     BASE is the repository's root commit for sdist sources, `base_commit` for git ones.
     """

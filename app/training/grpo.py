@@ -13,7 +13,7 @@ The objective implemented here, per trainable token t of a sequence from episode
 * Group advantage A_i = (R_i - mean_g R) / std_g R: DeepSeekMath, Shao et al. 2024,
   "Pushing the Limits of Mathematical Reasoning in Open Language Models", arXiv:2402.03300,
   §4.1.2 (outcome supervision).  Leave-one-out baseline: Ahmadian et al. 2024 (RLOO,
-  arXiv:2402.14740); Polar's default (../shared/research/polar.md §4.2).  Every sequence
+  arXiv:2402.14740).  Every sequence
   (chain) of episode i carries A_i.
 * Separate clip ranges ("clip-higher") and token-level aggregation: DAPO, Yu et al. 2025,
   arXiv:2503.14476, eq. 8–10.

@@ -12,8 +12,8 @@ Two builders, both pure functions over `CompletionRecord`s (no database, no torc
   several chains qualify the longest stream wins (prime-rl PR #2634).  A completion that
   extends no open chain (context compaction, a sub-agent with its own system prompt, a
   harness that rewrote or re-tokenized the previous assistant turn, a retry) starts a new
-  chain; the reason is counted.  See ../shared/research/polar.md §3.3 for the scheme Polar
-  uses; unlike Polar we compare prompt *and* sampled ids, so every merged sequence is exactly
+  chain; the reason is counted.  Unlike schemes that merge by comparing rendered text, we
+  compare prompt *and* sampled ids, so every merged sequence is exactly
   the token stream the engine saw and sampled (DESIGN.md invariant 1): nothing is re-rendered
   and no canonical end-of-turn is substituted.
 

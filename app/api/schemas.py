@@ -1,0 +1,132 @@
+"""Response models of the REST API: every JSON body is built from these, and the OpenAPI
+document (`app.api.openapi`) is generated from them, so the two cannot drift apart.
+
+Timestamps are ISO 8601 strings (UTC); token ids are integers, logprobs float nats.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+# Stored run configs are returned as stored (validated at creation); the OpenAPI document
+# points this field at the RunConfig schema (`app.api.openapi`).
+StoredRunConfig = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-schema": "RunConfig"})]
+RunStatus = Literal["queued", "running", "cancelling", "completed", "failed", "cancelled"]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Health(_Out):
+    """`GET /api/health`."""
+
+    status: Literal["ok"] = "ok"
+
+
+class LiveStats(_Out):
+    """Cheap aggregates for progress displays (fields a listing does not compute are null)."""
+
+    graded: int = Field(0, description="episodes graded so far")
+    reward_mean: float | None = Field(None, description="mean reward of the graded episodes")
+    resolved_rate: float | None = Field(None, description="fraction of graded episodes resolved")
+    completions: int | None = Field(None, description="model calls captured")
+    sampled_tokens: int | None = Field(None, description="tokens sampled by the policy in those calls")
+
+
+class Step(_Out):
+    """One GRPO training step."""
+
+    step: int
+    status: Literal["pending", "training", "completed", "failed"]
+    policy_version: int | None
+    episode_ids: list[int] | None
+    metrics: dict[str, Any] | None = Field(description="loss, rewards, merge and scheduling metrics (see README)")
+    checkpoint_path: str | None
+    error: str | None
+    started_at: str | None
+    finished_at: str | None
+
+
+class Run(_Out):
+    """A run: train, eval or collect."""
+
+    id: int
+    kind: Literal["train", "eval", "collect"]
+    status: RunStatus
+    policy_version: int
+    priority: int
+    config: StoredRunConfig
+    error: str | None
+    summary: dict[str, Any] | None = Field(description="the run summary once finished (see README: Monitoring)")
+    episodes_by_status: dict[str, int]
+    created_at: str | None
+    started_at: str | None
+    finished_at: str | None
+    live: LiveStats | None = None
+    steps: list[Step] | None = Field(None, description="training steps (`GET /api/runs/{run_id}` only)")
+
+
+class Completion(_Out):
+    """One model call through the gateway; token fields only on the one-episode view."""
+
+    id: int
+    seq: int
+    api: str
+    model: str | None
+    stream: bool
+    finish_reason: str | None
+    engine_id: str | None
+    policy_version: int | None
+    queue_ms: float | None
+    first_token_ms: float | None
+    total_ms: float | None
+    partial: bool
+    error: str | None
+    rejected_reason: str | None
+    prompt_tokens: int
+    sampled_tokens: int
+    created_at: str | None
+    normalized_request: dict[str, Any] | None = None
+    response: dict[str, Any] | None = None
+    prompt_ids: list[int] | None = None
+    sampled_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+
+
+class Episode(_Out):
+    """One harness execution on one task instance."""
+
+    id: int
+    run_id: int
+    instance_id: str | None
+    step: int | None
+    group_index: int
+    sample_index: int
+    status: str
+    attempts: int
+    policy_version: int | None
+    exit_status: str | None
+    timed_out: bool | None
+    reward: float | None
+    resolved: bool | None
+    patch: str | None
+    grading_report: dict[str, Any] | None
+    merge_stats: dict[str, Any] | None
+    error: str | None
+    created_at: str | None
+    started_at: str | None
+    finished_at: str | None
+    completions: list[Completion] | None = Field(None, description="`GET /api/episodes/{episode_id}` only")
+
+
+class RunList(_Out):
+    runs: list[Run]
+
+
+class EpisodeList(_Out):
+    episodes: list[Episode]
+
+
+RESPONSE_MODELS = (Health, LiveStats, Step, Run, Completion, Episode, RunList, EpisodeList)
