@@ -74,7 +74,8 @@ class Simulation(BaseModel):
 
 
 class Scheduling(BaseModel):
-    """Asynchronous rollout settings (see README: asynchronous mode)."""
+    """Asynchronous rollout: groups kept in flight beyond the step being trained, the staleness
+    bound on what is trained, straggler cuts, rollout slots and the READY buffer depth."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -113,9 +114,12 @@ class TrainingConfig(BaseModel):
         8192, ge=16, description="Token budget of one micro-batch: the packed length with `packing`, padding included "
                                  "(rows x longest row) without. A single sequence longer than this gets a micro-batch "
                                  "of its own.")
-    packing: bool = Field(
-        True, description="Pack several sequences into one row of a micro-batch (position ids restart per sequence, "
-                          "variable-length attention, no padding) instead of padding one sequence per row.")
+    packing: bool | None = Field(
+        None, description="Pack several sequences into one row of a micro-batch (position ids restart per sequence, "
+                          "variable-length attention, no padding) instead of padding one sequence per row. None: pack "
+                          "when the model's attention has variable-length kernels (flash_attention_2/3, "
+                          "flex_attention); with sdpa or eager a packed row costs a dense masked attention over "
+                          "the whole row, (sum of lengths)^2, so pad instead.")
     max_sequence_tokens: int | None = Field(
         None, ge=16, description="Longest single sequence (merged chain) the trainer accepts; a longer one fails the "
                                  "step before any forward pass, with an error naming both lengths. None: the "

@@ -46,6 +46,11 @@ ADAPTER_FILE = "adapter.pt"
 MODEL_DIR = "model"
 
 
+# Attention implementations whose kernels take packed rows without a dense mask (cu_seqlens or
+# block-sparse masks derived from position ids).
+VARLEN_ATTENTION = ("flash_attention", "flex_attention")
+
+
 class SequenceTooLongError(ValueError):
     """A training sequence is longer than the trainer accepts (`max_sequence_tokens`)."""
 
@@ -78,6 +83,9 @@ class Trainer:
             model = policy.add_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout)
         self.model = model
         self.model.train()
+        packing = config.packing
+        attention = getattr(policy.causal_lm(model).config, "_attn_implementation", None) or ""
+        self.packing = attention.startswith(VARLEN_ATTENTION) if packing is None else packing
         checkpointing = config.activation_checkpointing
         self.activation_checkpointing = self.device.type == "cuda" if checkpointing is None else checkpointing
         policy.set_activation_checkpointing(self.model, self.activation_checkpointing)
@@ -160,7 +168,7 @@ class Trainer:
         self._lead("logprobs", sequences)
         self.check_lengths(sequences)
         out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
-        for mb in make_micro_batches(sequences, self.config.micro_batch_tokens, "token", self.pad_id, self.config.packing):
+        for mb in make_micro_batches(sequences, self.config.micro_batch_tokens, "token", self.pad_id, self.packing):
             mb = mb.to(self.device)
             values = self._logprobs(mb, grad=False).float().cpu()
             index = mb.sequence_index.cpu()
@@ -186,7 +194,7 @@ class Trainer:
         start = time.perf_counter()
         cfg = self.config
         self.check_lengths(sequences)
-        batches = make_micro_batches(sequences, cfg.micro_batch_tokens, cfg.loss_aggregation, self.pad_id, cfg.packing)
+        batches = make_micro_batches(sequences, cfg.micro_batch_tokens, cfg.loss_aggregation, self.pad_id, self.packing)
         metrics = {
             "sequences": sum(1 for s in sequences if s.trainable > 0),
             "micro_batches": len(batches),
@@ -194,6 +202,7 @@ class Trainer:
             "tokens_processed": int(sum(mb.tokens for mb in batches)),
             "padded_tokens": int(sum(mb.padded_tokens for mb in batches)),
             "activation_checkpointing": self.activation_checkpointing,
+            "packing": self.packing,
             "world_size": self.world,
         }
         if not batches:

@@ -189,3 +189,12 @@ def test_is_lora_does_not_import_peft():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_packing_defaults_to_the_attention_kernels():
+    """Packed rows by default only where attention has variable-length kernels; sdpa pads."""
+    assert Trainer(TrainingConfig(), build_tiny_model(seed=0)).packing is False  # tiny model: sdpa
+    model = build_tiny_model(seed=0)
+    model.config._attn_implementation = "flash_attention_2"
+    assert Trainer(TrainingConfig(), model).packing is True
+    assert Trainer(TrainingConfig(packing=True), build_tiny_model(seed=0)).packing is True
