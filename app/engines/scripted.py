@@ -21,8 +21,14 @@ A reply is a JSON object: text, reasoning, reasoning_field ("reasoning" | "reaso
 tool_calls [{name, arguments, id?}], refusal, error {status, message}, prefill_delay (after the response
 headers, like vLLM), header_delay (before them), slow_first (delay only the first identical request), token_delay (s),
 abort_after (chunks, then close without [DONE]), error_after (chunks, then an error chunk),
+garbage_after (chunks, then one chunk whose `choices` is not a list),
 quirk ("no_type" | "repeat_id" | "same_index" | "args_at_end" | "args_in_header"), split_bytes (send SSE bytes in 1-byte
-writes that split UTF-8 characters), policy_version.
+writes that split UTF-8 characters), policy_version, cached_tokens (reported as cached prompt tokens).
+Tool calls may carry their own `id` (an engine that numbers calls per answer, `call_0`, reuses ids);
+quirk "args_object" sends a call's arguments as a JSON object instead of a string.
+Delays watch the connection: a client that closes it aborts the request (like vLLM), and the abort
+is listed at GET /_scripted/aborted.  `continue_final_message` continues the last (assistant)
+message instead of opening a new one.
 
 Run: `python -m app.engines.scripted --port 8200 [--script FILE] [--max-model-len 8192]`.
 """
@@ -33,6 +39,7 @@ import base64
 import hashlib
 import json
 import re
+import select
 import socket
 import threading
 import time
@@ -77,7 +84,9 @@ def render_prompt(body: dict) -> str:
     parts = []
     if body.get("tools"):
         parts.append("<|tools|>\n" + json.dumps(body["tools"], sort_keys=True, ensure_ascii=False) + "\n")
-    for m in body.get("messages") or []:
+    messages = body.get("messages") or []
+    cont = bool(body.get("continue_final_message")) and bool(messages)
+    for i, m in enumerate(messages):
         role = m.get("role")
         head = f"<|{role}|>" + (f"[{m.get('tool_call_id')}]" if role == "tool" else "") + "\n"
         reasoning = m.get("reasoning") or m.get("reasoning_content")
@@ -88,8 +97,8 @@ def render_prompt(body: dict) -> str:
             # tool-call turn re-renders to its sampled ids unless the harness rewrote it.
             text += ('<tool_call>{"name": ' + json.dumps(fn.get("name")) + ', "arguments": '
                      + _args_text(fn.get("arguments")) + "}</tool_call>")
-        parts.append(head + text + "\n")
-    if body.get("add_generation_prompt", True):
+        parts.append(head + text + ("" if cont and i == len(messages) - 1 else "\n"))
+    if body.get("add_generation_prompt", True) and not cont:
         parts.append("<|assistant|>\n")
     return "".join(parts)
 
@@ -202,6 +211,14 @@ def apply_quirk(steps: list[dict], quirk: str | None) -> list[dict]:
             held[k] = held.get(k, "") + tc["function"]["arguments"]
             out.append({**s, "delta": None})
             continue
+        elif quirk == "args_object":  # arguments as a JSON value, all on the first fragment
+            if first:
+                raw = "".join(x["text"] for x in steps if x.get("call") == call and not x.get("trailer")
+                              and "id" not in x["delta"]["tool_calls"][0])
+                tc["function"]["arguments"] = json.loads(raw) if raw else {}
+            else:
+                out.append({**s, "delta": None})
+                continue
         elif quirk == "args_in_header":  # all arguments ride on the chunk carrying id + name
             if first:
                 tc["function"]["arguments"] = "".join(
@@ -228,6 +245,7 @@ class Scripted:
         self.policy_version = policy_version
         self.counters: dict[str, int] = {}
         self.requests: list[dict] = []
+        self.aborted: list[dict] = []  # requests whose client closed the connection during a delay
         self.lock = threading.Lock()
 
     def reply_for(self, body: dict, episode: str | None) -> dict:
@@ -272,6 +290,9 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path.startswith("/_scripted/requests"):
             with st.lock:
                 self._json(200, {"requests": list(st.requests)})
+        elif self.path.startswith("/_scripted/aborted"):
+            with st.lock:
+                self._json(200, {"aborted": list(st.aborted)})
         elif self.path.startswith("/health"):
             self._json(200, {"status": "ok"})
         else:
@@ -289,6 +310,7 @@ class Handler(BaseHTTPRequestHandler):
             with st.lock:
                 st.requests.clear()
                 st.counters.clear()
+                st.aborted.clear()
             return self._json(200, {"ok": True})
         with st.lock:
             st.requests.append({"path": self.path, "headers": dict(self.headers.items()), "body": body})
@@ -339,9 +361,9 @@ class Handler(BaseHTTPRequestHandler):
             if seen == 0:
                 time.sleep(float(reply["slow_first"]))
         if reply.get("header_delay"):  # a server that answers nothing at all while it prefills
-            time.sleep(float(reply["header_delay"]))
+            self._wait(float(reply["header_delay"]))
         if reply.get("prefill_delay") and not body.get("stream"):
-            time.sleep(float(reply["prefill_delay"]))
+            self._wait(float(reply["prefill_delay"]))
         if body.get("stream"):
             return self.stream(body, reply, steps, finish, stop_reason, prompt_ids, extra)
         ids, lps, content, reasoning, refusal, calls = [], [], "", "", "", {}
@@ -366,6 +388,8 @@ class Handler(BaseHTTPRequestHandler):
         if refusal:
             msg["refusal"] = refusal
         usage = {"prompt_tokens": p, "completion_tokens": len(ids), "total_tokens": p + len(ids)}
+        if reply.get("cached_tokens"):
+            usage["prompt_tokens_details"] = {"cached_tokens": int(reply["cached_tokens"])}
         self._json(200, {"id": "chatcmpl-scripted", "object": "chat.completion", "created": int(time.time()),
                          "model": st.model, "prompt_token_ids": prompt_ids, **extra,
                          "choices": [{"index": 0, "message": msg,
@@ -373,6 +397,26 @@ class Handler(BaseHTTPRequestHandler):
                                       "finish_reason": finish, "stop_reason": stop_reason,
                                       "token_ids": ids if body.get("return_token_ids") else None}],
                          "usage": usage})
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep `seconds`, watching the connection: EOF from the client aborts the request."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            readable, _, _ = select.select([self.connection], [], [], min(left, 0.02))
+            if not readable:
+                continue
+            try:
+                closed = self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                closed = True
+            if not closed:
+                time.sleep(min(left, 0.02))
+                continue
+            st = self.server.state
+            with st.lock:
+                st.aborted.append({"at": time.time(), "episode": self.headers.get("x-turnstile-episode")})
+            self.close_connection = True
+            raise ConnectionAbortedError("client closed the connection")
 
     def _chunk(self, data: bytes, split: bool) -> None:
         if not split:
@@ -395,24 +439,38 @@ class Handler(BaseHTTPRequestHandler):
         base = {"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": st.model}
 
-        def send(obj) -> None:
+        opts = body.get("stream_options") or {}
+        cached = int(reply.get("cached_tokens") or 0)
+
+        def usage(completion: int) -> dict:
+            u = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                 "total_tokens": len(prompt_ids) + completion}
+            if cached:
+                u["prompt_tokens_details"] = {"cached_tokens": cached}
+            return u
+
+        def send(obj, completion: int | None = None) -> None:
+            if completion is not None and opts.get("include_usage") and opts.get("continuous_usage_stats"):
+                obj["usage"] = usage(completion)  # vLLM: usage on every chunk when asked
             self._chunk(b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n", split)
 
-        if reply.get("prefill_delay"):  # like vLLM: headers first, first token after the prefill
-            self.wfile.flush()
-            time.sleep(float(reply["prefill_delay"]))
         first = {**base, **extra, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}]}
         if body.get("return_token_ids"):
             first["prompt_token_ids"] = prompt_ids
         try:
-            send(first)
+            if reply.get("prefill_delay"):  # like vLLM: headers first, first token after the prefill
+                self.wfile.flush()
+                self._wait(float(reply["prefill_delay"]))
+            send(first, 0)
             pos = 0
             for i, s in enumerate(steps):
                 if reply.get("abort_after") is not None and i >= int(reply["abort_after"]):
                     self.wfile.write(b"0\r\n\r\n")
                     self.close_connection = True
                     return
+                if reply.get("garbage_after") is not None and i >= int(reply["garbage_after"]):
+                    send({**base, "choices": "not a list"})  # a chunk no client can read
                 if reply.get("error_after") is not None and i >= int(reply["error_after"]):
                     send({"error": {"message": "scripted failure mid-stream", "type": "InternalServerError",
                                     "code": 500}})
@@ -431,18 +489,18 @@ class Handler(BaseHTTPRequestHandler):
                     choice["stop_reason"] = stop_reason
                 if body.get("return_token_ids"):
                     choice["token_ids"] = ids
-                send({**base, "choices": [choice]})
+                send({**base, "choices": [choice]}, pos)
                 if delay:
-                    time.sleep(delay)
+                    self.wfile.flush()
+                    self._wait(delay)
             if not steps:
                 send({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish,
-                                           "stop_reason": stop_reason, "token_ids": []}]})
-            if (body.get("stream_options") or {}).get("include_usage"):
-                send({**base, "choices": [], "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": pos,
-                                                       "total_tokens": len(prompt_ids) + pos}})
+                                           "stop_reason": stop_reason, "token_ids": []}]}, pos)
+            if opts.get("include_usage"):
+                send({**base, "choices": [], "usage": usage(pos)})
             self._chunk(b"data: [DONE]\n\n", split)
             self.wfile.write(b"0\r\n\r\n")
-        except (BrokenPipeError, ConnectionResetError):
+        except ConnectionError:  # broken pipe, reset, or the client left during a delay
             self.close_connection = True
 
 

@@ -124,7 +124,8 @@ def _render(engine: Engine, body: dict, default_generation_prompt: bool = True) 
     with engine.tokenizer_lock:
         try:
             return render_prompt(engine.tokenizer, body.get("messages"), tools,
-                                 get_field(body, "add_generation_prompt", bool, default_generation_prompt), kwargs)
+                                 get_field(body, "add_generation_prompt", bool, default_generation_prompt), kwargs,
+                                 continue_final_message=get_field(body, "continue_final_message", bool, False))
         except TemplateError as exc:
             raise EngineError(str(exc), param="messages") from exc
 

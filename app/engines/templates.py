@@ -151,12 +151,16 @@ def render_prompt(
     tools: list | None = None,
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Render OpenAI chat ``messages`` (+ ``tools``) to prompt token ids (``list[int]``).
 
     Uses the tokenizer's own template unless ``needs_tool_template`` says otherwise.  With
     plain messages the result equals
     ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)``.
+
+    ``continue_final_message``: the prompt ends inside the last (assistant) message, so the
+    model continues it (a prefill), as vLLM's field of the same name; no generation prompt.
 
     Raises:
         TemplateError: invalid messages/tools, or the template itself raised.
@@ -170,8 +174,9 @@ def render_prompt(
         kwargs.setdefault("default_system", SMOLLM2_DEFAULT_SYSTEM)
     try:
         ids = tokenizer.apply_chat_template(
-            normalized, tools=tools or None, add_generation_prompt=add_generation_prompt,
-            tokenize=True, return_dict=False, **kwargs)
+            normalized, tools=tools or None,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, tokenize=True, return_dict=False, **kwargs)
     except TemplateError:
         raise
     except Exception as exc:  # jinja2 errors, TypeError from odd message shapes

@@ -144,3 +144,14 @@ def test_incremental_detokenization_of_multibyte_text(tokenizer, stop):
     expected = text[: text.find(stop[0])] if stop else text
     assert "".join(pieces) == expected
     assert delta.finish_reason == ("stop" if stop else "length")
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_prefill(tokenizer):
+    """An assistant prefill ("1,") is continued: the prompt ends with it, with no end-of-turn
+    and no new assistant header after it (vLLM's `continue_final_message`)."""
+    messages = [{"role": "user", "content": "count to 3"}, {"role": "assistant", "content": "1,"}]
+    text = tokenizer.decode(render_prompt(tokenizer, messages, continue_final_message=True))
+    assert text.endswith("<|im_start|>assistant\n1,")
+    closed = tokenizer.decode(render_prompt(tokenizer, messages))
+    assert closed.endswith("<|im_start|>assistant\n")
+    assert closed.count("<|im_start|>assistant") == 2
