@@ -186,6 +186,12 @@ def normalize(body: dict, *, count_only: bool = False) -> c.Normalized:
     stream = c.expect_type(body.get("stream"), bool, "stream") or False
     messages = _system(body.get("system")) + _convert_messages(body.get("messages"))
     chat: dict = {"messages": c.finalize_messages(messages)}
+    last = chat["messages"][-1] if chat["messages"] else {}
+    if last.get("role") == "assistant" and last.get("content") and not last.get("tool_calls"):
+        # A final assistant message is a prefill: the answer continues it
+        # (https://docs.anthropic.com/en/docs/build-with-claude/prompt-engineering/prefill-claudes-response).
+        chat["continue_final_message"] = True
+        chat["add_generation_prompt"] = False
     tools = _tools(body.get("tools"))
     if tools:
         chat["tools"] = tools
@@ -219,6 +225,8 @@ def stop_reason(r: Result) -> tuple[str, str | None]:
         return "stop_sequence", r.stop_sequence
     if r.refusal and not r.text and not r.tool_calls:
         return "refusal", None
+    if r.finish_reason == "length":  # also inside a tool call: the cut call must not be run
+        return "max_tokens", None
     if r.tool_calls:
         return "tool_use", None
     return _STOP.get(r.finish_reason or "stop", "end_turn"), None
@@ -243,7 +251,7 @@ def render(r: Result, norm: c.Normalized, msg_id: str) -> dict:
     text = r.text or (r.refusal if not r.tool_calls else "")
     if text:  # never an empty text block (B34)
         content.append({"type": "text", "text": text})
-    for call in r.tool_calls:
+    for call in r.runnable_calls:
         content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": call.parsed_arguments()})
     reason, seq = stop_reason(r)
     return {"id": msg_id, "type": "message", "role": "assistant", "model": norm.model, "content": content,
@@ -261,6 +269,7 @@ class Stream:
         self.index = -1
         self.kind: str | None = None   # kind of the open block: thinking | text | tool
         self.tool_k: int | None = None
+        self.held: dict | None = None  # the tool call being generated: sent once it is complete
         self.done = False
 
     def _ev(self, name: str, data: dict) -> bytes:
@@ -300,9 +309,26 @@ class Stream:
         out.append(self._ev("content_block_start", {"index": self.index, "content_block": block}))
         return out
 
+    def _flush(self, r: Result) -> list[bytes]:
+        """Send the held tool call as one tool_use block.  Calls are held until complete so
+        that a call cut off by max_tokens is never sent as a tool_use block to run."""
+        h, self.held = self.held, None
+        if h is None:
+            return []
+        out = self._open("tool", {"type": "tool_use", "id": h["id"], "name": h["name"], "input": {}}, r)
+        self.tool_k = h["k"]
+        if h["args"]:
+            out.append(self._ev("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": h["args"]}}))
+        return out
+
     def on_event(self, ev: tuple, r: Result) -> list[bytes]:
         out = self.start(r)
         kind = ev[0]
+        if kind == "tool_args" and self.held is not None and self.held["k"] == ev[1]:
+            self.held["args"] += ev[2]
+            return out
+        out += self._flush(r)
         if kind == "reasoning":
             if self.kind != "thinking":
                 out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""}, r)
@@ -318,8 +344,8 @@ class Stream:
                                                         "delta": {"type": "text_delta", "text": ev[1]}}))
         elif kind == "tool_start":
             _, k, call_id, name = ev
-            out += self._open("tool", {"type": "tool_use", "id": call_id, "name": name, "input": {}}, r)
-            self.tool_k = k
+            out += self._close(r)
+            self.held = {"k": k, "id": call_id, "name": name, "args": ""}
         elif kind == "tool_args":
             if self.kind == "tool" and self.tool_k == ev[1]:
                 out.append(self._ev("content_block_delta", {"index": self.index, "delta": {
@@ -329,7 +355,9 @@ class Stream:
         return out
 
     def finish(self, r: Result) -> list[bytes]:
-        out = self.start(r) + self._close(r)
+        if r.cut_short:
+            self.held = None  # the last call was cut by max_tokens: not runnable, not sent
+        out = self.start(r) + self._flush(r) + self._close(r)
         reason, seq = stop_reason(r)
         out.append(self._ev("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
                                               "usage": usage(r)}))
@@ -339,6 +367,7 @@ class Stream:
 
     def fail(self, err: GatewayError, r: Result) -> list[bytes]:
         """Upstream failure after the 200 status line: error event, then message_stop."""
+        self.held = None
         out = self.start(r) + self._close(r)
         etype = "overloaded_error" if err.kind == "overloaded" else (
             "invalid_request_error" if err.kind in ("context_length", "invalid_request") else "api_error")

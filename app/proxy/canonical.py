@@ -39,9 +39,16 @@ def new_id(prefix: str, n: int = 12) -> str:
 
 @dataclass
 class ToolCall:
+    """One tool call; `id` is the id clients see, `engine_id` the engine's own when it differs."""
+
     id: str
     name: str
     arguments: str = ""
+    engine_id: str | None = None
+
+    @property
+    def eid(self) -> str:
+        return self.engine_id or self.id
 
     def parsed_arguments(self) -> dict:
         """The arguments as a JSON object ({} when empty; {"_raw": text} when not JSON)."""
@@ -52,6 +59,23 @@ class ToolCall:
         except ValueError:
             return {"_raw": self.arguments}
         return val if isinstance(val, dict) else {"_value": val}
+
+
+# Engines that number calls per answer (`call_0`) repeat ids across turns, and clients key tool
+# results by id, so a repeated id gets a suffix on the way out and loses it on the way back in:
+# the engine sees its own ids in the history, and the rendered prompt stays what it sampled.
+_UNIQUE_SUFFIX = re.compile(r"^(.+)-gw[0-9a-f]{8}$")
+
+
+def engine_call_id(client_id: str) -> str:
+    """The engine's id of a tool call whose id the gateway made unique (else the id itself)."""
+    m = _UNIQUE_SUFFIX.match(client_id) if isinstance(client_id, str) else None
+    return m.group(1) if m else client_id
+
+
+def unique_call_id(engine_id: str, taken: set[str]) -> str:
+    """`engine_id`, or a suffixed id when `taken` (ids earlier in the conversation) holds it."""
+    return f"{engine_id}-gw{secrets.token_hex(4)}" if engine_id in taken else engine_id
 
 
 @dataclass
@@ -92,6 +116,16 @@ class Result:
         return self.usage_completion_tokens or 0
 
     @property
+    def cut_short(self) -> bool:
+        """The engine hit the token limit inside a tool call: its last call is unfinished."""
+        return self.finish_reason == "length" and bool(self.tool_calls)
+
+    @property
+    def runnable_calls(self) -> list[ToolCall]:
+        """The tool calls a client may run: all but a call cut off by the token limit."""
+        return self.tool_calls[:-1] if self.cut_short else self.tool_calls
+
+    @property
     def stop_sequence(self) -> str | None:
         """The matched stop string (vLLM reports it in `stop_reason`), else None."""
         return self.stop_reason if isinstance(self.stop_reason, str) and self.stop_reason else None
@@ -113,8 +147,9 @@ def _logprob_values(lp: Any) -> tuple[list[float], list[dict]]:
 class ChunkNormalizer:
     """Feeds upstream Chat Completions stream chunks; emits canonical events; builds a `Result`."""
 
-    def __init__(self) -> None:
+    def __init__(self, taken: set[str] | frozenset = frozenset()) -> None:
         self.result = Result()
+        self.taken = set(taken)                 # tool-call ids already in the conversation
         self._by_index: dict[int, int] = {}      # upstream tool index -> k
         self._pending: dict[int, dict] = {}     # k -> {"id","name","args"} before the name is known
         self._started: set[int] = set()
@@ -171,24 +206,34 @@ class ChunkNormalizer:
         if not isinstance(index, int):
             # No index (non-conforming server): continue the last call unless a new id appears.
             last = max(self._by_index, default=None)
-            same = last is not None and (not call_id or r.tool_calls[self._by_index[last]].id == call_id)
+            same = last is not None and (not call_id or r.tool_calls[self._by_index[last]].eid == call_id)
             index = last if same else (last + 1 if last is not None else 0)
         k = self._by_index.get(index)
-        if k is None or (call_id and r.tool_calls[k].id != call_id and not r.tool_calls[k].id.startswith("call_gw")):
-            # A new call: first fragment at this index, or a new id reusing the index (B19c).
+        if k is None or (call_id and r.tool_calls[k].eid != call_id and not r.tool_calls[k].eid.startswith("call_gw")):
+            # A new call: first fragment at this index, or a new id reusing the index.
+            events_before = self._close_empty(len(r.tool_calls) - 1)
             k = len(r.tool_calls)
             self._by_index[index] = k
             r.tool_calls.append(ToolCall(id=call_id or new_id("call_gw", 8), name=""))
+        else:
+            events_before = []
         call = r.tool_calls[k]
-        if call_id and call.id.startswith("call_gw"):
-            call.id = call_id
-        events: list[tuple] = []
+        if call_id and call.eid.startswith("call_gw"):
+            call.id, call.engine_id = call_id, None
+        events: list[tuple] = events_before
         if fn.get("name") and not call.name:
             call.name = fn["name"]
         args = fn.get("arguments") or ""
+        if not isinstance(args, str):  # some servers send the arguments as a JSON value
+            args = json.dumps(args, ensure_ascii=False)
         if k not in self._started:
             if call.name:
                 self._started.add(k)
+                client_id = unique_call_id(call.id, self.taken)
+                self.taken.add(client_id)
+                self.taken.add(call.id)
+                if client_id != call.id:
+                    call.id, call.engine_id = client_id, call.id
                 events.append(("tool_start", k, call.id, call.name))
                 pending = self._pending.pop(k, "")
                 if pending:
@@ -203,14 +248,25 @@ class ChunkNormalizer:
                 events.append(("tool_args", k, args))
         return events
 
+    def _close_empty(self, k: int) -> list[tuple]:
+        """Call k is complete: a call with no arguments at all gets "{}", the empty JSON object
+        its clients parse (an empty string is not valid JSON)."""
+        r = self.result
+        if k < 0 or k not in self._started or r.tool_calls[k].arguments.strip():
+            return []
+        r.tool_calls[k].arguments = "{}"
+        return [("tool_args", k, "{}")]
+
     def finish(self) -> list[tuple]:
-        """Call after the last chunk: events for anything recovered (B21), in order."""
+        """Call after the last chunk: events for anything recovered from reasoning, in order."""
         r = self.result
         nameless = [c for k, c in enumerate(r.tool_calls) if k not in self._started]
         if nameless:
             r.flags.append("tool_call_without_name")
             r.tool_calls = [c for c in r.tool_calls if c not in nameless]
-        return finish_result(r)
+            self._started = set(range(len(r.tool_calls)))
+        events = [] if r.finish_reason == "length" else self._close_empty(len(r.tool_calls) - 1)
+        return events + finish_result(r)
 
 
 _TOOL_IN_REASONING = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
@@ -264,7 +320,7 @@ def finish_result(result: Result) -> list[tuple]:
     return events
 
 
-def result_from_completion(body: dict) -> Result:
+def result_from_completion(body: dict, taken: set[str] | frozenset = frozenset()) -> Result:
     """A non-stream `chat.completion` body (with vLLM extensions) -> `Result` (choice 0)."""
     r = Result()
     if body.get("prompt_token_ids") is not None:
@@ -287,7 +343,16 @@ def result_from_completion(body: dict) -> Result:
         if not isinstance(args, str):
             args = json.dumps(args if args is not None else {})
         r.tool_calls.append(ToolCall(tc.get("id") or new_id("call_", 12), fn.get("name") or "", args))
+    seen = set(taken)
+    for call in r.tool_calls:
+        client_id = unique_call_id(call.id, seen)
+        seen.update((client_id, call.id))
+        if client_id != call.id:
+            call.id, call.engine_id = client_id, call.id
     r.finish_reason = choice.get("finish_reason")
+    for call in r.runnable_calls:
+        if not call.arguments.strip():
+            call.arguments = "{}"  # an empty string is not JSON; clients parse the arguments
     r.stop_reason = choice.get("stop_reason")
     r.sampled_ids = list(choice.get("token_ids") or [])
     r.logprobs, r.logprobs_content = _logprob_values(choice.get("logprobs"))

@@ -178,6 +178,8 @@ def _clean_logprobs(entries: list[dict]) -> list[dict]:
 
 
 def finish_reason(r: Result) -> str:
+    if r.finish_reason == "length":  # also inside a tool call: the cut call must not be run
+        return "length"
     if r.tool_calls:
         return "tool_calls"
     return r.finish_reason or "stop"
@@ -190,9 +192,9 @@ def render(r: Result, norm: c.Normalized, resp_id: str, created: int | None = No
     if r.reasoning:
         msg["reasoning_content"] = r.reasoning
         msg["reasoning"] = r.reasoning
-    if r.tool_calls:
+    if r.runnable_calls:
         msg["tool_calls"] = [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
-                             for t in r.tool_calls]
+                             for t in r.runnable_calls]
     logprobs = {"content": _clean_logprobs(r.logprobs_content), "refusal": None} if norm.meta.get("logprobs") else None
     return {"id": resp_id, "object": "chat.completion", "created": created or int(time.time()), "model": norm.model,
             "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish_reason(r)}],
@@ -207,6 +209,7 @@ class Stream:
         self.norm, self.resp_id, self.created = norm, resp_id, int(time.time())
         self.started = False
         self._lp_sent = 0
+        self.held: dict | None = None  # the tool call being generated: sent once it is complete
         self.done = False
 
     def _chunk(self, delta: dict, r: Result, finish: str | None = None) -> bytes:
@@ -232,9 +235,25 @@ class Stream:
         self.started = True
         return [self._chunk({"role": "assistant", "content": ""}, r)]
 
+    def _flush(self, r: Result) -> list[bytes]:
+        """Send the held tool call whole.  Calls are held until complete so that a call cut off
+        by the token limit is never sent: clients run every call they receive."""
+        h, self.held = self.held, None
+        if h is None:
+            return []
+        out = [self._chunk({"tool_calls": [{"index": h["k"], "id": h["id"], "type": "function",
+                                            "function": {"name": h["name"], "arguments": ""}}]}, r)]
+        if h["args"]:
+            out.append(self._chunk({"tool_calls": [{"index": h["k"], "function": {"arguments": h["args"]}}]}, r))
+        return out
+
     def on_event(self, ev: tuple, r: Result) -> list[bytes]:
         out = self.start(r)
         kind = ev[0]
+        if kind == "tool_args" and self.held is not None and self.held["k"] == ev[1]:
+            self.held["args"] += ev[2]
+            return out
+        out += self._flush(r)
         if kind == "reasoning":
             out.append(self._chunk({"reasoning_content": ev[1], "reasoning": ev[1]}, r))
         elif kind == "text":
@@ -243,14 +262,16 @@ class Stream:
             out.append(self._chunk({"refusal": ev[1]}, r))
         elif kind == "tool_start":
             _, k, call_id, name = ev
-            out.append(self._chunk({"tool_calls": [{"index": k, "id": call_id, "type": "function",
-                                                    "function": {"name": name, "arguments": ""}}]}, r))
+            self.held = {"k": k, "id": call_id, "name": name, "args": ""}
         elif kind == "tool_args":
             out.append(self._chunk({"tool_calls": [{"index": ev[1], "function": {"arguments": ev[2]}}]}, r))
         return out
 
     def finish(self, r: Result) -> list[bytes]:
         out = self.start(r)
+        if r.cut_short:
+            self.held = None  # the last call was cut by the token limit: not runnable, not sent
+        out += self._flush(r)
         out.append(self._chunk({}, r, finish_reason(r)))
         if self.norm.meta.get("include_usage"):
             out.append(frame({"id": self.resp_id, "object": "chat.completion.chunk", "created": self.created,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.config import Settings, get_settings
+from app.proxy.canonical import engine_call_id
 from app.proxy.errors import GatewayError
 
 log = logging.getLogger("turnstile.gateway")
@@ -173,7 +174,8 @@ def finalize_messages(messages: list[dict]) -> list[dict]:
     * consecutive assistant messages merged (text + tool calls), so a tool result always
       follows the assistant message carrying its call (B27);
     * a tool result whose call is unknown becomes user text instead of a template error;
-    * assistant messages with tool calls and no text get content None (B35).
+    * assistant messages with tool calls and no text get content None;
+    * tool-call ids the gateway made unique go back to the engine's own ids.
     """
     system_texts: list[str] = []
     out: list[dict] = []
@@ -187,6 +189,8 @@ def finalize_messages(messages: list[dict]) -> list[dict]:
                 system_texts.append(text)
             continue
         if role == "assistant":
+            if msg.get("tool_calls"):
+                msg = dict(msg, tool_calls=[dict(tc, id=engine_call_id(tc["id"])) for tc in msg["tool_calls"]])
             for tc in msg.get("tool_calls") or []:
                 known_calls.add(tc["id"])
             if out and out[-1].get("role") == "assistant":
@@ -195,6 +199,7 @@ def finalize_messages(messages: list[dict]) -> list[dict]:
             out.append(dict(msg))
             continue
         if role == "tool":
+            msg = dict(msg, tool_call_id=engine_call_id(msg.get("tool_call_id")))
             if msg.get("tool_call_id") not in known_calls:
                 out.append({"role": "user", "content": f"[result of tool call {msg.get('tool_call_id')}]\n"
                                                        f"{msg.get('content') or ''}"})

@@ -25,6 +25,10 @@ from app.proxy.errors import GatewayError, error_body
 from app.proxy.sse import frame
 
 API = "gemini"
+# Gemini CLI rejects (and retries) an answer with neither a function call nor visible text
+# ("The model returned reasoning thoughts but no final response text"), and the JS SDK drops
+# parts whose text is "": an answer that is only reasoning, or empty, carries this text part.
+NO_TEXT = "(no answer)"
 _FINISH = {"stop": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP", "content_filter": "SAFETY"}
 
 
@@ -78,6 +82,8 @@ def convert_contents(contents: Any) -> list[dict]:
                 if not p["text"]:
                     continue
                 if role == "model":
+                    if p["text"] == NO_TEXT and not p.get("thought"):
+                        continue  # the gateway's own placeholder: the model never sampled it
                     (reasoning if p.get("thought") else text).append(p["text"])
                 else:
                     user_parts.append({"type": "text", "text": p["text"]})
@@ -202,8 +208,11 @@ def normalize(body: dict, model: str, stream: bool) -> c.Normalized:
 
 
 def _usage(r: Result) -> dict:
-    return {"promptTokenCount": r.prompt_tokens, "candidatesTokenCount": r.completion_tokens,
-            "totalTokenCount": r.prompt_tokens + r.completion_tokens}
+    u = {"promptTokenCount": r.prompt_tokens, "candidatesTokenCount": r.completion_tokens,
+         "totalTokenCount": r.prompt_tokens + r.completion_tokens}
+    if r.cached_tokens:  # part of promptTokenCount, as Gemini reports it
+        u["cachedContentTokenCount"] = min(r.cached_tokens, r.prompt_tokens)
+    return u
 
 
 def _call_part(call) -> dict:
@@ -211,6 +220,8 @@ def _call_part(call) -> dict:
 
 
 def finish_reason(r: Result) -> str:
+    if r.finish_reason == "length":  # also inside a tool call: the cut call is not sent
+        return "MAX_TOKENS"
     return "STOP" if r.tool_calls else _FINISH.get(r.finish_reason or "stop", "OTHER")
 
 
@@ -221,7 +232,9 @@ def render(r: Result, norm: c.Normalized, resp_id: str) -> dict:
     text = r.text or (r.refusal if not r.tool_calls else "")
     if text:
         parts.append({"text": text})
-    parts.extend(_call_part(t) for t in r.tool_calls)
+    parts.extend(_call_part(t) for t in r.runnable_calls)
+    if not any("functionCall" in p or not p.get("thought") for p in parts):
+        parts.append({"text": NO_TEXT})
     cand: dict = {"content": {"role": "model", "parts": parts}, "finishReason": finish_reason(r), "index": 0}
     return {"candidates": [cand], "usageMetadata": _usage(r), "modelVersion": norm.model, "responseId": resp_id}
 
@@ -232,6 +245,7 @@ class Stream:
     def __init__(self, norm: c.Normalized, resp_id: str) -> None:
         self.norm, self.resp_id = norm, resp_id
         self.sent_calls = 0
+        self.sent_visible = False  # a non-thought text part or a functionCall went out
         self.done = False
 
     def _chunk(self, parts: list[dict], finish: str | None = None, r: Result | None = None) -> bytes:
@@ -261,20 +275,28 @@ class Stream:
         self.sent_calls = max(self.sent_calls, upto)
         return parts
 
+    def _visible(self, parts: list[dict]) -> list[dict]:
+        if any("functionCall" in p or not p.get("thought") for p in parts):
+            self.sent_visible = True
+        return parts
+
     def on_event(self, ev: tuple, r: Result) -> list[bytes]:
         kind = ev[0]
         if kind == "reasoning" and self.norm.meta.get("include_thoughts"):
             return [self._chunk([{"text": ev[1], "thought": True}])]
         if kind == "text" or (kind == "refusal" and not r.text):
-            return [self._chunk([{"text": ev[1]}])] if ev[1] else []
+            return [self._chunk(self._visible([{"text": ev[1]}]))] if ev[1] else []
         if kind == "tool_start" and ev[1] > self.sent_calls:
             # the previous call is complete: send it whole (Gemini never streams partial args)
-            return [self._chunk(self._flush_calls(r, ev[1]))]
+            return [self._chunk(self._visible(self._flush_calls(r, ev[1])))]
         return []
 
     def finish(self, r: Result) -> list[bytes]:
         self.done = True
-        return [self._chunk(self._flush_calls(r, len(r.tool_calls)), finish_reason(r), r)]
+        parts = self._visible(self._flush_calls(r, len(r.runnable_calls)))
+        if not self.sent_visible:
+            parts = self._visible([{"text": NO_TEXT}])
+        return [self._chunk(parts, finish_reason(r), r)]
 
     def fail(self, err: GatewayError, r: Result) -> list[bytes]:
         self.done = True

@@ -257,7 +257,8 @@ def response_object(norm: c.Normalized, resp_id: str, created: int, output: list
 
 
 def _status(r: Result) -> str:
-    return "incomplete" if r.finish_reason == "length" and not r.tool_calls else "completed"
+    # A length stop inside a tool call is incomplete too; the cut call's item says "incomplete".
+    return "incomplete" if r.finish_reason == "length" else "completed"
 
 
 def render(r: Result, norm: c.Normalized, resp_id: str, created: int | None = None) -> dict:
@@ -267,7 +268,8 @@ def render(r: Result, norm: c.Normalized, resp_id: str, created: int | None = No
     if r.text or (r.refusal and not r.tool_calls):
         output.append(_message_item(new_id("msg_"), r.text, r.refusal))
     for call in r.tool_calls:
-        output.append(_call_item(norm, new_id("fc_"), call.id, call.name, call.arguments))
+        status = "incomplete" if r.cut_short and call is r.tool_calls[-1] else "completed"
+        output.append(_call_item(norm, new_id("fc_"), call.id, call.name, call.arguments, status))
     return response_object(norm, resp_id, created or int(time.time()), output, r, _status(r))
 
 
@@ -304,7 +306,7 @@ class Stream:
     def _index(self) -> int:
         return len(self.output)
 
-    def _close(self) -> list[bytes]:
+    def _close(self, cut: bool = False) -> list[bytes]:
         o = self.open
         if o is None:
             return []
@@ -326,7 +328,8 @@ class Stream:
                                                                "content_index": 0, "part": part}))
             item = _message_item(item["id"], o["text"])
         else:
-            final = _call_item(self.norm, item["id"], item["call_id"], item["name"], o["args"])
+            final = _call_item(self.norm, item["id"], item["call_id"], item["name"], o["args"],
+                               "incomplete" if cut else "completed")
             if final["type"] == "custom_tool_call":
                 out.append(self._ev("response.custom_tool_call_input.done", {
                     "item_id": final["id"], "output_index": idx, "input": final["input"]}))
@@ -387,7 +390,7 @@ class Stream:
         return out
 
     def finish(self, r: Result) -> list[bytes]:
-        out = self._close()
+        out = self._close(cut=r.cut_short)
         status = _status(r)
         self.final = self._resp(status, r)
         out.append(self._ev("response.completed" if status == "completed" else "response.incomplete",

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import select
+import socket
 import time
+import zlib
 from typing import Iterator
 
 from flask import Flask, Response, request
@@ -18,12 +22,12 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from app import weight_gate
 from app.proxy import anthropic, chat, gemini, record, responses
-from app.proxy.canonical import ChunkNormalizer, new_id, result_from_completion
+from app.proxy.canonical import ChunkNormalizer, Result, new_id
 from app.proxy.common import Normalized, gateway_settings
 from app.proxy.detect import Route, api_from_headers, detect
 from app.proxy.errors import GatewayError, error_body
 from app.proxy.sessions import SessionInfo, resolve_session_info
-from app.proxy.sse import dumps
+from app.proxy.sse import dumps, frame
 from app.proxy.upstream import DONE, EOF, PendingStream, get_upstream
 
 log = logging.getLogger("turnstile.gateway")
@@ -58,6 +62,62 @@ def authenticate() -> SessionInfo:
     return info
 
 
+def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
+    """The request body with its Content-Encoding removed (RFC 9110 §8.4: codings listed in
+    the order applied).  gzip, deflate and zstd (RFC 8878; Codex compresses with it) are
+    accepted; an unknown coding is a 415 (RFC 9110 §15.5.16); the decoded body may not
+    exceed `limit` bytes, so a small compression bomb cannot exhaust memory."""
+    codings = [c.strip().lower() for c in encoding.split(",") if c.strip()]
+    for coding in reversed(codings):
+        if coding == "identity":
+            continue
+        if coding in ("gzip", "x-gzip", "deflate"):
+            # wbits 47 reads gzip and zlib headers; raw deflate (no header) is accepted too.
+            wbits = 47 if coding != "deflate" or raw[:1] == b"\x78" else -15
+            d = zlib.decompressobj(wbits)
+            try:
+                out = d.decompress(raw, limit + 1)
+            except zlib.error as exc:
+                raise GatewayError("invalid_request", f"Request body is not valid {coding} data: {exc}") from None
+            if not d.eof and len(out) <= limit:
+                raise GatewayError("invalid_request", f"Request body is truncated {coding} data")
+        elif coding == "zstd":
+            import zstandard
+            try:
+                with zstandard.ZstdDecompressor().stream_reader(raw) as reader:
+                    out = reader.read(limit + 1)
+                    while len(out) <= limit:
+                        more = reader.read(limit + 1 - len(out))
+                        if not more:
+                            break
+                        out += more
+            except zstandard.ZstdError as exc:
+                raise GatewayError("invalid_request", f"Request body is not valid zstd data: {exc}") from None
+        else:
+            raise GatewayError("unsupported_media", f"Unsupported Content-Encoding {coding!r}; "
+                                                    f"use gzip, deflate, zstd or identity")
+        if len(out) > limit:
+            raise GatewayError("too_large", f"Request body exceeds {limit} bytes once decompressed")
+        raw = out
+    return raw
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _replace_surrogates(value):
+    """Strings with lone UTF-16 surrogates (a JSON escape like "\\ud83d" without its pair)
+    cannot be encoded as UTF-8; each is replaced by U+FFFD, as a UTF-8 decoder would
+    (RFC 8259 §8.2 leaves such strings' behaviour unpredictable)."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_replace_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_replace_surrogates(k): _replace_surrogates(v) for k, v in value.items()}
+    return value
+
+
 def parse_body(raw: bytes) -> dict:
     if not raw.strip():
         raise GatewayError("invalid_request", "Request body is empty; expected a JSON object")
@@ -67,6 +127,8 @@ def parse_body(raw: bytes) -> dict:
         raise GatewayError("invalid_request", f"Request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise GatewayError("invalid_request", f"Request body must be a JSON object, got {type(body).__name__}")
+    if b"\\u" in raw and re.search(rb"\\u[dD][89abcdefABCDEF]", raw):
+        body = _replace_surrogates(body)
     return body
 
 
@@ -94,10 +156,13 @@ def dispatch(path: str) -> Response:
                 raise GatewayError("not_found", f"No such endpoint: {request.method} {request.path}")
             api = route.api
             return get_resource(route)
+        limit = gateway_settings().max_body_bytes
         try:
             raw = request.get_data(cache=False)
         except RequestEntityTooLarge:
-            raise GatewayError("too_large", f"Request body exceeds {gateway_settings().max_body_bytes} bytes")
+            raise GatewayError("too_large", f"Request body exceeds {limit} bytes")
+        if request.headers.get("content-encoding"):
+            raw = decode_body(raw, request.headers["content-encoding"], limit)
         body = parse_body(raw)
         route = detect("POST", request.path, request.headers, body)
         if route is None:
@@ -174,8 +239,12 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     up = get_upstream()
     engine = up.describe(up.pick(info.episode_id))
     upstream_body = dict(norm.chat, model=engine.model, stream=norm.stream, return_token_ids=True, logprobs=True)
-    if norm.stream:
-        upstream_body["stream_options"] = {"include_usage": True}
+    # Non-stream answers are read from an engine stream too: the engine has sent its response
+    # head before it generates, so a client that leaves can be seen and the engine request
+    # closed at once (vLLM aborts a request whose connection closes).  Usage on every chunk
+    # (vLLM `continuous_usage_stats`) gives the cached-token count before the first token.
+    upstream_body["stream"] = True
+    upstream_body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     cap = record.Capture(
         episode_id=info.episode_id, api=route.api, model=norm.model, stream=norm.stream,
         request_key=record.request_key(info.episode_id, request.path, raw, request.headers.get("idempotency-key")),
@@ -187,9 +256,7 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     module = MODULES[route.api]
     if not norm.stream:
         _hold_while_reloading(engine, cap)
-        answer = up.complete(engine, upstream_body, info.episode_id)
-        cap.t_accepted = cap.t_first = time.perf_counter()
-        result = result_from_completion(answer)
+        result = collect_answer(up, engine, upstream_body, info.episode_id, cap, module, norm, resp_id)
         body_out = module.render(result, norm, resp_id)
         try:
             record.write_completion(cap, result, body_out, resp_id, partial=False)
@@ -200,7 +267,8 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     writer = module.Stream(norm, resp_id)
     if weight_gate.is_reloading(engine.url):
         # The engine is loading new weights: answer 200 now, send keep-alives while held, then relay.
-        return Response(held_stream(writer, up, engine, upstream_body, info.episode_id, cap, resp_id),
+        return Response(guarded(held_stream(writer, up, engine, upstream_body, info.episode_id, cap, resp_id,
+                                            history_call_ids(norm)), writer, route.api),
                         mimetype="text/event-stream", headers=SSE_HEADERS, direct_passthrough=True)
     # Wait briefly for the engine to accept: a rejection (context overflow...) is then a plain
     # HTTP error in the client's shape.  An engine that says nothing while it prefills gets a
@@ -213,8 +281,113 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
         # Codex reads errors from the stream: response.created, then response.failed (B25).
         frames = writer.opening() + writer.fail(outcome, ChunkNormalizer().result)
         return Response(iter(frames), mimetype="text/event-stream", headers=SSE_HEADERS)
-    return Response(stream_answer(writer, opening, cap, resp_id), mimetype="text/event-stream",
-                    headers=SSE_HEADERS, direct_passthrough=True)
+    return Response(guarded(stream_answer(writer, opening, cap, resp_id, taken=history_call_ids(norm)),
+                            writer, route.api),
+                    mimetype="text/event-stream", headers=SSE_HEADERS, direct_passthrough=True)
+
+
+def guarded(frames: Iterator[bytes], writer, api: str) -> Iterator[bytes]:
+    """A stream whose production fails after the 200 head still ends in its API's own error
+    shape (Anthropic `error` event, Chat error chunk + [DONE], Responses `response.failed`,
+    Gemini error chunk), never as a cut chunked body."""
+    try:
+        yield from frames
+    except Exception:  # noqa: BLE001 - a bug must still end the stream in the caller's shape
+        log.exception("gateway error while streaming a %s answer", api)
+        if writer.done:
+            return
+        err = GatewayError("internal", "Internal gateway error while streaming the answer")
+        try:
+            out = writer.fail(err, Result())
+        except Exception:  # noqa: BLE001
+            out = [frame(error_body(api, err))]
+        yield b"".join(out)
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its non-stream answer was being generated."""
+
+
+def _client_gone_probe():
+    """A function telling whether the client has closed its connection (EOF on the socket
+    gunicorn hands the app); always False where no socket is known."""
+    sock = request.environ.get("gunicorn.socket")
+
+    def gone() -> bool:
+        if sock is None:
+            return False
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            if not readable:
+                return False
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+    return gone
+
+
+def collect_answer(up, engine, body: dict, episode_id: int, cap: record.Capture, module, norm: Normalized,
+                   resp_id: str) -> Result:
+    """A non-stream answer, read from the engine's stream while watching the client: if the
+    client leaves, the engine request is closed within a poll interval and what was sampled
+    is recorded as partial (with the reason)."""
+    poll_s = 0.25
+    gone = _client_gone_probe()
+    reader = ChunkNormalizer(history_call_ids(norm))
+    r = reader.result
+    opening = up.start_stream(engine, body, episode_id)
+    try:
+        while True:
+            handle = opening.wait(poll_s)
+            if handle is None:
+                if gone():
+                    raise ClientGone()
+                continue
+            room = up.room_after(engine, body, handle)
+            if room is None:
+                break
+            opening.cancel()
+            body["max_tokens"] = room
+            opening = up.start_stream(engine, body, episode_id)
+        if isinstance(handle, GatewayError):
+            raise handle
+        cap.t_accepted = opening.t_done
+        error, finished = None, False
+        checked = time.monotonic()
+        while not finished:
+            items = handle.poll(poll_s)
+            if time.monotonic() - checked >= poll_s:
+                if gone():
+                    raise ClientGone()
+                checked = time.monotonic()
+            for item in items or []:
+                error, finished = _upstream_item(item, r, error)
+                if finished:
+                    break
+                try:
+                    reader.feed(item)
+                except Exception:  # noqa: BLE001 - a chunk that breaks the reader is the engine's fault
+                    log.exception("unreadable engine chunk")
+                    error, finished = GatewayError("upstream", "The engine sent a chunk the gateway could not "
+                                                               "read"), True
+                    break
+                if cap.t_first is None and r.sampled_ids:
+                    cap.t_first = time.perf_counter()
+        if error is not None:
+            raise error
+        reader.finish()
+        return r
+    except ClientGone:
+        opening.cancel()
+        if reader.first_chunk_seen:
+            try:
+                record.write_completion(cap, r, module.render(r, norm, resp_id), resp_id, partial=True,
+                                        error="client disconnected before the answer was complete")
+            except Exception:  # noqa: BLE001
+                log.exception("could not record partial completion")
+        raise GatewayError("invalid_request", "client disconnected", status=499) from None
+    finally:
+        opening.cancel()
 
 
 def _hold_while_reloading(engine, cap: record.Capture) -> None:
@@ -228,7 +401,8 @@ def _hold_while_reloading(engine, cap: record.Capture) -> None:
     weight_gate.record_hold(engine.url, held)
 
 
-def held_stream(writer, up, engine, body: dict, episode_id: int, cap: record.Capture, resp_id: str) -> Iterator[bytes]:
+def held_stream(writer, up, engine, body: dict, episode_id: int, cap: record.Capture, resp_id: str,
+                taken: set[str] | frozenset = frozenset()) -> Iterator[bytes]:
     """Stream whose request arrived during a weight reload: opening frames and keep-alives
     while the gate is closed, then the normal relay (errors after this point go in-stream)."""
     t0 = time.perf_counter()
@@ -240,7 +414,7 @@ def held_stream(writer, up, engine, body: dict, episode_id: int, cap: record.Cap
     cap.raw_request["reload_held_ms"] = round(held * 1000, 1)
     weight_gate.record_hold(engine.url, held)
     opening = up.open_stream(engine, body, episode_id, keepalive)
-    yield from stream_answer(writer, opening, cap, resp_id, opened=True)
+    yield from stream_answer(writer, opening, cap, resp_id, opened=True, taken=taken)
 
 
 def _upstream_item(item, r, error: GatewayError | None) -> tuple[GatewayError | None, bool]:
@@ -259,15 +433,20 @@ def _upstream_item(item, r, error: GatewayError | None) -> tuple[GatewayError | 
     return error, False
 
 
+def history_call_ids(norm: Normalized) -> set[str]:
+    """The tool-call ids already used in this conversation (as the engine knows them)."""
+    return {tc.get("id") for m in norm.chat.get("messages") or [] for tc in m.get("tool_calls") or []}
+
+
 def stream_answer(writer, opening: PendingStream, cap: record.Capture, resp_id: str,
-                  opened: bool = False) -> Iterator[bytes]:
+                  opened: bool = False, taken: set[str] | frozenset = frozenset()) -> Iterator[bytes]:
     """Engine stream -> client SSE frames, with keep-alives while the engine is silent.
 
     The completion is recorded before the terminal frames are sent; if the client goes
     away first (GeneratorExit at a yield), the finally path records what was sampled
     so far with partial=True and closes the upstream stream so the engine aborts.
     """
-    norm = ChunkNormalizer()
+    norm = ChunkNormalizer(taken)
     r = norm.result
     keepalive = gateway_settings().keepalive_s
     try:
@@ -290,7 +469,13 @@ def stream_answer(writer, opening: PendingStream, cap: record.Capture, resp_id: 
                 error, finished = _upstream_item(item, r, error)
                 if finished:
                     break
-                events = norm.feed(item)
+                try:
+                    events = norm.feed(item)
+                except Exception:  # noqa: BLE001 - a chunk that breaks the reader is the engine's fault
+                    log.exception("unreadable engine chunk")
+                    error, finished = GatewayError("upstream", "The engine sent a chunk the gateway could not "
+                                                               "read"), True
+                    break
                 if cap.t_first is None and r.sampled_ids:
                     cap.t_first = time.perf_counter()
                 frames += writer.start(r)
