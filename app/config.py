@@ -134,6 +134,12 @@ class Settings(BaseSettings):
                              description="Port of the Flower dashboard (bound to 127.0.0.1).")
     tensorboard_port: int = Field(6006, ge=1, le=65535, **_env("TURNSTILE_TENSORBOARD_PORT"),
                                   description="Port of TensorBoard over var/runs (bound to 127.0.0.1; `make up`).")
+    wandb_mode: Literal["disabled", "offline", "online"] = Field(
+        "disabled", **_env("TURNSTILE_WANDB_MODE"),
+        description="Weights & Biases logging of every run's metrics: disabled, offline (files under "
+                    "var/runs/<id>/wandb, `wandb sync` later; no network needed) or online (needs WANDB_API_KEY).")
+    wandb_project: str = Field("turnstile", min_length=1, **_env("TURNSTILE_WANDB_PROJECT"),
+                               description="Weights & Biases project the runs are logged to.")
 
     # --- REST API -----------------------------------------------------------------------
     api_url: str = Field("http://127.0.0.1:8000", **_env("TURNSTILE_API_URL"),

@@ -302,7 +302,8 @@ def _maybe_finish(s, run: Run, cfg: RunConfig) -> bool:
     done = transition(s, Run, run.id, "completed", finished_at=utcnow())
     if done:
         # Run-level scalars for every kind (train steps also log their own), at the last step.
-        log_run_summary(run.id, cfg.kind, run.summary, step=cfg.steps if cfg.kind == "train" else 0)
+        log_run_summary(run.id, cfg.kind, run.summary, step=cfg.steps if cfg.kind == "train" else 0,
+                        config=run.config)
     return done
 
 

@@ -1,17 +1,12 @@
-"""Experiment tracking for every run kind: TensorBoard scalars of a finished run's summary.
+"""Run-level figures for experiment tracking, written when a run ends.
 
-Training steps write their own scalars (`train/...`, app.training.steps) as they finish;
-this writes the run-level figures when a run ends, so eval and collect runs appear in
-TensorBoard too (`make up` serves `var/runs`).  It uses TensorBoard's own torch-free event
-writer (`tensorboard.summary.Writer`), so the control worker never imports torch.
+Training steps log their own scalars (`train/...`, app.training.steps); this logs the run's
+final figures, so eval and collect runs appear in TensorBoard (and W&B when enabled) too.
+Writing goes through `app.training.tracking`, which never imports torch.
 """
 from __future__ import annotations
 
-import logging
-
-from app.config import get_settings
-
-log = logging.getLogger("turnstile.tracking")
+from app.training.tracking import log_scalars
 
 
 def run_scalars(kind: str, summary: dict) -> dict[str, float]:
@@ -33,19 +28,6 @@ def run_scalars(kind: str, summary: dict) -> dict[str, float]:
     return out
 
 
-def log_run_summary(run_id: int, kind: str, summary: dict, step: int = 0) -> None:
-    """Write the run summary's scalars under `<var_dir>/runs/<run_id>/tensorboard/` at `step`.
-
-    Tracking never fails a run: an error writing the events is logged and swallowed.
-    """
-    from tensorboard.summary import Writer
-
-    try:
-        writer = Writer(str(get_settings().var_dir / "runs" / str(run_id) / "tensorboard"))
-        try:
-            for tag, value in run_scalars(kind, summary).items():
-                writer.add_scalar(tag, value, step=step)
-        finally:
-            writer.close()
-    except Exception:  # noqa: BLE001 - a tracking failure must not fail the run
-        log.exception("run=%s event=tensorboard_failed", run_id)
+def log_run_summary(run_id: int, kind: str, summary: dict, step: int = 0, config: dict | None = None) -> None:
+    """Log the run summary's scalars (`run_scalars`) at `step`; never raises."""
+    log_scalars(run_id, run_scalars(kind, summary), step, config)

@@ -39,6 +39,7 @@ from app.runconfig import TrainingConfig
 from app.training.batching import StepSequence
 from app.training.grpo import group_advantages
 from app.training.store import build_episode_trajectories
+from app.training.tracking import log_scalars
 from app.training.weight_sync import push_weights
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
                         row.status)
         s.execute(update(Run).where(Run.id == run_id, Run.policy_version < policy_version)
                   .values(policy_version=policy_version))
-    _log_tensorboard(run_id, step, metrics)
+    _log_tensorboard(run_id, step, metrics, run_cfg.model_dump(mode="json"))
     checkpoints.prune_checkpoints(run_id)
     log.info("run=%s step=%s policy_version=%s loss=%.4g tokens=%s time=%.1fs", run_id, step, policy_version,
              metrics.get("loss", 0.0), metrics.get("tokens_trained"), time.perf_counter() - start)
@@ -288,16 +289,9 @@ def _std(values: list[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
-def _log_tensorboard(run_id: int, step: int, metrics: dict) -> None:
+def _log_tensorboard(run_id: int, step: int, metrics: dict, config: dict | None = None) -> None:
     """One scalar per numeric metric (nested dicts flattened with `/`) at global step `step`."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(log_dir=str(checkpoints.tensorboard_dir(run_id)))
-    try:
-        for name, value in _flatten(metrics):
-            writer.add_scalar(f"train/{name}", value, global_step=step)
-    finally:
-        writer.close()
+    log_scalars(run_id, {f"train/{name}": value for name, value in _flatten(metrics)}, step, config)
 
 
 def _flatten(metrics: dict, prefix: str = ""):

@@ -55,13 +55,15 @@ def test_train_step_end_to_end_records_everything_and_is_idempotent(var_dir, eng
         assert (ckpt / name).is_file(), name
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from tensorboard.util.tensor_util import make_ndarray
+
     events = EventAccumulator(str(tensorboard_dir(run_id)))
     events.Reload()
-    scalars = events.Tags()["scalars"]
+    scalars = events.Tags()["tensors"]  # TensorBoard's torch-free writer stores scalars as tensor summaries
     for tag in ("train/loss", "train/reward_mean", "train/logprob_gap_max_abs", "train/merge/chains"):
         assert tag in scalars, tag
-    (loss,) = events.Scalars("train/loss")
-    assert loss.step == 0 and loss.value == pytest.approx(metrics["loss"], rel=1e-6)
+    (loss,) = events.Tensors("train/loss")
+    assert loss.step == 0 and float(make_ndarray(loss.tensor_proto)) == pytest.approx(metrics["loss"], rel=1e-6)
     # The engine loaded exactly the trained weights.
     assert engine.loaded == [(str(ckpt / "model"), 1)]
     trained = steps._RESIDENT.trainer.model

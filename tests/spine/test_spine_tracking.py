@@ -1,0 +1,81 @@
+"""Experiment tracking: TensorBoard events and, when enabled, an offline Weights & Biases run.
+
+Offline mode writes W&B's record file (`run-<id>.wandb`): a 7-byte header (":W&B", magic,
+version) then LevelDB's log format (32 KiB blocks of checksum/length/type-framed records,
+https://github.com/google/leveldb/blob/main/doc/log_format.md), each record a protobuf
+`wandb_internal_pb2.Record`.  The reader below follows that format; W&B's own reader now
+lives in its Go core, not in the Python package.
+"""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from app import config
+from app.training.tracking import log_scalars, run_dir
+
+
+@pytest.fixture
+def var(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURNSTILE_VAR_DIR", str(tmp_path / "var"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config.reset_settings()
+    yield tmp_path / "var"
+    config.reset_settings()
+
+
+BLOCK = 32768
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def _records(data: bytes):
+    assert data[:4] == b":W&B", data[:8]
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if BLOCK - pos % BLOCK < 7:  # a block's tail too short for a header is padding
+            pos += BLOCK - pos % BLOCK
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == FULL:
+            yield chunk
+        elif kind == FIRST:
+            pending = chunk
+        elif kind == MIDDLE:
+            pending += chunk
+        elif kind == LAST:
+            yield pending + chunk
+
+
+def _wandb_history(folder) -> list[dict]:
+    """Every `history` record of the offline W&B runs under `folder`, in order."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(folder.glob("wandb/offline-run-*/run-*.wandb")):
+        for raw in _records(path.read_bytes()):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(raw)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+def test_offline_wandb_run_gets_every_step_from_separate_calls(var, monkeypatch):
+    monkeypatch.setenv("TURNSTILE_WANDB_MODE", "offline")
+    config.reset_settings()
+    log_scalars(3, {"train/loss": 0.5, "train/reward_mean": 0.25}, step=0, config={"kind": "train"})
+    log_scalars(3, {"train/loss": 0.125}, step=1)
+    history = _wandb_history(run_dir(3))
+    assert [(h["_step"], h["train/loss"]) for h in history] == [(0, 0.5), (1, 0.125)]
+    assert history[0]["train/reward_mean"] == 0.25
+    assert list((run_dir(3) / "tensorboard").glob("events.out.tfevents*"))
+
+
+def test_wandb_is_off_by_default(var):
+    log_scalars(4, {"eval/pass_at_k": 1.0}, step=0)
+    assert not (run_dir(4) / "wandb").exists()
+    assert list((run_dir(4) / "tensorboard").glob("events.out.tfevents*"))
