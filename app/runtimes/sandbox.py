@@ -206,6 +206,9 @@ def _read_tail(fh) -> tuple[str, bool]:
     return fh.read().decode("utf-8", errors="replace"), size > MAX_OUTPUT
 
 
+SANDBOX_OUTER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+
+
 def execute(
     argv: Sequence[str],
     *,
@@ -227,6 +230,11 @@ def execute(
     result has `stopped` True and exit code 130 (as after Ctrl-C).
     """
     full = prlimit_prefix(limits) + list(argv)
+    if confined and env is None:
+        # bwrap's own process (PID 1 of the sandbox's PID namespace) would otherwise carry the
+        # worker's whole environment (DATABASE_URL, REDIS_URL, every .env key), readable inside
+        # as /proc/1/environ; the command's environment is set by `--clearenv`/`--setenv`.
+        env = dict(SANDBOX_OUTER_ENV)
     started = time.monotonic()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(

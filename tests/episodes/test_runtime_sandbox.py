@@ -170,6 +170,15 @@ def test_own_pid_namespace_and_timeout_kills_everything(two_runtimes):
     assert leftovers == []
 
 
+def test_no_process_in_the_sandbox_shows_the_workers_environment(two_runtimes, monkeypatch):
+    """Every /proc/<pid>/environ inside (bwrap's own PID 1 included) is free of the worker's secrets."""
+    _, a, _ = two_runtimes
+    monkeypatch.setenv("TURNSTILE_SECRET_PROBE", "hunter2")
+    res = a.run("for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ 2>/dev/null; done; echo END")
+    assert res.ok and res.stdout.rstrip().endswith("END")
+    assert "hunter2" not in res.stdout and "DATABASE_URL" not in res.stdout and "REDIS_URL" not in res.stdout
+
+
 def test_should_stop_kills_the_command_at_once(two_runtimes):
     """A cancelled episode's harness is killed within a poll, not at the end of its budget."""
     _, a, _ = two_runtimes
