@@ -46,7 +46,8 @@ def fail(episode_id: int, error: str) -> Plan:
         if ep is None:
             return Plan()
         run_id = ep.run_id
-        transition(s, Episode, episode_id, "failed", error=error[:4000], finished_at=utcnow())
+        # the session ends with the episode: the gateway refuses its key from now on
+        transition(s, Episode, episode_id, "failed", error=error[:4000], finished_at=utcnow(), session_token_hash=None)
     log.warning("episode=%s event=failed error=%s", episode_id, error[:200])
     _release_runtime_of(episode_id)
     return scheduler.tick(run_id)

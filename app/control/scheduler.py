@@ -199,6 +199,7 @@ def _close_complete_groups(s, run: Run, cfg: RunConfig) -> None:
         if unfinished and sched.cancel_stragglers and sched.min_usable and len(usable) >= sched.min_usable:
             for e in unfinished:
                 if transition(s, Episode, e.id, "cancelled", error="straggler cancelled: group had enough graded episodes",
+                              session_token_hash=None,
                               finished_at=utcnow()):
                     state.flag_cancelled(e.id)
             unfinished = []
@@ -310,7 +311,8 @@ def _maybe_finish(s, run: Run, cfg: RunConfig) -> bool:
 def _cancel_unfinished(s, run_id: int, reason: str) -> None:
     ids = s.scalars(select(Episode.id).where(Episode.run_id == run_id, Episode.status.not_in(TERMINAL))).all()
     for episode_id in ids:
-        if transition(s, Episode, episode_id, "cancelled", error=reason, finished_at=utcnow()):
+        if transition(s, Episode, episode_id, "cancelled", error=reason, finished_at=utcnow(),
+                      session_token_hash=None):  # the gateway refuses a cancelled episode's key at once
             state.flag_cancelled(episode_id)
     s.execute(update(Group).where(Group.run_id == run_id, Group.status == "open").values(status="done", reason=reason))
     state.clear_ready(run_id)

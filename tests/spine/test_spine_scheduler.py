@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from app.control import scheduler, state
 from app.db import session_scope
@@ -100,9 +100,12 @@ def test_stragglers_are_cancelled_once_enough_episodes_are_graded(database, redi
     with session_scope() as s:
         run = _train_run(s, min_usable=3, cancel_stragglers=True)
         g = _group(s, run, 0, ["completed", "completed", "completed", "running"])
+        # its harness holds a live gateway key
+        s.execute(update(Episode).where(Episode.status == "running").values(session_token_hash="0" * 64))
         scheduler._close_complete_groups(s, run, _cfg(run))
         eps = s.scalars(select(Episode).where(Episode.group_index == 0).order_by(Episode.sample_index)).all()
         assert eps[3].status == "cancelled" and "straggler" in eps[3].error
+        assert eps[3].session_token_hash is None  # the gateway refuses the cancelled episode's key at once
         assert redis_db.exists(state.cancel_key(eps[3].id))  # the rollout sees the flag and stops
         assert g.status == "accepted"
 
