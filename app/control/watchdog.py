@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from pathlib import Path
 
 from sqlalchemy import select
 
+from app.config import get_settings
 from app.control.plan import Plan
 from app.db import session_scope
 from app.models import Episode, Run, TrainingStep, utcnow
@@ -64,7 +66,6 @@ def sweep_runtimes() -> list[str]:
     grade running in it) can hold it longer.  Returns the removed runtime ids.  Runs on the
     machine of the worker that calls it (runtimes live on the disk that prepared them).
     """
-    from app.config import get_settings
     from app.runtimes import cleanup_stale_runtimes
 
     with session_scope() as s:
@@ -75,6 +76,47 @@ def sweep_runtimes() -> list[str]:
     if removed:
         log.warning("event=runtimes_swept removed=%s", removed)
     return removed
+
+
+def resync_engines() -> dict[str, str]:
+    """Put every engine of a running train run back on the run's newest weights.
+
+    An engine restarted after a step loads its base weights and stamps version 0 on what it
+    serves; without this the run would go on sampling from the base model.  For each running
+    run with a completed step, every engine whose `/v1/policy_version` is below the run's
+    version gets the newest completed checkpoint (`push_weights`, through the reload gate).
+    Returns `{engine_url: "ok" | "error: …"}` for the engines it re-synced or could not reach.
+    """
+    from app.engines.client import EngineCallError, EngineClient
+    from app.training.weight_sync import push_weights
+
+    results: dict[str, str] = {}
+    with session_scope() as s:
+        rows = s.execute(
+            select(Run, TrainingStep).join(TrainingStep, TrainingStep.run_id == Run.id)
+            .where(Run.status == "running", TrainingStep.status == "completed",
+                   TrainingStep.checkpoint_path.is_not(None))
+            .order_by(Run.id, TrainingStep.step.desc())
+        ).all()
+        newest: dict[int, tuple] = {}
+        for run, step in rows:
+            if run.id not in newest:
+                cfg = run.run_config()
+                newest[run.id] = (cfg.model.engine_urls or get_settings().engine_urls, cfg.model.engine,
+                                  step.policy_version, step.checkpoint_path)
+    for run_id, (urls, kind, version, checkpoint) in newest.items():
+        for url in urls:
+            try:
+                with EngineClient(url, timeout=10) as client:
+                    serving = client.policy_version()
+            except (EngineCallError, ValueError, KeyError) as exc:
+                results[url] = f"error: {exc}"
+                continue
+            if serving >= version:
+                continue
+            log.warning("run=%s engine=%s event=resync serving=%s policy_version=%s", run_id, url, serving, version)
+            results.update(push_weights([url], Path(checkpoint) / "model", version, engine_kind=kind))
+    return results
 
 
 def watchdog(in_workers: set[tuple[int, int]], queue_depth: int) -> Plan:

@@ -31,10 +31,12 @@ def cancel_run(run_id: int) -> None:
 
 @shared_task(name="control.watchdog", acks_late=True)
 def watchdog() -> dict:
-    """Periodic backstop (Celery beat): re-send orphaned training steps, tick running runs, sweep runtimes."""
+    """Periodic backstop (Celery beat): re-send orphaned training steps, tick running runs, sweep
+    runtimes, put restarted engines back on their run's newest weights."""
     plan = control_watchdog.watchdog(_steps_in_workers(), _gpu_queue_depth())
     send(plan)
-    return {"resent": plan.train, "ticked": plan.tick, "runtimes_removed": control_watchdog.sweep_runtimes()}
+    return {"resent": plan.train, "ticked": plan.tick, "runtimes_removed": control_watchdog.sweep_runtimes(),
+            "engines_resynced": control_watchdog.resync_engines()}
 
 
 @shared_task(name="control.step_failed")
