@@ -21,6 +21,7 @@ graceful_timeout = 30
 keepalive = 75
 backlog = 2048
 accesslog = _settings.gateway_access_log
+logger_class = "workers.redacting_logger.RedactingLogger"  # session keys never reach the access log
 errorlog = "-"
 loglevel = _settings.log_level.lower()
 
