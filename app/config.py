@@ -99,6 +99,14 @@ class Settings(BaseSettings):
                                                "(default: <TURNSTILE_VAR_DIR>/cache).")
     tools_dir: Path | None = Field(None, **_env("TURNSTILE_TOOLS_DIR"),
                                    description="Shared harness CLI installs (default: <TURNSTILE_VAR_DIR>/tools).")
+    task_dirs: Annotated[list[Path], NoDecode] = Field(
+        [], **_env("TURNSTILE_TASK_DIRS"),
+        description="Comma-separated folders a run's `task_set` path may point into, besides the bundled "
+                    "data/tasks and <TURNSTILE_VAR_DIR>/tasks; any other path is refused.")
+    task_set_max_bytes: int = Field(256 * 1024 * 1024, ge=1, **_env("TURNSTILE_TASK_SET_MAX_BYTES"),
+                                    description="Largest task set file (or folder, all files together) loaded, in bytes.")
+    task_set_max_records: int = Field(100_000, ge=1, **_env("TURNSTILE_TASK_SET_MAX_RECORDS"),
+                                      description="Most task instances one task set may hold.")
 
     # --- Redis / Celery ---------------------------------------------------------------
     redis_url: str = Field("redis://localhost:6379/0", **_env("REDIS_URL"),
@@ -227,6 +235,18 @@ class Settings(BaseSettings):
     @classmethod
     def _upper(cls, value: Any) -> Any:
         return value.strip().upper() if isinstance(value, str) else value
+
+    @field_validator("task_dirs", mode="before")
+    @classmethod
+    def _split_dirs(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("task_dirs")
+    @classmethod
+    def _resolve_dirs(cls, value: list[Path]) -> list[Path]:
+        return [p.expanduser().resolve() for p in value]
 
     @field_validator("engine_urls", mode="before")
     @classmethod

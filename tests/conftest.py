@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -16,6 +17,9 @@ from pathlib import Path
 # Before any app module reads settings: the broker and app data live in Redis DB 10
 # during tests, never in the DB 0 a developer's running deployment uses.
 os.environ.setdefault("REDIS_URL", os.environ.get("TURNSTILE_TEST_REDIS", "redis://127.0.0.1:6379") + "/10")
+# Tests write task sets into their temporary folders: allow those as task-set paths (in this
+# process and every server or worker it starts).
+os.environ.setdefault("TURNSTILE_TASK_DIRS", tempfile.gettempdir())
 
 import pytest
 import redis as redis_lib

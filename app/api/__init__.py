@@ -2,6 +2,15 @@
 from __future__ import annotations
 
 from flask import Flask
+from werkzeug.routing import IntegerConverter
+
+
+class RowIdConverter(IntegerConverter):
+    """A row id in a URL: 1 .. 2**31 - 1 (SQL INTEGER on PostgreSQL); anything else is no such route (404),
+    never an out-of-range error from the database."""
+
+    def __init__(self, url_map, **kwargs) -> None:
+        super().__init__(url_map, min=1, max=2**31 - 1)
 
 
 def register_api(flask_app: Flask) -> None:
@@ -10,6 +19,7 @@ def register_api(flask_app: Flask) -> None:
     from app.api.errors import register_error_handlers
     from app.api.runs import bp as runs_bp
 
+    flask_app.url_map.converters["id"] = RowIdConverter
     flask_app.register_blueprint(runs_bp, url_prefix="/api")
     flask_app.register_blueprint(dashboard_bp)
     register_error_handlers(flask_app)

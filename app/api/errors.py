@@ -27,6 +27,11 @@ def register_error_handlers(flask_app: Flask) -> None:
     def _api_error(exc: ApiError):
         return jsonify(error_body(exc.message, exc.field, exc.details)), exc.status
 
+    @flask_app.errorhandler(RecursionError)
+    def _too_deep(exc: RecursionError):
+        # JSON nested thousands deep exhausts the parser's recursion: a bad request, not a crash.
+        return jsonify(error_body("request body is nested too deeply")), 400
+
     @flask_app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):
         # REST clients get the JSON error shape; people on dashboard pages get a page.

@@ -18,7 +18,7 @@ from app.api.openapi import openapi_spec
 from app.api.schemas import Health
 from app.api.serialize import completion_to_dict, episode_to_dict, run_to_dict
 from app.db import new_session, session_scope
-from app.models import Completion, Episode, Run, TrainingStep, Trajectory
+from app.models import EPISODE_STATES, Completion, Episode, Run, TrainingStep, Trajectory
 from app.runconfig import RunConfig
 from app.states import transition
 
@@ -137,7 +137,7 @@ def _graded_stats(session, run_ids: list[int]) -> dict[int, dict]:
                      "resolved_rate": int(res or 0) / n if n else None} for run_id, n, mean, res in rows}
 
 
-@bp.get("/runs/<int:run_id>")
+@bp.get("/runs/<id:run_id>")
 def get_run(run_id: int):
     with session_scope() as session:
         run = _get_run(session, run_id)
@@ -147,7 +147,7 @@ def get_run(run_id: int):
                                    steps=steps))
 
 
-@bp.post("/runs/<int:run_id>/cancel")
+@bp.post("/runs/<id:run_id>/cancel")
 def cancel_run(run_id: int):
     with session_scope() as session:
         run = _get_run(session, run_id)
@@ -161,9 +161,11 @@ def cancel_run(run_id: int):
         return jsonify(run_to_dict(session.get(Run, run_id))), 202
 
 
-@bp.get("/runs/<int:run_id>/episodes")
+@bp.get("/runs/<id:run_id>/episodes")
 def list_episodes(run_id: int):
     status = request.args.get("status")
+    if status and status not in EPISODE_STATES:
+        raise ApiError(400, f"status: must be one of {', '.join(EPISODE_STATES)}", "status")
     with session_scope() as session:
         _get_run(session, run_id)
         q = select(Episode).where(Episode.run_id == run_id).order_by(Episode.id)
@@ -172,7 +174,7 @@ def list_episodes(run_id: int):
         return jsonify({"episodes": [episode_to_dict(e) for e in session.scalars(q)]})
 
 
-@bp.get("/episodes/<int:episode_id>")
+@bp.get("/episodes/<id:episode_id>")
 def get_episode(episode_id: int):
     with session_scope() as session:
         ep = session.get(Episode, episode_id)
@@ -234,7 +236,7 @@ def _messages_of(completion: Completion | None, model_name: str | None) -> list 
     return messages
 
 
-@bp.get("/runs/<int:run_id>/export")
+@bp.get("/runs/<id:run_id>/export")
 def export_run(run_id: int):
     with session_scope() as session:
         _get_run(session, run_id)

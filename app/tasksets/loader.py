@@ -5,7 +5,11 @@ Named sets:
   * `swebench-real`: `../shared/tasks/swebench-real.jsonl` relative to the repository
     root; never copied into the project, so it exists only where that folder does.
   * anything else is a path: a `.jsonl`/`.json`/`.parquet` file, or a folder in the HF
-    datasets layout (`*.parquet` / `*.jsonl` / `*.json` files, e.g. `data/test-00000-of-00001.parquet`).
+    datasets layout (`*.parquet` / `*.jsonl` / `*.json` files, e.g. `data/test-00000-of-00001.parquet`),
+    inside the bundled `data/tasks`, `<TURNSTILE_VAR_DIR>/tasks` or a folder listed in
+    `TURNSTILE_TASK_DIRS` (a run's config must not make the server read arbitrary host files),
+    of at most `TURNSTILE_TASK_SET_MAX_BYTES` in regular files and `TURNSTILE_TASK_SET_MAX_RECORDS`
+    records.
 
 Validation reports *every* bad record, each with its line (JSONL line number, JSON
 array index + 1, or parquet row + 1), `instance_id` when readable, and field.
@@ -19,7 +23,7 @@ from typing import Any, Iterator
 
 from pydantic import ValidationError
 
-from app.config import ROOT
+from app.config import ROOT, get_settings
 from app.tasksets.schema import InstanceRecord
 
 DEFAULT_TASK_SET = "synthetic"
@@ -87,10 +91,42 @@ def resolve_task_set(name_or_path: str | Path = DEFAULT_TASK_SET) -> tuple[str, 
         if not path.exists():
             raise TaskSetNotFound(f"task set {key!r} is not available here: {path} does not exist")
         return key, path
-    path = Path(key).expanduser()
+    allowed = allowed_task_dirs()
+    path = Path(key).expanduser().resolve()
+    if not any(path == d or d in path.parents for d in allowed):
+        raise TaskSetNotFound(f"task set {key[:200]!r} is neither a named set ({', '.join(NAMED_SETS)}) nor a path "
+                              f"inside an allowed folder ({', '.join(map(str, allowed))}; add one with "
+                              "TURNSTILE_TASK_DIRS)")
     if not path.exists():
-        raise TaskSetNotFound(f"task set {key!r} is neither a named set ({', '.join(NAMED_SETS)}) nor an existing path")
-    return str(path.resolve()), path.resolve()
+        raise TaskSetNotFound(f"task set {key[:200]!r} does not exist")
+    _check_size(path)
+    return str(path), path
+
+
+def allowed_task_dirs() -> list[Path]:
+    """Folders a task set path may point into: bundled sets, `<var_dir>/tasks`, `TURNSTILE_TASK_DIRS`."""
+    settings = get_settings()
+    return [BUNDLED_DIR.resolve(), (settings.var_dir / "tasks").resolve(), *settings.task_dirs]
+
+
+def _task_files(path: Path) -> list[Path]:
+    """The files a task set path stands for: itself, or a folder's `.jsonl`/`.json`/`.parquet` files.
+
+    Raises TaskSetError for anything but a regular file or a folder (devices, pipes).
+    """
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.suffix in {".jsonl", ".json", ".parquet"} and p.is_file())
+    if not path.is_file():
+        raise TaskSetError(f"{path}: a task set must be a regular file or a folder")
+    return [path]
+
+
+def _check_size(path: Path) -> None:
+    limit = get_settings().task_set_max_bytes
+    total = sum(f.stat().st_size for f in _task_files(path))
+    if total > limit:
+        raise TaskSetError(f"{path}: {total} bytes of task files, above the limit of {limit} "
+                           "(TURNSTILE_TASK_SET_MAX_BYTES)")
 
 
 def _rows_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
@@ -128,14 +164,16 @@ def _rows_parquet(path: Path) -> Iterator[tuple[int, Any, str | None]]:
 
 
 def _rows(path: Path) -> Iterator[tuple[str, int, Any, str | None]]:
-    files = [path]
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in {".jsonl", ".json", ".parquet"} and p.is_file())
-        if not files:
-            raise TaskSetError(f"{path}: folder holds no .jsonl, .json or .parquet files")
+    files = _task_files(path)
+    if not files:
+        raise TaskSetError(f"{path}: folder holds no .jsonl, .json or .parquet files")
+    limit, count = get_settings().task_set_max_records, 0
     for f in files:
         reader = {".parquet": _rows_parquet, ".json": _rows_json}.get(f.suffix, _rows_jsonl)
         for line, row, err in reader(f):
+            count += 1
+            if count > limit:
+                raise TaskSetError(f"{path}: more than {limit} records (TURNSTILE_TASK_SET_MAX_RECORDS)")
             yield f.name, line, row, err
 
 

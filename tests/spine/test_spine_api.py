@@ -9,6 +9,7 @@ from sqlalchemy import func, select
 from app import create_app
 from app.db import session_scope
 from app.models import Completion, Episode, Run, TaskInstance
+from support import ROOT
 
 REDIS_DB = 10
 
@@ -101,6 +102,38 @@ def test_config_checked_against_this_installation(client, body, field, words):
     assert _runs_in_db() == 0
 
 
+@pytest.mark.parametrize("task_set", ["/", "/dev/zero", "/etc/passwd", "../../../etc", "x" * (1024 * 1024)])
+def test_task_set_paths_outside_the_allowed_folders_are_refused_at_once(client, task_set):
+    """A run config cannot make the server scan or read arbitrary host files (nor echo them)."""
+    import time
+
+    started = time.monotonic()
+    resp = client.post("/api/runs", json={"task_set": task_set, "harness": "mini-swe-agent"})
+    assert time.monotonic() - started < 5
+    assert resp.status_code == 400
+    err = resp.get_json()["error"]
+    assert err["field"] == "task_set" and "allowed folder" in err["message"] and len(err["message"]) < 1000
+    assert "passwd" not in err["message"] or task_set == "/etc/passwd"
+    assert _runs_in_db() == 0
+
+
+def test_task_set_limits_on_size_and_records(client, tmp_path, monkeypatch):
+    from app import config
+
+    record = (ROOT / "data" / "tasks" / "synthetic.jsonl").read_text().splitlines()[0]
+    many = tmp_path / "many.jsonl"
+    many.write_text("\n".join([record] * 3))
+    monkeypatch.setenv("TURNSTILE_TASK_SET_MAX_RECORDS", "2")
+    config.reset_settings()
+    resp = client.post("/api/runs", json={"task_set": str(many), "harness": "mini-swe-agent"})
+    assert resp.status_code == 400 and "more than 2 records" in resp.get_json()["error"]["message"]
+    monkeypatch.setenv("TURNSTILE_TASK_SET_MAX_BYTES", "100")
+    config.reset_settings()
+    resp = client.post("/api/runs", json={"task_set": str(many), "harness": "mini-swe-agent"})
+    assert resp.status_code == 400 and "above the limit of 100" in resp.get_json()["error"]["message"]
+    config.reset_settings()
+
+
 def test_bad_task_set_file_is_400_without_echoing_it(client, tmp_path):
     bad = tmp_path / "tasks.jsonl"
     bad.write_text("\n".join(f'{{"instance_id": "x{i}", "secret": "{"s" * 100}"}}' for i in range(50)))
@@ -175,7 +208,7 @@ def test_openapi_documents_every_route(client):
     assert spec["openapi"].startswith("3.")
     documented = set(spec["paths"])
     app = client.application
-    routes = {r.rule.replace("<int:", "{").replace(">", "}") for r in app.url_map.iter_rules() if r.rule.startswith("/api/")}
+    routes = {r.rule.replace("<id:", "{").replace(">", "}") for r in app.url_map.iter_rules() if r.rule.startswith("/api/")}
     assert routes <= documented, routes - documented
     props = spec["components"]["schemas"]["RunConfig"]["properties"]
     assert {"task_set", "harness", "model", "group_size", "tasks_per_step", "steps", "timeouts", "mode"} <= set(props)
@@ -209,3 +242,31 @@ def test_responses_carry_exactly_the_documented_fields_in_order(client):
     listed = client.get("/api/runs").get_json()["runs"][0]
     assert list(listed) == list(schemas["Run"]["properties"]) and listed["live"]["graded"] == 1
     assert schemas["Run"]["properties"]["config"] == {"$ref": "#/components/schemas/RunConfig"}
+
+
+@pytest.fixture
+def any_client(any_database, redis_db):
+    return create_app({"TESTING": True}).test_client()
+
+
+@pytest.mark.parametrize("path", ["/api/runs/2147483648", "/api/runs/99999999999999999999/episodes",
+                                  "/api/episodes/2147483648", "/api/runs/0", "/runs/2147483648",
+                                  "/episodes/18446744073709551616"])
+def test_ids_beyond_sql_integer_are_404_on_both_databases(any_client, path):
+    resp = any_client.get(path)
+    assert resp.status_code == 404
+
+
+def test_malformed_query_and_deep_bodies_are_400_not_500(any_client):
+    with session_scope() as s:
+        run = Run(kind="eval", config={})
+        s.add(run)
+        s.flush()
+        run_id = run.id
+    resp = any_client.get(f"/api/runs/{run_id}/episodes?status=%00")
+    assert resp.status_code == 400 and resp.get_json()["error"]["field"] == "status"
+    deep = "[" * 5000 + "]" * 5000
+    for body in ('{"training": ' + deep + "}", deep):
+        resp = any_client.post("/api/runs", data=body, content_type="application/json")
+        assert resp.status_code == 400, resp.get_data(as_text=True)[:200]
+        assert "nested too deeply" in resp.get_json()["error"]["message"]

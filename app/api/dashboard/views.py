@@ -49,7 +49,7 @@ def runs_page():
                                states=RUN_STATES, kinds=RUN_KINDS)
 
 
-@bp.get("/runs/<int:run_id>")
+@bp.get("/runs/<id:run_id>")
 def run_page(run_id: int):
     status = _arg("status")
     outcome = _arg("outcome", ("resolved", "unresolved"))
@@ -61,7 +61,7 @@ def run_page(run_id: int):
                                                                  "outcome": outcome})
 
 
-@bp.get("/episodes/<int:episode_id>")
+@bp.get("/episodes/<id:episode_id>")
 def episode_page(episode_id: int):
     with session_scope() as s:
         view = data.episode_detail(s, episode_id)
