@@ -1,6 +1,7 @@
 """Trainer cost of `per_request` versus `prefix_merging` on the same multi-turn sessions.
 
     .venv/bin/python bench/prefix_merging.py [--episodes 2] [--seed 0] [--micro-batch-tokens 8192]
+        [--device cpu|cuda] [--shape tiny|qwen3-1.7b|qwen3-4b] [--context 8192] [--peak-tflops X]
 
 Synthesizes agent sessions with realistic sizes (20–50 model calls per episode; a system +
 task prompt of ~500 tokens; per call a few hundred new tokens: sampled ids plus a tool result
@@ -18,12 +19,27 @@ sampled positions, so the cost that merging removes (context tokens) is the body
 model (3.1M of its 3.2M parameters are the 49k-vocab embedding/head, 2 layers of width 64)
 the time goes to attention and to the head over sampled tokens, which merging does not
 reduce.  The time ratio should therefore be compared with the work ratio of the same model.
+
+`--shape` picks the model: the tiny test model, or a Qwen3-1.7B / Qwen3-4B-shaped model
+random-initialised from its config (no download; fp32 master weights, bf16 autocast on CUDA).
+Per builder it also prints the peak memory of the step above the memory held before it, MiB
+per processed token, and MFU = 6 * N * tokens / step time / peak FLOP/s, with N the
+non-embedding parameters (Kaplan et al. 2020, arXiv:2001.08361) and the peak from
+`--peak-tflops` (default 989 dense bf16 for an H100/H200, none on CPU: MFU not printed).
+Peak memory: on CUDA `torch.cuda.max_memory_allocated`; on CPU the process's peak resident set
+(VmHWM, reset through /proc/self/clear_refs before the step), which includes allocator slack.
+Last, it prints the activation memory per token of the tiny model with and without activation
+checkpointing: the memory the autograd graph holds between the forward and the backward pass
+of one packed chain, measured in a fresh process (CPU: resident set size with glibc's mmap
+threshold at 64 KiB, so that freed tensors leave the resident set; CUDA: memory_allocated).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import subprocess
 import sys
 import time
 
@@ -40,13 +56,113 @@ from app.training.trajectories import CompletionRecord, per_request, prefix_merg
 
 IM_START, IM_END, NL = 1, 2, 198  # SmolLM2 ChatML ids
 CONTEXT = 8192
+H100_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H100/H200 SXM
+
+
+def qwen3_config(shape: str):
+    """Config of a Qwen3-1.7B or Qwen3-4B-shaped model (the published configs' sizes)."""
+    from transformers import Qwen3Config
+
+    sizes = {"qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                num_attention_heads=16, num_key_value_heads=8),
+             "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                              num_attention_heads=32, num_key_value_heads=8)}[shape]
+    return Qwen3Config(vocab_size=151936, head_dim=128, max_position_embeddings=131072, tie_word_embeddings=True,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, **sizes)
+
+
+def build_model(shape: str, device: torch.device):
+    """A random-initialised fp32 causal LM of `shape` on `device`, and its config."""
+    if shape == "tiny":
+        return build_tiny_model(0).to(device), tiny_config()
+    from transformers import AutoModelForCausalLM
+
+    config = qwen3_config(shape)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model, config
+
+
+def non_embedding_parameters(model) -> int:
+    embedding = model.get_input_embeddings().weight
+    return sum(p.numel() for p in model.parameters() if p is not embedding)
+
+
+def _rss_bytes(field: str = "VmRSS") -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak(device: torch.device) -> int:
+    """Reset the peak-memory counter; return the memory held now (bytes)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    return _rss_bytes()
+
+
+def peak_since_reset(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _rss_bytes("VmHWM")
+
+
+def activation_probe(tokens: int, checkpointing: bool, device: torch.device) -> float:
+    """Bytes per token the autograd graph holds between forward and backward (tiny model,
+    one packed chain of `tokens`, its second half trainable); see the module docstring."""
+    import gc
+
+    from app.training.batching import make_micro_batches
+
+    rng = random.Random(0)
+    ids = [rng.randrange(3, 49000) for _ in range(tokens)]
+    seq = StepSequence(ids, [0] * (tokens // 2) + [1] * (tokens - tokens // 2), [0.0] * tokens, 1.0)
+    trainer = Trainer(TrainingConfig(activation_checkpointing=checkpointing, micro_batch_tokens=tokens),
+                      build_tiny_model(0).to(device))
+    (mb,) = make_micro_batches([seq], tokens, "token", packing=True)
+    mb = mb.to(device)
+    trainer._logprobs(mb, grad=True).sum().backward()  # warm: gradient buffers exist from here on
+    trainer.model.zero_grad(set_to_none=False)
+    gc.collect()
+    held = lambda: torch.cuda.memory_allocated() if device.type == "cuda" else _rss_bytes()  # noqa: E731
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    before = held()
+    loss = trainer._logprobs(mb, grad=True).sum()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    graph = held() - before
+    loss.backward()
+    return graph / tokens
+
+
+def activation_line(tokens: int, device: torch.device) -> str:
+    """The activation-memory comparison, each figure from a fresh process."""
+    per_token = {}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    for checkpointing in (False, True):
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe-activations", str(tokens),
+                              "--device", device.type] + (["--checkpointing"] if checkpointing else []),
+                             capture_output=True, text=True, env=env, check=True)
+        per_token[checkpointing] = json.loads(out.stdout.strip().splitlines()[-1])["bytes_per_token"]
+    return (f"activation memory, tiny model, one {tokens}-token chain ({device.type}): "
+            f"{per_token[False] / 1024:.1f} KiB/token without checkpointing, {per_token[True] / 1024:.1f} KiB/token "
+            f"with ({per_token[False] / max(per_token[True], 1):.1f}x less)")
 
 
 def synth_session(rng: random.Random) -> list[CompletionRecord]:
     """One episode: calls whose prompts extend the previous prompt + sampled ids (no logprobs yet)."""
     calls = rng.randint(20, 50)
     prompt = [IM_START] + [rng.randrange(3, 49000) for _ in range(rng.randint(400, 600))] + [IM_END, NL, IM_START]
-    per_call = min(300, (CONTEXT - len(prompt) - 64) // calls)  # "a few hundred" new tokens per call
+    # "a few hundred" new tokens per call; longer contexts (--context) get proportionally more
+    per_call = min(300 * max(1, CONTEXT // 8192), (CONTEXT - len(prompt) - 64) // calls)
     records = []
     for seq in range(calls):
         n_sampled = rng.randint(per_call // 4, per_call // 2)
@@ -94,17 +210,35 @@ def smollm2_config():
 
 
 def main() -> None:
+    global CONTEXT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--episodes", type=int, default=2, help="episodes (sessions) in the step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--shape", default="tiny", choices=("tiny", "qwen3-1.7b", "qwen3-4b"))
+    parser.add_argument("--context", type=int, default=CONTEXT, help="largest session context (tokens)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: H100/H200 bf16)")
+    parser.add_argument("--activation-tokens", type=int, default=4096, help="chain length of the activation line")
+    parser.add_argument("--probe-activations", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if args.probe_activations:
+        print(json.dumps({"bytes_per_token": activation_probe(args.probe_activations, args.checkpointing, device)}))
+        return
+    CONTEXT = args.context
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    config = TrainingConfig(learning_rate=1e-6, micro_batch_tokens=args.micro_batch_tokens)
+    config = TrainingConfig(learning_rate=1e-6, micro_batch_tokens=args.micro_batch_tokens,
+                            max_sequence_tokens=max(args.context + 64, 16))
+    peak_tflops = args.peak_tflops
+    if peak_tflops is None and device.type == "cuda" and any(n in torch.cuda.get_device_name() for n in ("H100", "H200")):
+        peak_tflops = H100_BF16_TFLOPS
 
-    recorder = Trainer(config, build_tiny_model(0))
+    recorder = Trainer(config, build_model(args.shape, device)[0])
     sessions = [with_rollout_logprobs(recorder, synth_session(rng)) for _ in range(args.episodes)]
+    del recorder
     advantages = group_advantages([float(i % 2) for i in range(args.episodes)], "mean")
     calls = [len(s) for s in sessions]
     print(f"{args.episodes} episodes, calls per episode {calls}, "
@@ -116,10 +250,16 @@ def main() -> None:
         sequences = [StepSequence(seq.token_ids, seq.loss_mask, seq.logprobs, adv)
                      for records, adv in zip(sessions, advantages) for seq in builder(records).sequences]
         build_s = time.perf_counter() - built
-        trainer = Trainer(config, build_tiny_model(0))
+        model, model_config = build_model(args.shape, device)
+        n_params = non_embedding_parameters(model)
+        trainer = Trainer(config, model)
+        base = reset_peak(device)
         started, cpu_started = time.perf_counter(), time.process_time()
         metrics = trainer.update(sequences)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         cpu_s = time.process_time() - cpu_started
+        peak = peak_since_reset(device) - base
         results[name] = {
             "sequences": metrics["sequences"],
             "tokens": metrics["tokens_processed"],
@@ -129,16 +269,28 @@ def main() -> None:
             "cpu": cpu_s,
             "build": build_s,
             "gap": metrics["logprob_gap_max_abs"],
+            "peak_mib": peak / 2**20,
+            "flops6n": 6 * n_params * metrics["tokens_processed"],
+            "ckpt": metrics["activation_checkpointing"],
             "work_tiny": flops(tiny_config(), sequences),
             "work_smollm2": flops(smollm2_config(), sequences),
         }
-        del trainer
+        del trainer, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     print(f"{'builder':<16}{'sequences':>10}{'tokens':>10}{'padded':>10}{'trainable':>10}"
           f"{'step s':>9}{'cpu s':>9}{'build s':>9}{'tok/s':>9}{'gap max':>10}")
     for name, r in results.items():
         print(f"{name:<16}{r['sequences']:>10}{r['tokens']:>10}{r['padded']:>10}{r['trainable']:>10}"
               f"{r['time']:>9.2f}{r['cpu']:>9.2f}{r['build']:>9.3f}{r['tokens'] / r['time']:>9.0f}{r['gap']:>10.2e}")
+    print(f"shape {args.shape} on {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), "
+          f"N = {n_params / 1e6:.1f}M non-embedding parameters, activation checkpointing "
+          f"{'on' if results['prefix_merging']['ckpt'] else 'off'}")
+    print(f"{'builder':<16}{'tokens':>10}{'step s':>9}{'peak MiB':>11}{'MiB/token':>11}{'MFU':>8}")
+    for name, r in results.items():
+        mfu = f"{r['flops6n'] / r['time'] / (peak_tflops * 1e12):>8.1%}" if peak_tflops else f"{'n/a':>8}"
+        print(f"{name:<16}{r['tokens']:>10}{r['time']:>9.2f}{r['peak_mib']:>11.1f}{r['peak_mib'] / r['tokens']:>11.4f}{mfu}")
     pr, pm = results["per_request"], results["prefix_merging"]
     token_ratio = pr["tokens"] / pm["tokens"]
     time_ratio = pr["time"] / pm["time"]
@@ -155,6 +307,7 @@ def main() -> None:
               f"{'met' if abs(ratio / token_ratio - 1) <= 0.15 else 'not met'}); "
               f"{label}-time ratio / tiny work ratio = {ratio / work_tiny:.2f} "
               f"({'within' if abs(ratio / work_tiny - 1) <= 0.15 else 'outside'} 15%)")
+    print(activation_line(args.activation_tokens, device))
 
 
 if __name__ == "__main__":

@@ -21,4 +21,10 @@ if [ -z "$PY" ]; then
     fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec "$PY" scripts/gpu_check.py "$@"
+"$PY" scripts/gpu_check.py "$@"
+status=$?
+# The trainer at a Qwen3-1.7B shape, random-initialised: tokens, step time, peak memory,
+# MiB/token and MFU per builder, and activation memory per token with and without checkpointing.
+echo "== trainer bench (bench/prefix_merging.py, qwen3-1.7b shape) =="
+timeout 300 "$PY" bench/prefix_merging.py --device cuda --shape qwen3-1.7b --episodes 2 --context 16384 || status=1
+exit $status
