@@ -7,7 +7,7 @@ turns into a 400.  Unknown top-level fields are rejected (a typo such as
 """
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -38,9 +38,10 @@ class ModelChoice(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field("smollm2", min_length=1, description="'smollm2', 'tiny', or a served model name")
+    name: str = Field("smollm2", min_length=1, max_length=255, description="'smollm2', 'tiny', or a served model name")
     engine: Literal["embedded", "vllm"] = "embedded"
-    engine_urls: list[str] = Field(default_factory=list, description="override TURNSTILE_ENGINE_URLS")
+    engine_urls: list[Annotated[str, Field(max_length=2048)]] = Field(
+        default_factory=list, max_length=256, description="override TURNSTILE_ENGINE_URLS")
     checkpoint: str | None = Field(
         None, description="eval/collect only: weights loaded into the engines before the run starts; "
                           "a checkpoint model folder or 'run:<id>' (that train run's newest checkpoint)")
@@ -168,8 +169,10 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["train", "eval", "collect"] = "train"
-    task_set: str = Field("synthetic", min_length=1)
-    instances: list[str] | None = Field(None, min_length=1, description="subset of instance ids (default: all)")
+    task_set: str = Field("synthetic", min_length=1, max_length=4096,
+                          description="a named set or a path inside an allowed folder (see README)")
+    instances: list[Annotated[str, Field(min_length=1, max_length=255)]] | None = Field(
+        None, min_length=1, max_length=100_000, description="subset of instance ids (default: all)")
     harness: str = "mini-swe-agent"
     model: ModelChoice = Field(default_factory=ModelChoice)
     group_size: int = Field(4, ge=1, le=1024, strict=True)
