@@ -145,7 +145,7 @@ class LocalRuntime:
             "base_commit": base_commit, "env_key": env.key, "python_executable": str(env.python.executable),
             "python_prefix": str(env.python.prefix), "confined": confined,
             "gateway_url": gateway_url or settings.gateway_url,
-            "ro_binds": [[str(h), s] for h, s in ro_binds],
+            "ro_binds": _with_resolved(ro_binds),
             "limits": (limits or Limits()).__dict__,
             "timings": {"base_s": round(t1 - t0, 3), "env_s": round(t2 - t1, 3), "workspace_s": round(t3 - t2, 3)},
         }
@@ -207,7 +207,7 @@ class LocalRuntime:
 
     def add_ro_bind(self, host_path: str | Path, sandbox_path: str | None = None) -> None:
         """Make `host_path` visible read-only at `sandbox_path` (default: same path) in later runs."""
-        self._state["ro_binds"].append([str(host_path), sandbox_path or str(host_path)])
+        self._state["ro_binds"] += _with_resolved([(host_path, sandbox_path or str(host_path))])
 
     # --- running ----------------------------------------------------------------------
 
@@ -303,6 +303,20 @@ class LocalRuntime:
         return f"LocalRuntime(id={self.id!r}, instance={self.instance_id!r}, confined={self.confined})"
 
 
+
+
+def _with_resolved(binds: Sequence[tuple[str | Path, str]]) -> list[list[str]]:
+    """`[host, sandbox]` mounts, plus the resolved target of each host path that goes through a
+    symbolic link, mounted at its own path: programs installed under a linked folder (a harness's
+    venv under a `var/tools` that links to another disk) name their interpreter by its resolved
+    path, which must exist inside the sandbox too."""
+    out: list[list[str]] = []
+    for host, inside in binds:
+        out.append([str(host), inside])
+        real = Path(host).resolve()
+        if str(real) != str(host) and inside == str(host):
+            out.append([str(real), str(real)])
+    return out
 
 
 def cleanup_stale_runtimes(max_age_s: float, *, keep: Sequence[str] = (), settings: Settings | None = None) -> list[str]:

@@ -179,6 +179,26 @@ def test_no_process_in_the_sandbox_shows_the_workers_environment(two_runtimes, m
     assert "hunter2" not in res.stdout and "DATABASE_URL" not in res.stdout and "REDIS_URL" not in res.stdout
 
 
+def test_a_symlinked_tools_folder_works_by_both_paths(settings, tmp_path):
+    """A tools folder that is a symbolic link to another place: scripts inside name their
+    interpreter by the resolved path (as a venv does), and both paths work in the sandbox."""
+    real = tmp_path / "disk2" / "tools"
+    (real / "bin").mkdir(parents=True)
+    tool = real / "bin" / "tool"
+    tool.write_text(f"#!/bin/sh\nexec {real}/bin/helper \"$@\"\n")
+    helper = real / "bin" / "helper"
+    helper.write_text("#!/bin/sh\necho helper-ran\n")
+    tool.chmod(0o755)
+    helper.chmod(0o755)
+    link = tmp_path / "tools"
+    link.symlink_to(real)
+    record = load_task_set("synthetic").get("synthetic__inflection-2")
+    with LocalRuntime.prepare(record, settings=settings, ro_binds=[(link, str(link))]) as rt:
+        res = rt.run(f"{link}/bin/tool && {real}/bin/tool")
+        assert res.ok, res.stderr
+        assert res.stdout.split() == ["helper-ran", "helper-ran"]
+
+
 def test_should_stop_kills_the_command_at_once(two_runtimes):
     """A cancelled episode's harness is killed within a poll, not at the end of its budget."""
     _, a, _ = two_runtimes
