@@ -241,10 +241,13 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     upstream_body = dict(norm.chat, model=engine.model, stream=norm.stream, return_token_ids=True, logprobs=True)
     # Non-stream answers are read from an engine stream too: the engine has sent its response
     # head before it generates, so a client that leaves can be seen and the engine request
-    # closed at once (vLLM aborts a request whose connection closes).  Usage on every chunk
-    # (vLLM `continuous_usage_stats`) gives the cached-token count before the first token.
+    # closed at once (vLLM aborts a request whose connection closes).  Streams ask for usage on
+    # every chunk (vLLM `continuous_usage_stats`): the cached-token count is then known before
+    # the first token, for Anthropic's message_start.
     upstream_body["stream"] = True
-    upstream_body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    upstream_body["stream_options"] = {"include_usage": True}
+    if norm.stream:
+        upstream_body["stream_options"]["continuous_usage_stats"] = True
     cap = record.Capture(
         episode_id=info.episode_id, api=route.api, model=norm.model, stream=norm.stream,
         request_key=record.request_key(info.episode_id, request.path, raw, request.headers.get("idempotency-key")),
