@@ -25,12 +25,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 SHARDED_DIR = "sharded"
+# How long the ranks > 0 wait for rank 0's next trainer call (an idle gpu worker between steps).
+CONTROL_TIMEOUT = timedelta(days=365)
 
 
 @dataclass
@@ -40,6 +43,7 @@ class Group:
     rank: int
     world: int
     mesh: object  # torch.distributed.device_mesh.DeviceMesh
+    control: object = None  # gloo group of rank 0's call broadcasts (None: the default group)
 
     @property
     def leader(self) -> bool:
@@ -48,7 +52,7 @@ class Group:
     def broadcast_object(self, obj=None):
         """Rank 0's `obj` on every rank (pickled; the others pass None)."""
         box = [obj if self.leader else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
     def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -74,7 +78,11 @@ def current() -> Group | None:
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        _GROUP = Group(dist.get_rank(), dist.get_world_size(), init_device_mesh(device_type, (dist.get_world_size(),)))
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        # The other ranks wait in `follow` for rank 0's next call for as long as the worker
+        # is idle between steps: that wait must not time out like a training collective.
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        _GROUP = Group(dist.get_rank(), dist.get_world_size(), mesh, control)
     return _GROUP
 
 
