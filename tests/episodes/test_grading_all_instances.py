@@ -77,7 +77,7 @@ def test_instance_grades_unresolved_without_patch_and_resolved_with_gold(all_gra
     assert sorted(status["FAIL_TO_PASS"]["failure"]) == sorted(record.FAIL_TO_PASS)
     assert sorted(status["PASS_TO_PASS"]["success"]) == sorted(record.PASS_TO_PASS)
 
-    assert gold.report["apply"] == {"applied": True, "method": "git apply --verbose", "reason": None}
+    assert gold.report["apply"] == {"applied": True, "method": "git apply --verbose -p1", "reason": None}
     assert (gold.resolved, gold.reward) == (True, 1.0), gold.report
     status = gold.report["tests_status"]
     assert sorted(status["FAIL_TO_PASS"]["success"]) == sorted(record.FAIL_TO_PASS)
