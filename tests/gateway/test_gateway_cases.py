@@ -1,4 +1,4 @@
-"""Regression cases B01-B38 (../shared/cases/gateway.md), each fixed for its whole class:
+"""Gateway regression cases from public bug reports about model-API proxies, each fixed for its whole class:
 every client API, streaming and non-streaming, against the gateway under gunicorn and the
 scripted engine.  Stream grammar is checked by `gateway_grammar` on every stream.
 """
