@@ -6,6 +6,7 @@ messages use vLLM's wording so harnesses that detect context overflow by text re
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from flask import request
@@ -53,6 +54,9 @@ def sampling_params(body: dict) -> SamplingParams:
     top_p = get_field(body, "top_p", float, 1.0)
     top_k = get_field(body, "top_k", int, 0)
     seed = get_field(body, "seed", int)
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if not math.isfinite(value):  # JSON parsers accept NaN/Infinity; comparisons with NaN are all False
+            raise EngineError(f"'{name}' must be a finite number", param=name)
     if temperature < 0:
         raise EngineError("'temperature' must be >= 0", param="temperature")
     if not 0 < top_p <= 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,12 +102,29 @@ def positive_int(value: Any, name: str) -> int | None:
     return value
 
 
+# Ranges every engine accepts (OpenAI and vLLM sampling parameters); a value outside them is
+# the caller's error, answered before anything is generated.
+SAMPLING_RANGES = {"temperature": (0.0, None), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "top_k": (-1, None),
+                   "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
+                   "repetition_penalty": (0.0, None)}
+
+
 def copy_sampling(src: dict, dst: dict, mapping: dict[str, str]) -> None:
-    """Copy numeric sampling fields `src[k]` -> `dst[v]` after type checks."""
+    """Copy numeric sampling fields `src[k]` -> `dst[v]` after type and range checks.
+
+    Python's JSON parser accepts `NaN` and `Infinity`: a non-finite value, or one outside the
+    range engines accept (`SAMPLING_RANGES`, by the engine-side name), is a 400 naming the
+    field.  Checked here, so one session's bad value never reaches a batch it shares with others.
+    """
     for k, v in mapping.items():
         if src.get(k) is not None:
             expect_type(src[k], (int, float), k)
-            dst[v] = src[k]
+            value = src[k]
+            expect(math.isfinite(value), f"{k}: must be a finite number, got {value!r}", k)
+            low, high = SAMPLING_RANGES.get(v, (None, None))
+            expect((low is None or value >= low) and (high is None or value <= high),
+                   f"{k}: must be {'>= ' + str(low) if high is None else f'between {low} and {high}'}, got {value!r}", k)
+            dst[v] = value
 
 
 def limit_tokens(*candidates: int | None) -> int:

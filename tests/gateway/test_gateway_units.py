@@ -118,3 +118,23 @@ def test_gateway_imports_no_ml_stack():
             " print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("field, value", [("temperature", float("nan")), ("temperature", float("inf")),
+                                          ("temperature", -0.5), ("top_p", float("nan")), ("top_p", 1.5),
+                                          ("presence_penalty", 9.0)])
+def test_non_finite_or_out_of_range_sampling_is_the_callers_400(field, value):
+    """`"temperature": NaN` (JSON parsers accept it) must never reach a shared engine batch."""
+    import math
+
+    from app.engines.validation import EngineError, sampling_params
+    from app.proxy import chat
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(GatewayError) as info:
+        chat.normalize(body)
+    assert info.value.status == 400 and field in str(info.value)
+    if field in ("temperature", "top_p") and not math.isfinite(value):
+        with pytest.raises(EngineError) as engine_info:  # the engine checks it too, for direct callers
+            sampling_params({field: value})
+        assert engine_info.value.status == 400 and engine_info.value.param == field
