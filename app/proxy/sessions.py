@@ -12,6 +12,7 @@ import hashlib
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -50,7 +51,10 @@ def issue_session(session: Session, episode_id: int) -> str:
     return token
 
 
-_cache: dict[str, tuple[float, SessionInfo]] = {}
+# Resolutions trusted for `session_cache_s`; at most MAX_CACHED_SESSIONS of them, oldest
+# dropped first, so a long-lived gateway worker's memory does not grow with every episode.
+MAX_CACHED_SESSIONS = 4096
+_cache: OrderedDict[str, tuple[float, SessionInfo]] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
@@ -85,6 +89,9 @@ def resolve_session_info(token: str | None) -> SessionInfo | None:
     info = SessionInfo(row.id, row.run_id, int(row.policy_version or 0))
     with _cache_lock:
         _cache[digest] = (now + gateway_settings().session_cache_s, info)
+        _cache.move_to_end(digest)
+        while len(_cache) > MAX_CACHED_SESSIONS:
+            _cache.popitem(last=False)
     return info
 
 

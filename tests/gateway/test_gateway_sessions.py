@@ -88,6 +88,20 @@ def test_resolve_session_and_reissue(gw):
             issue_session(s, 10**9)
 
 
+def test_the_session_cache_is_bounded(gw, monkeypatch):
+    """A gateway worker's cache of resolved keys holds at most MAX_CACHED_SESSIONS, newest kept."""
+    from app.proxy import sessions
+
+    monkeypatch.setattr(sessions, "MAX_CACHED_SESSIONS", 3)
+    sessions.forget(None)
+    tokens = [make_episode()[1] for _ in range(5)]
+    for token in tokens:
+        assert sessions.resolve_session(token) is not None
+    assert len(sessions._cache) == 3
+    assert list(sessions._cache) == [sessions.hash_token(t) for t in tokens[2:]]
+    sessions.forget(None)
+
+
 @pytest.mark.parametrize("api", APIS)
 def test_client_disconnect_mid_stream_leaves_a_partial_record(gw, api):
     ep, token = make_episode()
