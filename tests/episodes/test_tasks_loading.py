@@ -55,7 +55,7 @@ def test_unknown_name_is_a_clear_not_found(tmp_path):
     with pytest.raises(TaskSetNotFound, match="does not exist"):
         load_task_set(str(tmp_path / "nope.jsonl"))  # inside an allowed folder (the tests' temp folder)
     with pytest.raises(TaskSetNotFound, match="neither a named set .* nor a path inside an allowed folder"):
-        load_task_set("nope")
+        load_task_set("/nope-not-a-task-set.jsonl")  # outside every allowed folder
 
 
 def test_every_bad_record_is_reported_with_line_and_field(tmp_path):

@@ -42,6 +42,7 @@ def test_reload_during_live_streams_is_invisible_to_clients(gw, real, tmp_path):
     errors: list[BaseException] = []
     results: dict[str, tuple[int, str]] = {}
     started = {f"live{i}": threading.Event() for i in range(3)}
+    sending = {f"held{i}": threading.Event() for i in range(3)}
 
     def call(name: str, stream: bool) -> None:
         episode_id, token = make_episode()
@@ -49,6 +50,8 @@ def test_reload_during_live_streams_is_invisible_to_clients(gw, real, tmp_path):
         try:
             kwargs = dict(model="tiny", messages=[{"role": "user", "content": f"count for {name}"}],
                           max_tokens=48, temperature=1.0, seed=1)
+            if name in sending:
+                sending[name].set()  # the call leaves now (a loaded box may start threads late)
             if stream:
                 text = ""
                 for ch in client.chat.completions.create(stream=True, **kwargs):
@@ -72,6 +75,8 @@ def test_reload_during_live_streams_is_invisible_to_clients(gw, real, tmp_path):
             t = threading.Thread(target=call, args=(f"held{i}", stream))
             t.start()
             held.append(t)
+        for name, event in sending.items():
+            assert event.wait(60), f"{name} was not sent"
         time.sleep(1.5)  # a slow reload: the new calls must wait at the gateway, not fail
         sync = push_weights([engine_url], tmp_path / "ckpt", 1)  # the engine loads the new weights
     for t in live + held:
