@@ -1,6 +1,6 @@
 """SQLAlchemy 2 models: the durable record of runs, episodes, completions and steps.
 
-SQL is the one source of truth (DESIGN.md invariant 5).  Status columns only
+SQL is the one source of truth.  Status columns only
 change through `app.states.transition`, a compare-and-set UPDATE, so two workers
 that receive the same redelivered message cannot both win a transition.
 Token arrays use the packed types of `app.arrays` (4 bytes per entry).

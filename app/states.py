@@ -3,7 +3,7 @@
 A transition is one `UPDATE … WHERE id = :id AND status IN (:allowed)`; the
 affected row count says whether this caller won.  A redelivered Celery task that
 finds its episode already past the expected state therefore does nothing, which
-is what makes `acks_late` safe (DESIGN.md invariant 2).
+is what makes `acks_late` safe.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A fast, deterministic scripted engine speaking the engine contract.
 
-The contract is OpenAI Chat Completions with vLLM's extensions (protocols.md §5):
+The contract is OpenAI Chat Completions with vLLM's extensions:
 `return_token_ids` (top-level `prompt_token_ids`, per-choice `token_ids`),
 `logprobs`, per-choice `stop_reason`, `/tokenize`, `/v1/models` with
 `max_model_len`, and the Turnstile extension `policy_version`.
@@ -184,7 +184,7 @@ def plan(reply: dict, body: dict) -> tuple[list[dict], str, Any]:
 
 
 def apply_quirk(steps: list[dict], quirk: str | None) -> list[dict]:
-    """Re-shape streamed tool-call deltas the way some servers do (B18, B19, B03b)."""
+    """Re-shape streamed tool-call deltas the way some servers do."""
     if not quirk:
         return steps
     out, held = [], {}

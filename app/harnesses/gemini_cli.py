@@ -7,7 +7,7 @@ telemetry, auto-update and the update nag off.  Environment:
 `GEMINI_API_KEY` = session token (sent as `x-goog-api-key`),
 `GEMINI_CLI_TRUST_WORKSPACE=true`.
 
-Traps handled (harness-probe.md): with `GOOGLE_GEMINI_BASE_URL` set this
+Traps handled: with `GOOGLE_GEMINI_BASE_URL` set this
 release picks auth type "gateway", which headless mode rejects (rc 41) unless
 `selectedType` is pinned; an untrusted folder exits rc 55; the router call
 (`gemini-3.5-flash-lite:generateContent`, JSON mode) is skipped by naming the

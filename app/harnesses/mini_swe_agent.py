@@ -9,7 +9,7 @@ with our keys merged in, named by `MSWEA_MINI_CONFIG_PATH`) sets `model.model_na
 `/v1`, `max_tokens`, cost tracking off; the key comes from `OPENAI_API_KEY`.
 The trajectory goes to `$HOME/.config/mini-swe-agent/last_mini_run.traj.json`.
 
-Traps handled (harness-probe.md): `MSWEA_CONFIGURED=true` (else the first-run
+Traps handled: `MSWEA_CONFIGURED=true` (else the first-run
 wizard aborts with rc 1 on a non-TTY stdin); `MSWEA_COST_TRACKING=ignore_errors`
 (the model is not in LiteLLM's price table); `LITELLM_LOCAL_MODEL_COST_MAP=True`
 (else LiteLLM fetches its price map from raw.githubusercontent.com at import);

@@ -5,7 +5,7 @@ Config: `$HOME/.config/opencode/opencode.json` declares a provider `turnstile`
 stays in the environment) with the episode's model as both `model` and
 `small_model`, `autoupdate: false`, `share: "disabled"`.
 
-Traps handled (harness-probe.md): the model catalogue fetch (models.dev /
+Traps handled: the model catalogue fetch (models.dev /
 models.opencode.ai), auto-update, LSP downloads, sharing and default plugins
 are switched off by environment; it still attempts a background npm install of
 `@opencode-ai/plugin` into `$HOME/.config/opencode` (non-blocking, only logged;

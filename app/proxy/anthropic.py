@@ -1,12 +1,12 @@
 """Anthropic Messages API <-> internal Chat Completions.
 
 Spec: https://docs.anthropic.com/en/api/messages and /messages-streaming;
-types in anthropics/anthropic-sdk-python `src/anthropic/types/*` (protocols.md §1).
-Regression cases handled here: B01/B02/B05 (block discipline), B07 (thinking
-deltas + signature), B08/B09 (thinking history), B11 (betas ignored), B12
-(cache_control ignored), B14/B15 (system arrays, mid-conversation system),
-B16 (images in tool results), B22 (stop_sequence), B23 (thinking off unless
-asked), B34 (no empty text blocks, refusal), B35 (tool-only assistant turns).
+types in anthropics/anthropic-sdk-python `src/anthropic/types/*`.
+Handled here: block discipline (one block open at a time, each tool call its own block),
+thinking deltas with signatures, thinking kept in history, unknown betas and cache_control
+ignored, system arrays and mid-conversation system messages, images in tool results,
+stop_sequence reporting, thinking off unless asked, no empty text blocks (refusals shown as
+text), tool-only assistant turns.
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def _convert_messages(messages: Any) -> list[dict]:
         role = msg.get("role")
         c.expect(role in ("user", "assistant", "system"), f"messages.{i}.role: must be user or assistant", "messages")
         blocks = _blocks(msg.get("content"), f"messages.{i}.content")
-        if role == "system":  # mid-conversation system message (Claude Code), B15
+        if role == "system":  # mid-conversation system message (Claude Code)
             out.append({"role": "system", "content": c.text_of([b for b in blocks if b["type"] == "text"])})
             continue
         if role == "user":
@@ -107,7 +107,7 @@ def _convert_messages(messages: Any) -> list[dict]:
             if t == "text" and b.get("text"):
                 text.append(b["text"])
             elif t == "thinking":
-                # B08/B09: keep reasoning; restore it from a gateway-issued signature when empty.
+                # keep reasoning; restore it from a gateway-issued signature when empty.
                 restored = b.get("thinking") or c.reasoning_from_signature(b.get("signature")) or ""
                 if restored:
                     reasoning.append(restored)
@@ -131,7 +131,7 @@ def _system(system: Any) -> list[dict]:
     if isinstance(system, str):
         return [{"role": "system", "content": system}] if system else []
     blocks = _blocks(system, "system")
-    text = "\n\n".join(b.get("text") or "" for b in blocks if b["type"] == "text" and b.get("text"))  # B14
+    text = "\n\n".join(b.get("text") or "" for b in blocks if b["type"] == "text" and b.get("text"))  # system arrays: the text blocks, joined
     return [{"role": "system", "content": text}] if text else []
 
 
@@ -171,7 +171,7 @@ def _tool_choice(tc: Any, chat: dict) -> None:
 
 
 def thinking_enabled(thinking: Any) -> bool:
-    """B23: absent or {type: disabled} means off; enabled/adaptive means on."""
+    """Thinking: absent or {type: disabled} means off; enabled/adaptive means on."""
     if thinking is None:
         return False
     c.expect(isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled", "adaptive"),
@@ -220,7 +220,7 @@ _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "
 
 def stop_reason(r: Result) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) per SDK `stop_reason.py`; vLLM's string stop_reason is the
-    matched stop sequence (B22)."""
+    matched stop sequence."""
     if r.stop_sequence is not None and r.finish_reason in (None, "stop"):
         return "stop_sequence", r.stop_sequence
     if r.refusal and not r.text and not r.tool_calls:
@@ -249,7 +249,7 @@ def render(r: Result, norm: c.Normalized, msg_id: str) -> dict:
     if r.reasoning:
         content.append(_thinking_block(r, norm.meta))
     text = r.text or (r.refusal if not r.tool_calls else "")
-    if text:  # never an empty text block (B34)
+    if text:  # never an empty text block
         content.append({"type": "text", "text": text})
     for call in r.runnable_calls:
         content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": call.parsed_arguments()})
@@ -261,7 +261,7 @@ def render(r: Result, norm: c.Normalized, msg_id: str) -> dict:
 class Stream:
     """Messages SSE writer: message_start, strictly ordered content blocks, message_delta,
     message_stop (docs messages-streaming).  Each block is started before its deltas and
-    stopped before the next starts (B05); each tool call gets its own block (B01/B02)."""
+    stopped before the next starts; each tool call gets its own block."""
 
     def __init__(self, norm: c.Normalized, msg_id: str) -> None:
         self.norm, self.msg_id = norm, msg_id

@@ -1,17 +1,17 @@
 """The engine's answer in one canonical form, for streams and non-streams alike.
 
 The engine speaks OpenAI Chat Completions with vLLM's extensions
-(protocols.md §2, §5.1).  Servers disagree on details of streamed tool calls and
+(https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html).  Servers disagree on details of streamed tool calls and
 reasoning, so every upstream answer first passes through this module:
 
 * `ChunkNormalizer.feed(chunk)` turns one upstream stream chunk into canonical
   events, fixing the known quirks once for all four client APIs:
-    - reasoning under `reasoning` (new vLLM) or `reasoning_content` (old) (B07, B30);
+    - reasoning under `reasoning` (new vLLM) or `reasoning_content` (old);
     - tool calls keyed by index; a repeated identical id continues a call, a new
-      non-empty id at the same index starts a new one (B19); missing `type` (B18);
-      arguments carried in the same chunk as id/name or only at the end (B03).
+      non-empty id at the same index starts a new one; missing `type`;
+      arguments carried in the same chunk as id/name or only at the end.
 * `result_from_completion(body)` reads a non-stream answer into the same `Result`.
-* `finish_result` recovers a tool call the model wrote inside its reasoning (B21).
+* `finish_result` recovers a tool call the model wrote inside its reasoning.
 
 Events are tuples:
   ("reasoning", text) | ("text", text) | ("refusal", text)
@@ -132,7 +132,7 @@ class Result:
 
 
 def _reasoning_of(obj: dict) -> str:
-    # New vLLM: `reasoning`; old vLLM and DeepSeek: `reasoning_content` (B30).
+    # New vLLM: `reasoning`; old vLLM and DeepSeek: `reasoning_content`.
     return obj.get("reasoning") or obj.get("reasoning_content") or ""
 
 
@@ -295,7 +295,7 @@ def _calls_in_reasoning(text: str) -> list[ToolCall]:
 def finish_result(result: Result) -> list[tuple]:
     """Post-process a finished `Result`; returns events for calls recovered from reasoning.
 
-    B21 (vllm-project/vllm#39056): Qwen3.x sometimes writes the tool call inside its
+    vllm-project/vllm#39056: Qwen3.x sometimes writes the tool call inside its
     reasoning; the parser then reports no call and an empty answer.  The record is
     flagged and the call recovered so the agent loop does not end silently.
     """

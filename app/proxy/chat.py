@@ -1,11 +1,11 @@
 """OpenAI Chat Completions API <-> internal Chat Completions.
 
 The client API and the engine API are the same family, but the gateway still
-normalizes (protocols.md §2): developer/mid-conversation system text merged into
-one leading system message (B15), array tool results (Qwen Code) and images in
-tool results (B16), one completion limit (B32), canonical tool-call deltas with
-`index`/`id`/`type` on the first fragment (B18, B19), reasoning under both
-`reasoning_content` and `reasoning` (B30), vLLM-only fields stripped.
+normalizes: developer/mid-conversation system text merged into
+one leading system message, array tool results (Qwen Code) and images in
+tool results, one completion limit, canonical tool-call deltas with
+`index`/`id`/`type` on the first fragment, reasoning under both
+`reasoning_content` and `reasoning`, vLLM-only fields stripped.
 Spec: https://platform.openai.com/docs/api-reference/chat and
 openai/openai-python `src/openai/types/chat/*`.
 """
@@ -203,7 +203,7 @@ def render(r: Result, norm: c.Normalized, resp_id: str, created: int | None = No
 
 class Stream:
     """chat.completion.chunk writer: role chunk, canonical deltas, finish chunk, optional usage
-    chunk (`choices: []`), `[DONE]` (protocols.md §2.3)."""
+    chunk (`choices: []`), `[DONE]`."""
 
     def __init__(self, norm: c.Normalized, resp_id: str) -> None:
         self.norm, self.resp_id, self.created = norm, resp_id, int(time.time())

@@ -29,10 +29,10 @@ def _default(name: str) -> Any:
 class GatewaySettings:
     """The gateway's knobs: the TURNSTILE_GATEWAY_* settings of `app.config` (defaults there)."""
 
-    default_max_tokens: int = _default("default_max_tokens")  # when the client sends no limit (Codex), B32
+    default_max_tokens: int = _default("default_max_tokens")  # when the client sends no limit (Codex)
     max_body_bytes: int = _default("max_body_bytes")
     keepalive_s: float = _default("keepalive_s")              # keep-alive interval while the engine prefills
-    vision: bool = _default("vision")                          # engine model accepts images; else placeholders (B16)
+    vision: bool = _default("vision")                          # engine model accepts images; else placeholders
     session_cache_s: float = _default("session_cache_s")      # how long a resolved session token is trusted
     upstream_timeout_s: float = _default("upstream_timeout_s")
 
@@ -128,7 +128,7 @@ def copy_sampling(src: dict, dst: dict, mapping: dict[str, str]) -> None:
 
 
 def limit_tokens(*candidates: int | None) -> int:
-    """Exactly one completion limit for the engine (B32): the smallest given, else the default."""
+    """Exactly one completion limit for the engine: the smallest given, else the default."""
     given = [c for c in candidates if c is not None]
     return min(given) if given else gateway_settings().default_max_tokens
 
@@ -147,7 +147,7 @@ def stop_list(value: Any, name: str) -> list[str] | None:
 
 
 def image_part(url: str, media_type: str = "image", size_hint: int | None = None) -> dict:
-    """An image as a Chat content part, or a visible text placeholder for text-only engines (B16)."""
+    """An image as a Chat content part, or a visible text placeholder for text-only engines."""
     if gateway_settings().vision:
         return {"type": "image_url", "image_url": {"url": url}}
     size = f", {size_hint} bytes" if size_hint else ""
@@ -172,7 +172,7 @@ def text_of(parts: list[dict]) -> str:
 
 def tool_result_messages(call_id: str, parts: list[dict], name: str | None = None) -> list[dict]:
     """A tool result as Chat messages: the tool message (text), then a user message holding
-    any images, because Chat tool messages cannot carry images (B16)."""
+    any images, because Chat tool messages cannot carry images."""
     texts = [p for p in parts if p.get("type") == "text"]
     images = [p for p in parts if p.get("type") == "image_url"]
     tool = {"role": "tool", "tool_call_id": call_id, "content": text_of(texts)}
@@ -188,9 +188,9 @@ def tool_result_messages(call_id: str, parts: list[dict], name: str | None = Non
 def finalize_messages(messages: list[dict]) -> list[dict]:
     """Repair a converted conversation so every chat template accepts it.
 
-    * all system-level text (system/developer anywhere, B15) -> one leading system message;
+    * all system-level text (system/developer anywhere) -> one leading system message;
     * consecutive assistant messages merged (text + tool calls), so a tool result always
-      follows the assistant message carrying its call (B27);
+      follows the assistant message carrying its call;
     * a tool result whose call is unknown becomes user text instead of a template error;
     * assistant messages with tool calls and no text get content None;
     * tool-call ids the gateway made unique go back to the engine's own ids.
@@ -262,7 +262,7 @@ def tool_call(call_id: str, name: str, arguments: Any) -> dict:
 # Anthropic thinking blocks need a signature; Claude Code may ask for thinking text to be
 # omitted (`display: "omitted"`) and replays the empty block with the signature.  The
 # gateway's signature carries the reasoning itself (compressed), so it can be restored
-# on replay and the next prompt keeps the exact prefix (B09).
+# on replay and the next prompt keeps the exact prefix.
 
 SIGNATURE_PREFIX = "tsr1."
 

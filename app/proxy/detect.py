@@ -2,7 +2,7 @@
 
 Base URLs arrive with and without `/v1` or `/v1beta` (Claude Code and the
 Anthropic SDK add `/v1` themselves, OpenAI clients include it, Gemini clients
-omit `/v1beta` except pi), so paths are matched by suffix (protocols.md §6).
+omit `/v1beta` except pi), so paths are matched by suffix.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Every failure inside the gateway is raised as `GatewayError(kind, message)`; the
 HTTP layer renders it for the caller's API, so a Claude Code session sees an
 Anthropic error body, Codex an OpenAI one and Gemini CLI a Google one.
 
-Shapes (protocols.md §1.5, §2.3, §4.3):
+Shapes:
   anthropic: {"type":"error","error":{"type":T,"message":M}}
   openai:    {"error":{"message":M,"type":T,"param":P,"code":C}}
   gemini:    {"error":{"code":HTTP,"message":M,"status":S}}

@@ -2,7 +2,7 @@
 
 Spec: https://ai.google.dev/api/generate-content; googleapis/python-genai
 `google/genai/types.py`; what Gemini CLI checks: google-gemini/gemini-cli
-`packages/core/src/core/geminiChat.ts` (protocols.md §4).
+`packages/core/src/core/geminiChat.ts`.
 
 * Roles user/model; `functionCall` parts -> assistant tool calls;
   `functionResponse` parts -> tool messages (paired by id, else by name).

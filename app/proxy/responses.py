@@ -2,18 +2,18 @@
 
 Spec: https://platform.openai.com/docs/api-reference/responses and
 openai/openai-python `src/openai/types/responses/*`; what Codex consumes:
-openai/codex `codex-rs/codex-api/src/sse/responses.rs` (protocols.md §3).
+openai/codex `codex-rs/codex-api/src/sse/responses.rs`.
 
 * Tools: flat function tools; `custom` tools become a function with one string
-  argument `input` and come back as `custom_tool_call` items (B26); `namespace`
+  argument `input` and come back as `custom_tool_call` items; `namespace`
   (MCP) tools are flattened and calls carry `namespace`; built-ins dropped.
 * Input: messages, function/custom tool calls and outputs, reasoning items with
-  empty summaries or null encrypted content (B28), Codex history items in any
-  order (B27), unknown items ignored.
+  empty summaries or null encrypted content, Codex history items in any
+  order, unknown items ignored.
 * Stream: every event has `type` and an increasing `sequence_number`; items are
   opened and closed one at a time; ids are the same in `.added`, `.done` and the
   final response; the stream always ends with `response.completed`,
-  `response.incomplete` or `response.failed` (B25).
+  `response.incomplete` or `response.failed`.
 """
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def convert_input(items: Any, custom_tools: set[str]) -> list[dict]:
             c.expect(isinstance(call_id, str), f"{where}.call_id: expected a string", "input")
             out.extend(c.tool_result_messages(call_id, _output_text(it.get("output"), f"{where}.output")))
         elif t == "reasoning":
-            # B28: summary may be [], encrypted_content null; restore our own encrypted content.
+            # summary may be [], encrypted_content null; restore our own encrypted content.
             text = c.reasoning_from_signature(it.get("encrypted_content"))
             if text is None:
                 parts = _parts(it.get("content") or [], f"{where}.content") or \
@@ -140,7 +140,7 @@ def convert_tools(tools: Any, meta: dict) -> list[dict]:
         if typ == "function":
             c.expect(isinstance(t.get("name"), str), f"tools.{i}.name: expected a string", "tools")
             out.append(c.function_tool(t["name"], t.get("description"), t.get("parameters")))
-        elif typ == "custom":  # B26: freeform tool -> one string argument
+        elif typ == "custom":  # freeform tool -> one string argument
             c.expect(isinstance(t.get("name"), str), f"tools.{i}.name: expected a string", "tools")
             meta["custom_tools"].append(t["name"])
             desc = (t.get("description") or "") + "\nPass the complete raw input as the string argument `input`."
@@ -274,7 +274,7 @@ def render(r: Result, norm: c.Normalized, resp_id: str, created: int | None = No
 
 
 class Stream:
-    """Responses SSE writer (event grammar in protocols.md §3.4)."""
+    """Responses SSE writer ."""
 
     def __init__(self, norm: c.Normalized, resp_id: str) -> None:
         self.norm, self.resp_id, self.created = norm, resp_id, int(time.time())
@@ -334,7 +334,7 @@ class Stream:
                 out.append(self._ev("response.custom_tool_call_input.done", {
                     "item_id": final["id"], "output_index": idx, "input": final["input"]}))
             else:
-                # Always send `.done` with the full arguments: some consumers read only it (B03).
+                # Always send `.done` with the full arguments: some consumers read only it.
                 out.append(self._ev("response.function_call_arguments.done", {
                     "item_id": item["id"], "output_index": idx, "name": item["name"], "arguments": o["args"]}))
             item = final

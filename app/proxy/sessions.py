@@ -1,8 +1,7 @@
 """Gateway sessions: one random API key per episode, stored only as its sha256.
 
 The harness uses the token as its API key (Bearer, x-api-key, x-goog-api-key or
-Gemini's `?key=`).  It is accepted only while the episode is `running`
-(DESIGN.md invariant 3).  Resolutions are cached in-process for
+Gemini's `?key=`).  It is accepted only while the episode is `running`, never forwarded upstream.  Resolutions are cached in-process for
 `TURNSTILE_GATEWAY_SESSION_CACHE_S` (default 2 s) to keep the hot path free of
 SQL; a finished episode's token therefore stops working within that delay.
 """

@@ -281,7 +281,7 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     if isinstance(outcome, GatewayError):
         if route.api != "responses":
             raise outcome
-        # Codex reads errors from the stream: response.created, then response.failed (B25).
+        # Codex reads errors from the stream: response.created, then response.failed.
         frames = writer.opening() + writer.fail(outcome, ChunkNormalizer().result)
         return Response(iter(frames), mimetype="text/event-stream", headers=SSE_HEADERS)
     return Response(guarded(stream_answer(writer, opening, cap, resp_id, taken=history_call_ids(norm)),

@@ -14,7 +14,7 @@ Two builders, both pure functions over `CompletionRecord`s (no database, no torc
   harness that rewrote or re-tokenized the previous assistant turn, a retry) starts a new
   chain; the reason is counted.  Unlike schemes that merge by comparing rendered text, we
   compare prompt *and* sampled ids, so every merged sequence is exactly
-  the token stream the engine saw and sampled (DESIGN.md invariant 1): nothing is re-rendered
+  the token stream the engine saw and sampled: nothing is re-rendered
   and no canonical end-of-turn is substituted.
 
 Sampled ids are never re-tokenized.  Captures that cannot be trained on are rejected by

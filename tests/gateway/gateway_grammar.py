@@ -3,8 +3,7 @@
 Each `validate_*` takes raw SSE bytes, asserts the API's grammar, and returns the
 answer rebuilt from the events so tests can compare it with the non-stream answer.
 Grammar sources: docs.anthropic.com/en/api/messages-streaming; platform.openai.com
-chat streaming and Responses streaming events; ai.google.dev generateContent SSE
-(protocols.md §0-§4).
+chat streaming and Responses streaming events; ai.google.dev generateContent SSE.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ TEXT_STOP = {"anthropic": "end_turn", "chat": "stop", "responses": "completed", 
 
 @pytest.mark.parametrize("api", APIS)
 def test_b01_b02_parallel_tool_calls_stream_equals_non_stream(gw, episode, api):
-    """B01/B02: 2 and 3 parallel calls stay separate; streaming and non-streaming agree."""
+    """2 and 3 parallel calls stay separate; streaming and non-streaming agree."""
     _, token = episode
     for calls in (CALLS3[:2], CALLS3):
         answers = [ask(gw, token, api, s, "go " + directive(reply_calls(calls)), [n for n, _ in CALLS3])
@@ -58,7 +58,7 @@ def test_vllm_only_fields_never_reach_clients(gw, episode, api, stream):
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("quirk", [None, "args_in_header", "args_at_end"])
 def test_b03_arguments_never_lost(gw, episode, api, quirk):
-    """B03: arguments in the id/name chunk, or only at the end, still reach the client."""
+    """arguments in the id/name chunk, or only at the end, still reach the client."""
     _, token = episode
     a = ask(gw, token, api, True, "go " + directive(reply_calls(CALLS3, quirk=quirk)), [n for n, _ in CALLS3])
     assert a.calls == CALLS3
@@ -67,7 +67,7 @@ def test_b03_arguments_never_lost(gw, episode, api, quirk):
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("stream", BOTH)
 def test_b05_text_then_tool_call_block_discipline(gw, episode, api, stream):
-    """B05: text, then a tool call; blocks strictly ordered (validator) and nothing lost."""
+    """text, then a tool call; blocks strictly ordered (validator) and nothing lost."""
     _, token = episode
     a = ask(gw, token, api, stream, "x " + directive(reply_calls(CALLS3[:1], text="Let me look.")), ["read_file"])
     assert a.text == "Let me look." and a.calls == CALLS3[:1]
@@ -79,7 +79,7 @@ def test_b05_text_then_tool_call_block_discipline(gw, episode, api, stream):
 @pytest.mark.parametrize("stream", BOTH)
 @pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
 def test_b07_b30_reasoning_under_either_name(gw, episode, api, stream, field):
-    """B07/B30: reasoning under `reasoning` or `reasoning_content` becomes each API's own
+    """reasoning under `reasoning` or `reasoning_content` becomes each API's own
     reasoning form (thinking block with signature, reasoning_content, reasoning item, thought part)."""
     _, token = episode
     reply = {"reasoning": "Let me think — ü.", "reasoning_field": field, "text": "Answer."}
@@ -94,7 +94,7 @@ def test_b07_b30_reasoning_under_either_name(gw, episode, api, stream, field):
 
 
 def test_b08_b09_thinking_history_kept_and_restored(gw, episode):
-    """B08: prior thinking + tool_use + tool_result keeps the assistant turn; B09: an empty thinking
+    """prior thinking + tool_use + tool_result keeps the assistant turn; an empty thinking
     block with a gateway-issued signature is accepted and its reasoning restored."""
     ep, token = episode
     reply = {"reasoning": "I should list files.", "tool_calls": [{"name": "bash", "arguments": {"command": "ls"}}]}
@@ -119,7 +119,7 @@ def test_b08_b09_thinking_history_kept_and_restored(gw, episode):
 
 
 def test_b11_b12_unknown_betas_and_cache_control(gw, episode):
-    """B11: unknown anthropic-beta flags accepted and not forwarded; B12: cache_control with extra
+    """unknown anthropic-beta flags accepted and not forwarded; cache_control with extra
     keys on more than four blocks is ignored."""
     ep, token = episode
     gw.reset_engine()
@@ -140,7 +140,7 @@ def test_b11_b12_unknown_betas_and_cache_control(gw, episode):
 
 @pytest.mark.parametrize("api", APIS)
 def test_b14_b15_system_text_merged_into_one_leading_message(gw, episode, api):
-    """B14: Anthropic system arrays; B15: system/developer text mid-conversation (every API that
+    """Anthropic system arrays; system/developer text mid-conversation (every API that
     can carry it) -> one leading system message, other turns in order."""
     ep, token = episode
     if api == "anthropic":
@@ -177,7 +177,7 @@ PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAh
 
 @pytest.mark.parametrize("api", ["anthropic", "chat"])
 def test_b16_images_in_tool_results_never_silently_dropped(gw, episode, api):
-    """B16: an image inside a tool result is kept visible (text-only engine: placeholder)."""
+    """an image inside a tool result is kept visible (text-only engine: placeholder)."""
     ep, token = episode
     if api == "anthropic":
         body = {"model": "c", "max_tokens": 50, "messages": [
@@ -203,7 +203,7 @@ def test_b16_images_in_tool_results_never_silently_dropped(gw, episode, api):
 
 
 def test_b16_vision_engines_get_the_image_after_the_tool_message(monkeypatch):
-    """B16 with a vision engine: tool text stays in the tool message, the image follows as user content."""
+    """With a vision engine: tool text stays in the tool message, the image follows as user content."""
     from app.proxy import anthropic, common
     monkeypatch.setattr(common, "_settings", common.GatewaySettings(vision=True))
     norm = anthropic.normalize({"model": "c", "max_tokens": 5, "messages": [
@@ -219,7 +219,7 @@ def test_b16_vision_engines_get_the_image_after_the_tool_message(monkeypatch):
 @pytest.mark.parametrize("quirk", [None, "no_type", "repeat_id", "same_index"])
 @pytest.mark.parametrize("api", APIS)
 def test_b18_b19_tool_call_identity_is_canonical(gw, episode, api, quirk):
-    """B18: missing `type` on the first fragment; B19: ids repeated per fragment or two calls at
+    """missing `type` on the first fragment; ids repeated per fragment or two calls at
     index 0 -> the client output is the same for every upstream variant (validator checks that
     the first Chat fragment carries index, id, type and name)."""
     _, token = episode
@@ -233,7 +233,7 @@ def test_b18_b19_tool_call_identity_is_canonical(gw, episode, api, quirk):
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("stream", BOTH)
 def test_b21_tool_call_inside_reasoning_is_flagged_and_recovered(gw, episode, api, stream):
-    """B21: a complete <tool_call> inside the reasoning with no content/tool calls: the record is
+    """a complete <tool_call> inside the reasoning with no content/tool calls: the record is
     flagged and the call recovered, so the agent loop does not silently end."""
     ep, token = episode
     hidden = '<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
@@ -249,7 +249,7 @@ def test_b21_tool_call_inside_reasoning_is_flagged_and_recovered(gw, episode, ap
 @pytest.mark.parametrize("api", ["anthropic", "chat", "gemini"])  # Responses has no stop parameter
 @pytest.mark.parametrize("stream", BOTH)
 def test_b22_stop_sequences_forwarded_and_reported(gw, episode, api, stream):
-    """B22: stop sequences reach the engine; a matched one is reported (Anthropic stop_sequence)."""
+    """stop sequences reach the engine; a matched one is reported (Anthropic stop_sequence)."""
     ep, token = episode
     extra = {"anthropic": {"stop_sequences": ["STOPPROBE"]}, "chat": {"stop": ["STOPPROBE"]},
              "gemini": {"generationConfig": {"stopSequences": ["STOPPROBE"]}}}[api]
@@ -267,7 +267,7 @@ def test_b22_stop_sequences_forwarded_and_reported(gw, episode, api, stream):
                                               ({"type": "enabled", "budget_tokens": 64}, True),
                                               ({"type": "adaptive"}, True)])
 def test_b23_thinking_off_unless_asked(gw, episode, stream, thinking, enabled):
-    """B23: absent/disabled thinking -> enable_thinking=false upstream and no thinking block."""
+    """absent/disabled thinking -> enable_thinking=false upstream and no thinking block."""
     ep, token = episode
     extra = {"thinking": thinking} if thinking else {}
     a = ask(gw, token, "anthropic", stream, "x " + directive({"reasoning": "hmm", "text": "hi"}), extra=extra)
@@ -281,7 +281,7 @@ TERMINAL_ON_ERROR = {"anthropic": "error", "chat": "error", "responses": "failed
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("failure", [{"error_after": 2}, {"abort_after": 2}])
 def test_b25_streams_always_end_with_their_terminal_event(gw, episode, api, failure):
-    """B25: upstream error or disconnect mid-stream -> the API's terminal event still arrives
+    """upstream error or disconnect mid-stream -> the API's terminal event still arrives
     (validator: message_stop / [DONE] / response.failed / finishReason chunk); record partial."""
     ep, token = episode
     a = ask(gw, token, api, True, "x " + directive({"text": "hello world", **failure}))
@@ -293,7 +293,7 @@ def test_b25_streams_always_end_with_their_terminal_event(gw, episode, api, fail
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("delay", ["prefill_delay", "header_delay"])
 def test_b25_keepalives_during_long_prefill(gw, episode, api, delay):
-    """B25: while the engine prefills (1.2 s here, keep-alive every 0.3 s), whether or not it sent
+    """while the engine prefills (1.2 s here, keep-alive every 0.3 s), whether or not it sent
     its response headers first, the client receives keep-alive frames its SDK ignores, and the
     answer still arrives intact."""
     _, token = episode
@@ -305,7 +305,7 @@ def test_b25_keepalives_during_long_prefill(gw, episode, api, delay):
 
 
 def test_b25_b38_context_overflow_in_each_api_shape(gw, episode):
-    """B25/B38: a prompt longer than the context -> each API's own overflow error (wording that
+    """a prompt longer than the context -> each API's own overflow error (wording that
     Claude Code and Codex recognise); Responses streams end with response.failed."""
     ep, token = episode
     big = "word " * 1000  # 5000 bytes -> 5000 tokens > 4096
@@ -325,7 +325,7 @@ def test_b25_b38_context_overflow_in_each_api_shape(gw, episode):
 
 
 def test_b26_codex_tools_custom_namespace_and_builtins(gw, episode):
-    """B26: function + custom (apply_patch) + web_search + image_generation + namespace tools are
+    """function + custom (apply_patch) + web_search + image_generation + namespace tools are
     accepted; built-ins dropped; custom calls come back as custom_tool_call with raw input."""
     ep, token = episode
     patch = "*** Begin Patch\n*** Add File: a.txt\n+hé\n*** End Patch"
@@ -347,7 +347,7 @@ def test_b26_codex_tools_custom_namespace_and_builtins(gw, episode):
 
 
 def test_b27_b28_codex_history_items_tolerated(gw, episode):
-    """B27/B28: custom_tool_call(+output), compaction, reasoning with empty summary and null
+    """custom_tool_call(+output), compaction, reasoning with empty summary and null
     encrypted_content, and [function_call, assistant message, function_call_output] order."""
     ep, token = episode
     items = [
@@ -378,7 +378,7 @@ def test_b27_b28_codex_history_items_tolerated(gw, episode):
 @pytest.mark.parametrize("fields,expected", [({"max_completion_tokens": 7}, 7), ({"max_tokens": 9}, 9),
                                              ({"max_tokens": 9, "max_completion_tokens": 5}, 5), ({}, 4096)])
 def test_b32_exactly_one_limit_chat(gw, episode, fields, expected):
-    """B32: one completion limit reaches the engine (the smaller of both; the default when none,
+    """one completion limit reaches the engine (the smaller of both; the default when none,
     clamped to the engine's context)."""
     ep, token = episode
     a = ask(gw, token, "chat", False, "x " + directive({"text": "0123456789abcdef"}), extra=fields)
@@ -407,7 +407,7 @@ def test_b32_length_reported_in_each_api(gw, episode, api, stream):
 
 @pytest.mark.parametrize("stream", BOTH)
 def test_b34_refusal_and_no_empty_text_blocks(gw, episode, stream):
-    """B34: content "" + refusal -> refusal surfaced as text, stop_reason refusal; tool-only turns
+    """content "" + refusal -> refusal surfaced as text, stop_reason refusal; tool-only turns
     contain only tool_use blocks."""
     _, token = episode
     a = ask(gw, token, "anthropic", stream, "x " + directive({"text": "", "refusal": "I can't help with that."}))
@@ -419,7 +419,7 @@ def test_b34_refusal_and_no_empty_text_blocks(gw, episode, stream):
 
 @pytest.mark.parametrize("api", APIS)
 def test_b35_tool_only_assistant_turn_then_result(gw, episode, api):
-    """B35: an assistant turn holding only a tool call, then its result: second turn succeeds,
+    """an assistant turn holding only a tool call, then its result: second turn succeeds,
     rendered as tool_calls with content None."""
     ep, token = episode
     if api == "anthropic":
@@ -455,7 +455,7 @@ def test_b35_tool_only_assistant_turn_then_result(gw, episode, api):
 
 
 def test_b38_max_tokens_clamped_and_engine_errors_have_bodies(gw, episode):
-    """B38: max_tokens beyond the context is clamped (Claude Code sends 128000); any other engine
+    """max_tokens beyond the context is clamped (Claude Code sends 128000); any other engine
     400 reaches the client with a body in its own error format, never empty."""
     ep, token = episode
     a = ask(gw, token, "anthropic", True, "x " + directive({"text": "fine"}), extra={"max_tokens": 128000})

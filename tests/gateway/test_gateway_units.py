@@ -99,7 +99,7 @@ def test_context_overflow_wording_per_api():
 
 @pytest.mark.parametrize("api", APIS)
 def test_multibyte_characters_split_across_tcp_reads(gw, episode, api):
-    """protocols.md §0.1: the engine's SSE bytes arrive one byte per read, splitting every
+    """The engine's SSE bytes arrive one byte per read, splitting every
     multi-byte character; the client still gets the exact text (no U+FFFD)."""
     _, token = episode
     a = ask(gw, token, api, True, "x " + directive({"text": TEXT, "split_bytes": True}))
