@@ -364,18 +364,9 @@ def collect_answer(up, engine, body: dict, episode_id: int, cap: record.Capture,
                     raise ClientGone()
                 checked = time.monotonic()
             for item in items or []:
-                error, finished = _upstream_item(item, r, error)
+                error, finished, _ = _consume(item, r, error, reader.feed, cap)
                 if finished:
                     break
-                try:
-                    reader.feed(item)
-                except Exception:  # noqa: BLE001 - a chunk that breaks the reader is the engine's fault
-                    log.exception("unreadable engine chunk")
-                    error, finished = GatewayError("upstream", "The engine sent a chunk the gateway could not "
-                                                               "read"), True
-                    break
-                if cap.t_first is None and r.sampled_ids:
-                    cap.t_first = time.perf_counter()
         if error is not None:
             raise error
         reader.finish()
@@ -436,6 +427,25 @@ def _upstream_item(item, r, error: GatewayError | None) -> tuple[GatewayError | 
     return error, False
 
 
+def _consume(item, r, error: GatewayError | None, feed, cap: record.Capture):
+    """(error, finished, what `feed` returned) for one upstream item.
+
+    A chunk goes to `feed` (the answer reader); a chunk that breaks it is the engine's fault
+    and ends the answer with an upstream error.  The first sampled token stamps `cap.t_first`.
+    """
+    error, finished = _upstream_item(item, r, error)
+    if finished:
+        return error, True, None
+    try:
+        fed = feed(item)
+    except Exception:  # noqa: BLE001 - a chunk that breaks the reader is the engine's fault
+        log.exception("unreadable engine chunk")
+        return GatewayError("upstream", "The engine sent a chunk the gateway could not read"), True, None
+    if cap.t_first is None and r.sampled_ids:
+        cap.t_first = time.perf_counter()
+    return error, False, fed
+
+
 def history_call_ids(norm: Normalized) -> set[str]:
     """The tool-call ids already used in this conversation (as the engine knows them)."""
     return {tc.get("id") for m in norm.chat.get("messages") or [] for tc in m.get("tool_calls") or []}
@@ -469,18 +479,9 @@ def stream_answer(writer, opening: PendingStream, cap: record.Capture, resp_id: 
                 continue
             frames = []
             for item in items:
-                error, finished = _upstream_item(item, r, error)
+                error, finished, events = _consume(item, r, error, norm.feed, cap)
                 if finished:
                     break
-                try:
-                    events = norm.feed(item)
-                except Exception:  # noqa: BLE001 - a chunk that breaks the reader is the engine's fault
-                    log.exception("unreadable engine chunk")
-                    error, finished = GatewayError("upstream", "The engine sent a chunk the gateway could not "
-                                                               "read"), True
-                    break
-                if cap.t_first is None and r.sampled_ids:
-                    cap.t_first = time.perf_counter()
                 frames += writer.start(r)
                 for ev in events:
                     frames += writer.on_event(ev, r)
