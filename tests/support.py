@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # The Redis server the tests use (databases are chosen per area); TURNSTILE_TEST_REDIS points a
 # whole test run at another server, e.g. to run two suites side by side.
 REDIS_BASE = os.environ.get("TURNSTILE_TEST_REDIS", "redis://127.0.0.1:6379")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):

@@ -8,7 +8,6 @@ Screenshots go to `TURNSTILE_SCREENSHOTS` when set, else to a temporary folder.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -18,18 +17,12 @@ import redis as redis_lib
 
 from app import config, db
 from app.models import Base
-from support import REDIS_BASE, ROOT, Proc, wait_for
+from support import Proc, REDIS_BASE, ROOT, free_port, wait_for
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 # The API enqueues Celery messages (a run's start, a cancel); they go to a Redis database
 # no other suite's workers read, so no worker elsewhere acts on this site's run ids.
 REDIS_URL = f"{REDIS_BASE}/12"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +45,7 @@ def site(tmp_path_factory):
         from dashboard_seed import seed
 
         ids = seed()
-        port = _free_port()
+        port = free_port()
         api = Proc([f"{os.path.dirname(sys.executable)}/gunicorn", "-c", "workers/api_conf.py", "app:create_app()"],
                    {**os.environ, **env, "TURNSTILE_API_BIND": f"127.0.0.1:{port}", "TURNSTILE_API_WORKERS": "2"},
                    tmp / "api.log")

@@ -9,7 +9,6 @@ shared with the checkout's `var/`.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from dataclasses import dataclass
 
@@ -19,15 +18,9 @@ from alembic import command
 from alembic.config import Config
 
 from app import config, db
-from support import REDIS_BASE, ROOT, celery_worker_args, wait_for
+from support import REDIS_BASE, ROOT, celery_worker_args, free_port, wait_for
 
 E2E_REDIS_DB = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -50,7 +43,7 @@ def stack(tmp_path, monkeypatch, spawn):
     project_var = ROOT / "var"
     (project_var / "models").mkdir(parents=True, exist_ok=True)
     (var / "models").symlink_to(project_var / "models")
-    api_port, gw_port, engine_port = _free_port(), _free_port(), _free_port()
+    api_port, gw_port, engine_port = free_port(), free_port(), free_port()
     env = {
         "DATABASE_URL": f"sqlite:///{tmp_path / 'turnstile.db'}",
         "REDIS_URL": f"{REDIS_BASE}/{E2E_REDIS_DB}",

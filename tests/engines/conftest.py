@@ -6,7 +6,6 @@ The subprocess is started with the repository's var dir so the cached SmolLM2 to
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,14 +13,9 @@ from pathlib import Path
 import pytest
 
 from app.engines.client import EngineClient
+from support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class EngineProcess:

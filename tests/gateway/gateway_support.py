@@ -3,7 +3,6 @@ and SDK clients that keep a copy of every SSE stream for the grammar validators.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,9 @@ import httpx
 from app import db
 from app.models import Completion, Episode, Run, TaskInstance
 from gateway_grammar import VALIDATORS, api_of_path
+from support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:

@@ -6,7 +6,6 @@ some `control.start_run` messages silently (the run stayed `queued` forever).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import httpx
@@ -14,15 +13,13 @@ from sqlalchemy import select
 
 from app.db import session_scope
 from app.models import Run
-from support import REDIS_BASE, celery_worker_args, wait_for
+from support import REDIS_BASE, celery_worker_args, free_port, wait_for
 
 REDIS_DB = 10
 
 
 def test_every_created_run_is_started(database, redis_db, spawn):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {"DATABASE_URL": database, "REDIS_URL": f"{REDIS_BASE}/10", "TURNSTILE_API_BIND": f"127.0.0.1:{port}"}
     spawn(celery_worker_args("control", concurrency=2, name="ctl"), env, "worker")
     api = spawn([f"{os.path.dirname(sys.executable)}/gunicorn", "-c", "workers/api_conf.py", "app:create_app()"], env, "api")

@@ -1,27 +1,20 @@
 """`celery -A app flower` starts against the real broker and lists a running worker."""
 from __future__ import annotations
 
-import socket
 import sys
 
 import httpx
 
-from support import REDIS_BASE, celery_worker_args, wait_for
+from support import REDIS_BASE, celery_worker_args, free_port, wait_for
 
 REDIS_DB = 10
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_flower_lists_the_worker(database, redis_db, spawn):
     env = {"DATABASE_URL": database, "REDIS_URL": f"{REDIS_BASE}/10",
            "FLOWER_UNAUTHENTICATED_API": "true"}  # flower 2 serves its JSON API only with auth or this switch
     worker = spawn(celery_worker_args("control", concurrency=1, name="flowered"), env, name="worker")
-    port = _free_port()
+    port = free_port()
     flower = spawn([sys.executable, "-m", "celery", "-A", "app", "flower", f"--port={port}", "--address=127.0.0.1"],
                    env, name="flower")
 

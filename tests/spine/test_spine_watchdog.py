@@ -81,16 +81,13 @@ def test_sweep_removes_abandoned_runtimes_and_keeps_live_ones(database, tmp_path
 def test_a_restarted_engine_is_put_back_on_the_runs_newest_weights(database, tmp_path, spawn):
     """An engine that (re)started on its base weights (version 0) while a run's step 0 produced
     version 1 is re-synced by the watchdog to that checkpoint; an engine already on it is left alone."""
-    import socket
     import sys
 
     from app.engines.client import EngineClient
     from app.engines.modeling import build_tiny_model, save_weights
-    from support import wait_for
+    from support import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     spawn([sys.executable, "-m", "app.engines.server", "--model", "tiny", "--port", str(port), "--threads", "1"],
           name="engine")

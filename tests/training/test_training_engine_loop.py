@@ -4,7 +4,6 @@ serves the trained weights under the new policy version."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -20,12 +19,7 @@ from app.training import steps
 from app.training.batching import StepSequence
 from app.runconfig import TrainingConfig
 from app.training.trainer import Trainer
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from support import free_port
 
 
 @pytest.fixture
