@@ -185,6 +185,13 @@ class RunConfig(BaseModel):
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="GRPO trainer settings")
     simulate: Simulation | None = None
     priority: int = Field(0, ge=0, le=9, description="higher runs first on shared queues (eval runs default to 5)")
+    splice_history: bool = Field(
+        True, strict=True,
+        description="Token-in splicing at the gateway: an assistant turn the harness sends back that is one of the "
+                    "episode's recorded answers is rendered as the exact ids the policy sampled (plus the template's "
+                    "glue), not re-rendered from the harness's text, so the model sees exactly what it sampled "
+                    "(reasoning a template would drop from history included) and prefix merging keeps one chain "
+                    "even for harnesses that re-serialize their history. false: every turn is rendered from text.")
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

@@ -3,7 +3,8 @@
 The contract is OpenAI Chat Completions with vLLM's extensions:
 `return_token_ids` (top-level `prompt_token_ids`, per-choice `token_ids`),
 `logprobs`, per-choice `stop_reason`, `/tokenize`, `/v1/models` with
-`max_model_len`, and the Turnstile extension `policy_version`.
+`max_model_len`, the Turnstile extension `policy_version`, and `prompt_token_ids` in the
+request (a prompt given as ids is used verbatim instead of the rendering).
 
 Everything is derivable so tests can check ids end to end:
   prompt text  = `render_prompt(body)` (a tiny fixed chat template)
@@ -335,7 +336,12 @@ class Handler(BaseHTTPRequestHandler):
             return self._json(int(err.get("status", 500)), {"error": {"message": err.get("message", "scripted error"),
                                                                       "type": "BadRequestError",
                                                                       "code": int(err.get("status", 500))}})
-        prompt_ids = encode(render_prompt(body))
+        given = body.get("prompt_token_ids")  # tokens in: a prompt given as ids replaces the rendering
+        if given is not None and not (isinstance(given, list) and given and all(
+                isinstance(t, int) and not isinstance(t, bool) and OFFSET <= t < OFFSET + 256 for t in given)):
+            return self._json(400, {"error": {"message": "'prompt_token_ids' must be a non-empty list of valid "
+                                                         "token ids", "type": "BadRequestError", "code": 400}})
+        prompt_ids = list(given) if given is not None else encode(render_prompt(body))
         p, limit = len(prompt_ids), st.max_model_len
         max_tokens = body.get("max_tokens")
         if p >= limit:

@@ -8,7 +8,8 @@ or under gunicorn (one process owns the model; threads serve the streams)::
 
 Routes (shapes follow vLLM's OpenAI server, https://docs.vllm.ai/en/latest/serving/openai_compatible_server/):
 
-* ``POST /v1/chat/completions``: stream and non-stream; vLLM extensions ``return_token_ids``,
+* ``POST /v1/chat/completions``: stream and non-stream; ``prompt_token_ids`` (a prompt given as ids,
+  used instead of rendering ``messages``); vLLM extensions ``return_token_ids``,
   ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
   ``return_tokens_as_token_ids``, ``chat_template_kwargs``; Turnstile adds ``policy_version`` and
   ``engine_id`` to every response and chunk.  ``n`` must be 1.  ``presence_penalty``,
@@ -130,6 +131,23 @@ def _render(engine: Engine, body: dict, default_generation_prompt: bool = True) 
             raise EngineError(str(exc), param="messages") from exc
 
 
+def _given_prompt(engine: Engine, body: dict) -> list[int] | None:
+    """``prompt_token_ids`` of a chat request (tokens in: the gateway's spliced prompt, the field
+    of vLLM's pre-tokenized chat prompt, vllm-project/vllm#55771): used verbatim instead of
+    rendering ``messages``, which still name the tools the answer is parsed for.  None when absent.
+
+    Raises:
+        EngineError: the field is not a non-empty list of ids of this tokenizer (400).
+    """
+    ids = body.get("prompt_token_ids")
+    if ids is None:
+        return None
+    if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool)
+                                                  and 0 <= t < len(engine.tokenizer) for t in ids)):
+        raise EngineError("'prompt_token_ids' must be a non-empty list of valid token ids", param="prompt_token_ids")
+    return ids
+
+
 def _next_event(req: GenerationRequest):
     try:
         return req.events.get(timeout=EVENT_TIMEOUT_S)
@@ -142,7 +160,9 @@ def _chat(engine: Engine) -> Response:
     body = json_body()
     if get_field(body, "n", int, 1) != 1:
         raise EngineError("only n=1 is supported", param="n")
-    prompt_ids = _render(engine, body)
+    prompt_ids = _given_prompt(engine, body)
+    if prompt_ids is None:
+        prompt_ids = _render(engine, body)
     max_tokens = resolve_max_tokens(body, len(prompt_ids), engine.max_model_len)
     params = sampling_params(body)
     stop_ids = set() if get_field(body, "ignore_eos", bool, False) else set(engine.stop_token_ids)

@@ -29,6 +29,7 @@ class SessionInfo:
     episode_id: int
     run_id: int
     policy_version: int   # the run's current policy version (fallback when the engine reports none)
+    splice_history: bool = True  # the run's `splice_history` option (app.proxy.splice)
 
 
 def hash_token(token: str) -> str:
@@ -77,7 +78,7 @@ def resolve_session_info(token: str | None) -> SessionInfo | None:
         return hit[1]
     with session_scope() as s:
         row = s.execute(
-            select(Episode.id, Episode.run_id, Episode.status, Run.policy_version)
+            select(Episode.id, Episode.run_id, Episode.status, Run.policy_version, Run.config)
             .join(Run, Run.id == Episode.run_id)
             .where(Episode.session_token_hash == digest)
         ).first()
@@ -85,7 +86,8 @@ def resolve_session_info(token: str | None) -> SessionInfo | None:
         with _cache_lock:
             _cache.pop(digest, None)
         return None
-    info = SessionInfo(row.id, row.run_id, int(row.policy_version or 0))
+    info = SessionInfo(row.id, row.run_id, int(row.policy_version or 0),
+                       (row.config or {}).get("splice_history", True) is not False)
     with _cache_lock:
         _cache[digest] = (now + gateway_settings().session_cache_s, info)
         _cache.move_to_end(digest)

@@ -21,7 +21,7 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from app import weight_gate
-from app.proxy import anthropic, chat, gemini, record, responses
+from app.proxy import anthropic, chat, gemini, record, responses, splice
 from app.proxy.canonical import ChunkNormalizer, Result, new_id
 from app.proxy.common import Normalized, gateway_settings
 from app.proxy.detect import Route, api_from_headers, detect
@@ -170,7 +170,7 @@ def dispatch(path: str) -> Response:
         api = route.api
         info = authenticate()
         if route.op == "count_tokens":
-            return count_tokens(route, body)
+            return count_tokens(route, body, info)
         if route.op != "generate":
             raise GatewayError("not_found", f"Unsupported method {route.resource!r} for {request.path}")
         return generate(route, body, raw, info, t0)
@@ -197,19 +197,23 @@ def get_resource(route: Route) -> Response:
     raise GatewayError("not_found", "No such endpoint")
 
 
-def count_tokens(route: Route, body: dict) -> Response:
+def count_tokens(route: Route, body: dict, info: SessionInfo) -> Response:
     if route.api == "anthropic":
         norm = anthropic.normalize({**body, "max_tokens": 1}, count_only=True)
     else:
         req = body.get("generateContentRequest") if isinstance(body.get("generateContentRequest"), dict) else body
         norm = gemini.normalize(req, route.model or "default", False)
     up = get_upstream()
-    engine = up.describe(up.engines[0])
-    tok = {"model": engine.model, "messages": norm.chat["messages"], "add_generation_prompt": True}
-    for k in ("tools", "chat_template_kwargs"):
-        if k in norm.chat:
-            tok[k] = norm.chat[k]
-    count = int(up.tokenize(engine, tok).get("count") or 0)
+    engine = up.describe(up.pick(info.episode_id))
+    spliced = _splice(info, route.api, up, engine, dict(norm.chat, model=engine.model)).prompt_ids
+    if spliced is not None:  # the prompt the engine will see: the sampled ids of earlier turns
+        count = len(spliced)
+    else:
+        tok = {"model": engine.model, "messages": norm.chat["messages"], "add_generation_prompt": True}
+        for k in ("tools", "chat_template_kwargs"):
+            if k in norm.chat:
+                tok[k] = norm.chat[k]
+        count = int(up.tokenize(engine, tok).get("count") or 0)
     return json_response({"input_tokens": count} if route.api == "anthropic" else {"totalTokens": count})
 
 
@@ -239,6 +243,12 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     up = get_upstream()
     engine = up.describe(up.pick(info.episode_id))
     upstream_body = dict(norm.chat, model=engine.model, stream=norm.stream, return_token_ids=True, logprobs=True)
+    spliced = _splice(info, route.api, up, engine, upstream_body)
+    if spliced.prompt_ids is not None:
+        # Tokens in: the engine takes these ids as the prompt (it still reads `messages` to
+        # parse its answer); the field is dropped from the record once the engine has the
+        # request, since the engine's own `prompt_token_ids` are recorded as `prompt_ids`.
+        upstream_body["prompt_token_ids"] = spliced.prompt_ids
     # Non-stream answers are read from an engine stream too: the engine has sent its response
     # head before it generates, so a client that leaves can be seen and the engine request
     # closed at once (vLLM aborts a request whose connection closes).  Streams ask for usage on
@@ -253,7 +263,7 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
         request_key=record.request_key(info.episode_id, request.path, raw, request.headers.get("idempotency-key")),
         raw_request={"received_at": time.time(), "method": request.method, "path": request.path,
                      "query": record.scrub_query(request.args),
-                     "headers": record.scrub_headers(request.headers), "body": body},
+                     "headers": record.scrub_headers(request.headers), "body": body, "splice": spliced.report},
         normalized_request=upstream_body, policy_version_fallback=info.policy_version, engine_id=engine.id, t0=t0)
     resp_id = ID_PREFIX[route.api] + new_id("", 12) if route.api != "gemini" else new_id("", 10)
     module = MODULES[route.api]
@@ -354,7 +364,7 @@ def collect_answer(up, engine, body: dict, episode_id: int, cap: record.Capture,
             opening = up.start_stream(engine, body, episode_id)
         if isinstance(handle, GatewayError):
             raise handle
-        cap.t_accepted = opening.t_done
+        _accepted(cap, opening)
         error, finished = None, False
         checked = time.monotonic()
         while not finished:
@@ -382,6 +392,21 @@ def collect_answer(up, engine, body: dict, episode_id: int, cap: record.Capture,
         raise GatewayError("invalid_request", "client disconnected", status=499) from None
     finally:
         opening.cancel()
+
+
+def _splice(info: SessionInfo, api: str, up, engine, body: dict) -> splice.Splice:
+    """The request's prompt as token ids spliced from this session's sampled ids
+    (`app.proxy.splice`), unless the run turned it off (`splice_history: false`)."""
+    if not info.splice_history:
+        return splice.Splice(report={"miss": "disabled"})
+    return splice.splice(up, engine, info.episode_id, api, body)
+
+
+def _accepted(cap: record.Capture, opening: PendingStream) -> None:
+    """The engine accepted the request: stamp the time; the request body was sent, so the
+    spliced prompt ids leave the record (the engine's own prompt ids are recorded instead)."""
+    cap.t_accepted = opening.t_done
+    cap.normalized_request.pop("prompt_token_ids", None)
 
 
 def _hold_while_reloading(engine, cap: record.Capture) -> None:
@@ -468,7 +493,7 @@ def stream_answer(writer, opening: PendingStream, cap: record.Capture, resp_id: 
         error: GatewayError | None = None
         while (handle := opening.wait(keepalive)) is None:
             yield writer.keepalive()
-        cap.t_accepted = opening.t_done
+        _accepted(cap, opening)
         if isinstance(handle, GatewayError):
             error, handle = handle, None
         finished = handle is None

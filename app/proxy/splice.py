@@ -1,0 +1,319 @@
+"""Token-in splicing: render a request's history from the ids the policy sampled.
+
+Harnesses send the whole conversation back on every call, and several of them
+re-serialize it first (Qwen Code, OpenCode and Pi parse the arguments of earlier tool
+calls and send them back as compact JSON).  Rendered from that text, the prompt no longer
+holds the ids the engine sampled, so prefix merging cannot extend the session's chain and
+the trainer re-processes the whole prefix for every call.  Here the gateway recognises
+the newest assistant turn of the history as one of the same session's recorded
+completions and builds the prompt as token ids (as slime, AReaL and rLLM keep the sampled
+ids of earlier turns instead of re-rendering them):
+
+    prompt = C.prompt_ids + C.sampled_ids + glue + tail
+
+`C.prompt_ids` are exactly what the engine saw for that completion (themselves spliced
+the same way), `C.sampled_ids` exactly what it sampled, `glue` the template's end of the
+assistant turn minus the stop token the model already sampled, and `tail` the template's
+rendering of the messages after that turn plus the generation prompt.  The engine gets
+the ids in the chat request's `prompt_token_ids` field (the embedded and scripted engines
+read it; vLLM's pre-tokenized chat prompt, vllm-project/vllm#55771) and still parses tool
+calls and reasoning from its own output.
+
+Recognition is by content, in the API's own terms: the recorded answer is read back by
+the same history reader as the turn the harness sent (`recorded_turn`), then compared
+(`turn_key`): text up to surrounding whitespace (what templates strip), tool calls by name,
+engine call id (after the gateway's own id mapping) and JSON-equal arguments (key order,
+spacing, `1.0` vs `1`, unicode escapes do not matter); reasoning the harness sent back must
+equal what was sampled, reasoning it dropped stays in the prompt as sampled.  The messages
+before the turn must equal that completion's request in the same terms, with the same
+tools and template options.  Anything else (an edited, truncated or dropped turn, a
+summary in place of history, another session's answer) is rendered from text as before and
+the miss is recorded; prefix merging then cuts the chain and counts the reason.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from sqlalchemy import select
+
+from app.db import session_scope
+from app.models import Completion
+from app.proxy import anthropic, chat, gemini, responses
+from app.proxy import common as c
+from app.proxy.canonical import engine_call_id
+from app.proxy.errors import GatewayError
+
+log = logging.getLogger("turnstile.gateway")
+
+# Why a request was rendered from text instead of spliced (recorded in raw_request["splice"]).
+MISS_REASONS = {
+    "no_assistant_turn": "the history holds no assistant turn",
+    "prefill": "the request ends in an assistant prefill",
+    "turn_not_recorded": "the newest assistant turn is none of this session's recorded answers "
+                         "(edited, truncated, summarised, or from elsewhere)",
+    "context_changed": "the turn is recorded, but the messages, tools or template options before it changed",
+    "template_rerenders_history": "the template renders the turn's prefix differently once later messages follow",
+    "engine_error": "the engine's tokenizer could not render the tail",
+}
+
+
+# --- canonical forms ----------------------------------------------------------------------
+
+
+def canonical_json(value: Any) -> Any:
+    """A hashable form of a JSON value in which equal JSON values compare equal.
+
+    Objects ignore key order; numbers compare by value (`1.0` == `1`, but `true` != `1`);
+    strings compare after JSON unescaping (done by the parser).  Shapes: tuples tagged by type.
+    """
+    if isinstance(value, dict):
+        return ("o", tuple(sorted((str(k), canonical_json(v)) for k, v in value.items())))
+    if isinstance(value, list):
+        return ("a", tuple(canonical_json(v) for v in value))
+    if isinstance(value, bool) or value is None:
+        return ("c", value)
+    if isinstance(value, (int, float)):
+        try:
+            return ("n", Decimal(repr(value)) if isinstance(value, float) else Decimal(value))
+        except InvalidOperation:
+            return ("n?", repr(value))
+    return ("s", str(value))
+
+
+def canonical_arguments(arguments: Any) -> Any:
+    """Tool-call arguments (a JSON string or a value) in `canonical_json` form; text that is
+    not JSON compares as itself."""
+    if isinstance(arguments, str):
+        try:
+            return canonical_json(json.loads(arguments))
+        except ValueError:
+            return ("raw", arguments)
+    return canonical_json(arguments if arguments is not None else {})
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return c.text_of([p for p in content if isinstance(p, dict)])
+
+
+def turn_key(msg: dict) -> tuple:
+    """What must match for an assistant message to be a recorded answer: stripped text and the
+    tool calls (engine id, name, canonical arguments), in order."""
+    calls = tuple((engine_call_id(tc.get("id") or ""), (tc.get("function") or {}).get("name"),
+                   canonical_arguments((tc.get("function") or {}).get("arguments")))
+                  for tc in msg.get("tool_calls") or [])
+    return _text(msg.get("content")).strip(), calls
+
+
+def _reasoning_compatible(sent: dict, recorded: dict) -> bool:
+    """Reasoning the harness sent back must be what was sampled; reasoning it dropped is fine."""
+    mine = (sent.get("reasoning") or "").strip()
+    return not mine or mine == (recorded.get("reasoning") or "").strip()
+
+
+def message_key(msg: dict) -> tuple:
+    """A message of the history in comparable form (assistant turns by `turn_key`)."""
+    role = msg.get("role")
+    if role == "assistant":
+        return role, turn_key(msg), (msg.get("reasoning") or "").strip()
+    content = msg.get("content")
+    body = content if isinstance(content, str) else canonical_json(content)
+    return role, body, engine_call_id(msg.get("tool_call_id")) if msg.get("tool_call_id") else None, msg.get("name")
+
+
+def _context_key(messages: list[dict]) -> list[tuple]:
+    # Reasoning in earlier turns is compared only when both sides hold it (`_same_context`).
+    return [message_key(m) for m in messages]
+
+
+def _same_context(now: list[dict], then: list[dict]) -> bool:
+    if len(now) != len(then):
+        return False
+    for a, b in zip(now, then):
+        ka, kb = message_key(a), message_key(b)
+        if a.get("role") == "assistant" and b.get("role") == "assistant":
+            if ka[1] != kb[1] or (ka[2] and kb[2] and ka[2] != kb[2]):
+                return False
+        elif ka != kb:
+            return False
+    return True
+
+
+# --- the recorded answer, read back in its API's own terms ---------------------------------
+
+
+def recorded_turn(api: str, response: dict | None) -> dict | None:
+    """The assistant message the client received in `response` (a recorded non-stream body of
+    `api`), normalized by that API's own history reader exactly as the harness's copy of it
+    will be; None when the body holds no answer."""
+    if not isinstance(response, dict):
+        return None
+    try:
+        if api == "chat":
+            msg = ((response.get("choices") or [{}])[0] or {}).get("message")
+            out = chat.convert_messages([msg]) if isinstance(msg, dict) else []
+        elif api == "anthropic":
+            out = c.finalize_messages(anthropic._convert_messages(
+                [{"role": "assistant", "content": response.get("content") or []}]))
+        elif api == "responses":
+            out = c.finalize_messages(responses.convert_input(list(response.get("output") or []), set()))
+        elif api == "gemini":
+            content = ((response.get("candidates") or [{}])[0] or {}).get("content")
+            out = c.finalize_messages(gemini.convert_contents([content])) if isinstance(content, dict) else []
+        else:
+            return None
+    except GatewayError:
+        return None
+    turns = [m for m in out if m.get("role") == "assistant"]
+    return turns[0] if len(turns) == 1 else None
+
+
+# --- finding the completion ------------------------------------------------------------------
+
+
+@dataclass
+class Recorded:
+    """The fields of one recorded completion that a splice needs."""
+
+    id: int
+    prompt_ids: list[int]
+    sampled_ids: list[int]
+    finish_reason: str | None
+    request: dict  # its normalized (engine) request: messages, tools, chat_template_kwargs, model
+
+
+@dataclass
+class Splice:
+    """The outcome for one request: `prompt_ids` to send (None: render from text) and the
+    report recorded with the completion (`raw_request["splice"]`)."""
+
+    prompt_ids: list[int] | None = None
+    report: dict = field(default_factory=dict)
+
+
+def _template_options(body: dict) -> tuple:
+    return (canonical_json(body.get("tools") or []), canonical_json(body.get("chat_template_kwargs") or {}))
+
+
+def find_completion(episode_id: int, api: str, messages: list[dict], index: int, request: dict,
+                    engine_model: str | None) -> tuple[Recorded | None, str | None]:
+    """The newest completion of `episode_id` whose answer is `messages[index]` and whose
+    request holds `messages[:index]`, the same tools and template options (and engine model).
+
+    Returns (completion, None) or (None, miss reason).  Only this episode's finished
+    (non-partial) completions with token ids are considered.
+    """
+    turn = messages[index]
+    want = turn_key(turn)
+    with session_scope() as s:
+        rows = s.execute(select(Completion.id, Completion.api, Completion.response)
+                         .where(Completion.episode_id == episode_id, Completion.partial.is_(False))
+                         .order_by(Completion.seq.desc())).all()
+        candidates = []
+        for row in rows:
+            got = recorded_turn(row.api, row.response)
+            if got is not None and turn_key(got) == want and _reasoning_compatible(turn, got):
+                candidates.append(row.id)
+        if not candidates:
+            return None, "turn_not_recorded"
+        options = _template_options(request)
+        for cid in candidates:
+            row = s.execute(select(Completion.prompt_ids, Completion.sampled_ids, Completion.finish_reason,
+                                   Completion.normalized_request).where(Completion.id == cid)).one()
+            then = row.normalized_request or {}
+            if not row.prompt_ids or not row.sampled_ids:
+                continue
+            if then.get("continue_final_message") or _template_options(then) != options:
+                continue
+            if engine_model is not None and then.get("model") not in (None, engine_model):
+                continue
+            if _same_context(messages[:index], list(then.get("messages") or [])):
+                return Recorded(cid, list(row.prompt_ids), list(row.sampled_ids), row.finish_reason,
+                                then), None
+    return None, "context_changed"
+
+
+# --- the template's pieces, through the engine's /tokenize ----------------------------------
+
+_closings: dict[tuple, list[int]] = {}
+_PROBES = ("A1", "B22")
+
+
+def _tokenize(up, engine, body: dict, messages: list[dict], generation_prompt: bool) -> list[int]:
+    tok = {"model": engine.model, "messages": messages, "add_generation_prompt": generation_prompt}
+    for k in ("tools", "chat_template_kwargs"):
+        if body.get(k):
+            tok[k] = body[k]
+    return list(up.tokenize(engine, tok).get("tokens") or [])
+
+
+def _common_suffix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def closing_ids(up, engine, body: dict) -> list[int]:
+    """Token ids the template puts after an assistant turn's content (e.g. ChatML's
+    `<|im_end|>` + newline): the common suffix of two one-turn conversations whose answers
+    differ in their last character.  Cached per engine, model and template options."""
+    key = (engine.url, engine.model, json.dumps(body.get("chat_template_kwargs") or {}, sort_keys=True),
+           bool(body.get("tools")))
+    if key not in _closings:
+        a, b = (_tokenize(up, engine, body, [{"role": "user", "content": "u"}, {"role": "assistant", "content": p}],
+                          False) for p in _PROBES)
+        _closings[key] = a[len(a) - _common_suffix(a, b):]
+    return _closings[key]
+
+
+def glue_ids(closing: list[int], sampled: list[int], finish_reason: str | None) -> list[int]:
+    """The part of the template's turn closing the model did not sample: all of it, less its
+    first token when the answer ended by sampling that token (the end-of-turn/stop token)."""
+    if closing and sampled and finish_reason != "length" and sampled[-1] == closing[0]:
+        return closing[1:]
+    return list(closing)
+
+
+def _with_reasoning_probe(msg: dict) -> dict:
+    # Some templates render an assistant turn differently when it is the last message (Qwen3
+    # adds an empty think block) unless it carries reasoning; the turn's own rendering is
+    # replaced by its sampled ids anyway, so both renderings get the same placeholder.
+    return msg if msg.get("reasoning") else dict(msg, reasoning="…")
+
+
+def splice(up, engine, episode_id: int, api: str, body: dict) -> Splice:
+    """Plan and build the prompt ids of one request (`body`: the engine chat request, messages
+    finalized).  Never raises for a miss; GatewayError from the engine's /tokenize becomes the
+    miss `engine_error` (the request is then rendered from text by the engine)."""
+    messages = list(body.get("messages") or [])
+    if body.get("continue_final_message"):
+        return Splice(report={"miss": "prefill"})
+    index = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "assistant"), None)
+    if index is None:
+        return Splice(report={"miss": "no_assistant_turn"})
+    found, miss = find_completion(episode_id, api, messages, index, body, engine.model)
+    if found is None:
+        return Splice(report={"miss": miss, "turn": index})
+    try:
+        probe = messages[:index] + [_with_reasoning_probe(messages[index])]
+        head = _tokenize(up, engine, body, probe, False)
+        full = _tokenize(up, engine, body, probe + messages[index + 1:], body.get("add_generation_prompt", True))
+        closing = closing_ids(up, engine, body)
+    except GatewayError as exc:
+        log.warning("splice: tokenize failed, rendering from text: %s", exc.message)
+        return Splice(report={"miss": "engine_error", "turn": index, "completion": found.id})
+    if full[:len(head)] != head:
+        return Splice(report={"miss": "template_rerenders_history", "turn": index, "completion": found.id})
+    glue = glue_ids(closing, found.sampled_ids, found.finish_reason)
+    tail = full[len(head):]
+    ids = found.prompt_ids + found.sampled_ids + glue + tail
+    return Splice(ids, {"completion": found.id, "turn": index, "spliced_tokens": len(found.prompt_ids)
+                        + len(found.sampled_ids), "glue_tokens": len(glue), "tail_tokens": len(tail)})
