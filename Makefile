@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED := 1
 # Settings (.env included) are read by app/config.py in each Python process, not here: make does
 # not parse .env, and honcho is told not to (`-e /dev/null`); e.g. alembic gets DATABASE_URL from app.config.
 
-.PHONY: demo test setup venv system redis migrate harnesses harness-demo model up ci-deps clean
+.PHONY: demo test setup venv system redis migrate token harnesses harness-demo model up ci-deps clean
 
 ## demo: set up from nothing, start all processes, run a train run end to end, print the summary
 demo: setup harness-demo model
@@ -16,8 +16,8 @@ demo: setup harness-demo model
 test: ci-deps
 	$(BIN)/pytest -q
 
-## setup: system packages, virtualenv, Redis, database schema
-setup: system venv redis migrate
+## setup: system packages, virtualenv, Redis, database schema, API token
+setup: system venv redis migrate token
 
 system:
 	bash scripts/system_deps.sh
@@ -33,6 +33,10 @@ redis:
 migrate: venv
 	mkdir -p var
 	$(BIN)/alembic upgrade head
+
+## token: the API token in var/api_token (mode 0600), unless TURNSTILE_API_TOKEN is set; `python -m app token` prints it
+token: venv
+	$(BIN)/python -m app.auth
 
 ## harnesses: install all seven harness CLIs into var/tools (npm prefix / own venvs)
 harnesses: venv

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,6 +156,11 @@ class Settings(BaseSettings):
                           description="gunicorn bind address of the REST API (host:port or unix:path).")
     api_workers: int = Field(4, ge=1, **_env("TURNSTILE_API_WORKERS"),
                              description="gunicorn worker processes of the REST API (one thread each).")
+    api_token: SecretStr | None = Field(None, **_env("TURNSTILE_API_TOKEN"),
+                                        description="Bearer token of the REST API, the dashboard and the engines' "
+                                                    "admin routes (at least 16 characters; default: the contents of "
+                                                    "<TURNSTILE_VAR_DIR>/api_token, generated with mode 0600 on "
+                                                    "first use; `python -m app token` prints it).")
 
     # --- gateway ------------------------------------------------------------------------
     gateway_url: str = Field("http://127.0.0.1:8100", **_env("TURNSTILE_GATEWAY_URL"),
@@ -255,6 +260,16 @@ class Settings(BaseSettings):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
 
+    @field_validator("api_token")
+    @classmethod
+    def _token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
+        secret = value.get_secret_value().strip()
+        if len(secret) < 16 or any(c.isspace() or not c.isprintable() for c in secret):
+            raise ValueError("must be at least 16 printable characters without spaces")
+        return SecretStr(secret)
+
     @field_validator("database_url")
     @classmethod
     def _database(cls, value: str) -> str:
@@ -316,7 +331,8 @@ def _describe(exc: ValidationError) -> str:
             problems.append(f"{name} (in {ENV_FILE.name}) is not a Turnstile setting")
         elif name:
             message = err["msg"].removeprefix("Value error, ")
-            problems.append(f"{name}={err['input']!r}: {message}")
+            shown = "<hidden>" if name == "TURNSTILE_API_TOKEN" else repr(err["input"])  # never echo a secret
+            problems.append(f"{name}={shown}: {message}")
         else:
             problems.append(err["msg"].removeprefix("Value error, "))
     return "invalid settings (environment or .env): " + "; ".join(problems)

@@ -30,7 +30,9 @@ def _run(config: dict) -> dict:
     from app.db import session_scope
     from app.models import Run
 
-    resp = create_app().test_client().post("/api/runs", json=config)
+    from app.auth import auth_header
+
+    resp = create_app().test_client().post("/api/runs", json=config, headers=auth_header())
     assert resp.status_code == 202, resp.get_json()
     run_id = resp.get_json()["id"]
     while True:

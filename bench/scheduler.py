@@ -45,8 +45,10 @@ def _run(config: dict) -> dict:
     from app.db import session_scope
     from app.models import Episode, Group, Run, TrainingStep
 
+    from app.auth import auth_header
+
     client = create_app().test_client()
-    resp = client.post("/api/runs", json=config)
+    resp = client.post("/api/runs", json=config, headers=auth_header())
     assert resp.status_code == 202, resp.get_json()
     run_id = resp.get_json()["id"]
     t0 = time.monotonic()

@@ -24,4 +24,5 @@ echo "processes starting (logs: $LOG)"
 .venv/bin/python -m app.cli.wait --timeout 300 \
   api="$API_URL/api/health" gateway="$GATEWAY_URL/health" engine="http://127.0.0.1:$ENGINE_PORT/health" \
   || { tail -50 "$LOG"; exit 1; }
+echo "dashboard: $API_URL/ (sign in with the API token: .venv/bin/python -m app token)"
 .venv/bin/python -m app demo --config "$CONFIG"

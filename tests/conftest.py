@@ -20,6 +20,8 @@ os.environ.setdefault("REDIS_URL", os.environ.get("TURNSTILE_TEST_REDIS", "redis
 # Tests write task sets into their temporary folders: allow those as task-set paths (in this
 # process and every server or worker it starts).
 os.environ.setdefault("TURNSTILE_TASK_DIRS", tempfile.gettempdir())
+# One API token for the API, engines and CLI of the whole session (support.API_TOKEN reads it back).
+os.environ.setdefault("TURNSTILE_API_TOKEN", "turnstile-test-api-token-0123456789")
 
 import pytest
 import redis as redis_lib

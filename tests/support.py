@@ -15,6 +15,17 @@ ROOT = Path(__file__).resolve().parent.parent
 # The Redis server the tests use (databases are chosen per area); TURNSTILE_TEST_REDIS points a
 # whole test run at another server, e.g. to run two suites side by side.
 REDIS_BASE = os.environ.get("TURNSTILE_TEST_REDIS", "redis://127.0.0.1:6379")
+# The API token of every API, engine and CLI a test starts (conftest.py exports it before any app
+# module reads settings, so subprocesses inherit it).
+API_TOKEN = os.environ.setdefault("TURNSTILE_API_TOKEN", "turnstile-test-api-token-0123456789")
+AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
+
+
+def api_client(flask_app):
+    """A Flask test client of the API app that sends the API token on every request."""
+    client = flask_app.test_client()
+    client.environ_base["HTTP_AUTHORIZATION"] = AUTH["Authorization"]
+    return client
 
 
 def free_port() -> int:

@@ -13,6 +13,7 @@ import sys
 from app.cli import model as model_cmds
 from app.cli import runs as runs_cmds
 from app.cli import tasks as tasks_cmds
+from app.cli import token as token_cmds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     runs_cmds.register(sub)
     model_cmds.register(sub)
     tasks_cmds.register(sub)
+    token_cmds.register(sub)
     try:
         from app.cli import harness as harness_cmds
     except ImportError:  # pragma: no cover - harness presets not installed in this checkout
@@ -46,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, KeyError, TypeError):
             message = exc.response.text[:300]
         print(f"error: {exc.request.method} {exc.request.url.path}: {exc.response.status_code} {message}", file=sys.stderr)
+        if exc.response.status_code == 401:
+            print("hint: the CLI sends TURNSTILE_API_TOKEN, else the token in <TURNSTILE_VAR_DIR>/api_token; "
+                  "it must be the API server's", file=sys.stderr)
         return 1
     except httpx.HTTPError as exc:
         from app.config import get_settings

@@ -19,7 +19,10 @@ STATES = ("queued", "preparing", "ready", "running", "grading", "completed", "fa
 
 
 def _client() -> httpx.Client:
-    return httpx.Client(base_url=get_settings().api_url, timeout=30)
+    """An HTTP client of the REST API that sends the API token (`app.auth.api_token`)."""
+    from app.auth import auth_header
+
+    return httpx.Client(base_url=get_settings().api_url, timeout=30, headers=auth_header())
 
 
 def _list_fields() -> set[str]:

@@ -27,6 +27,7 @@ import httpx
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
+from app.auth import auth_header
 from app.conformance.harness_check import CHECK_MODEL
 from app.conformance.servers import ROOT, Servers, free_port, wait_http
 from app.harnesses import get_preset
@@ -172,7 +173,7 @@ def run_pipeline_checks(names: list[str], *, redis_url: str, task_set: str = "sy
         with _PipelineServers(url, redis_url, work) as servers:
             run_ids: dict[str, int] = {}
             for name in names:
-                resp = httpx.post(servers.api_url + "/api/runs", timeout=30,
+                resp = httpx.post(servers.api_url + "/api/runs", timeout=30, headers=auth_header(),
                                   json=run_config(name, instance, task_set, agent_s, servers.engine_url))
                 if resp.status_code != 202:
                     raise RuntimeError(f"run for {name} rejected ({resp.status_code}): {resp.text[:500]}")

@@ -260,13 +260,16 @@ class EngineClient:
             long on CPU; default 600).
         connect_timeout: seconds to establish a connection (default 5).
         max_keepalive: idle connections kept for reuse (the gateway relays many at once).
+        admin_token: bearer token of the admin routes (``reload``, ``reset_to_base``); default: the
+            deployment's API token (``app.auth.api_token()``), read when first needed.
 
     Proxy environment variables are ignored (``trust_env=False``): engines are a direct hop.
     """
 
     def __init__(self, base_url: str, timeout: float = 600.0, *, connect_timeout: float = 5.0,
-                 max_keepalive: int = 32) -> None:
+                 max_keepalive: int = 32, admin_token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self._admin_token = admin_token
         transport = httpx.HTTPTransport(
             # A plain-http engine never uses TLS: skip loading the CA bundle (~0.1 s per process).
             verify=self.base_url.startswith("https://"),
@@ -400,10 +403,20 @@ class EngineClient:
         weights are in place; returns the engine's new policy version.
         """
         body = {"path": str(path), "policy_version": int(policy_version)}
-        return int(self.request("POST", "/v1/load_weights", body, timeout=timeout)["policy_version"])
+        return int(self.request("POST", "/v1/load_weights", body, timeout=timeout,
+                                headers=self._admin_headers())["policy_version"])
 
     def reset_to_base(self, *, timeout: float | None = None) -> int:
         """Back to the weights the engine was started with, as policy version 0
         (``POST /v1/load_weights {"base": true, "policy_version": 0}``); returns the new version."""
         body = {"base": True, "policy_version": 0}
-        return int(self.request("POST", "/v1/load_weights", body, timeout=timeout)["policy_version"])
+        return int(self.request("POST", "/v1/load_weights", body, timeout=timeout,
+                                headers=self._admin_headers())["policy_version"])
+
+    def _admin_headers(self) -> dict[str, str]:
+        """The bearer token of the engines' admin routes: ``admin_token``, else the deployment's API token."""
+        if self._admin_token is not None:
+            return {"Authorization": f"Bearer {self._admin_token}"}
+        from app.auth import auth_header
+
+        return auth_header()

@@ -18,7 +18,9 @@ Routes (shapes follow vLLM's OpenAI server, https://docs.vllm.ai/en/latest/servi
   (the "tokens in, tokens out" path: the caller renders the template, no re-tokenization).
 * ``POST /tokenize`` / ``POST /detokenize``, ``GET /v1/models``, ``GET /health``.
 * ``POST /v1/load_weights {"path", "policy_version"}`` → ``{"policy_version"}`` and
-  ``GET /v1/policy_version``: see ``BatchScheduler.reload`` for the in-flight rule.
+  ``GET /v1/policy_version``: see ``BatchScheduler.reload`` for the in-flight rule.  Loading
+  weights is an admin route: it needs ``Authorization: Bearer <API token>`` (``app.auth``; 401
+  otherwise), which ``EngineClient.reload`` / ``reset_to_base`` send.
 
 Errors use vLLM's body ``{"error": {"message", "type", "param", "code"}}``; a context overflow
 uses vLLM's wording ("This model's maximum context length is 8192 tokens. However, you
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-from flask import Flask, Response, jsonify
+from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from app.engines.batching import BatchScheduler, Failed, GenerationRequest, Started, TokenEvent
@@ -317,15 +319,25 @@ def _stream(engine: Engine, req: GenerationRequest, assembler: ChoiceAssembler, 
 
 
 # ---------------------------------------------------------------- app factory
-def create_engine_app(model_spec: str | None = None, engine: Engine | None = None, **engine_kwargs) -> Flask:
+def create_engine_app(model_spec: str | None = None, engine: Engine | None = None, *,
+                      admin_token: str | None = None, **engine_kwargs) -> Flask:
     """Flask app serving one engine.  Loads ``model_spec`` (default: the ``TURNSTILE_ENGINE_MODEL``
-    setting, ``smollm2``) unless a ready ``engine`` is given."""
+    setting, ``smollm2``) unless a ready ``engine`` is given.  ``admin_token`` guards the admin
+    routes (default: the deployment's API token, ``app.auth.api_token()``)."""
+    from app import auth
+
     if engine is None:
         from app.config import get_settings
 
         engine = build_engine(model_spec or get_settings().engine_model, **engine_kwargs)
+    token = admin_token or auth.api_token()
     app = Flask("turnstile-engine")
     app.config["ENGINE"] = engine
+
+    def require_admin() -> None:
+        """Raise a 401 unless the request carries the API token as a bearer credential."""
+        if not auth.same(auth.bearer(request.headers.get("Authorization")), token):
+            raise EngineError("loading weights needs the API token (Authorization: Bearer <token>)", 401)
 
     @app.errorhandler(EngineError)
     def _engine_error(exc: EngineError):
@@ -389,6 +401,7 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
 
     @app.post("/v1/load_weights")
     def load_weights():
+        require_admin()
         body = json_body()
         started = time.perf_counter()
         if get_field(body, "base", bool, False):

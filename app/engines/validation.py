@@ -22,7 +22,8 @@ class EngineError(Exception):
         self.status, self.param = status, param
 
     def body(self) -> dict:
-        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "InternalServerError")
+        kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
+            self.status, "InternalServerError")
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.status}}
 
 

@@ -17,7 +17,7 @@ import redis as redis_lib
 
 from app import config, db
 from app.models import Base
-from support import Proc, REDIS_BASE, ROOT, free_port, wait_for
+from support import API_TOKEN, Proc, REDIS_BASE, ROOT, free_port, wait_for
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 # The API enqueues Celery messages (a run's start, a cancel); they go to a Redis database
@@ -68,7 +68,8 @@ def site(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser(site):
+    """Headless Chromium signed in to `site` through its /login page (as a person would)."""
     if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
         pytest.fail("headless Chromium is missing: `bash scripts/system_deps.sh` installs chromium and chromium-driver")
     from selenium import webdriver
@@ -83,6 +84,7 @@ def browser():
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
     driver.set_page_load_timeout(60)
     try:
+        _sign_in(driver, site["url"])
         yield driver
     finally:
         driver.quit()
@@ -96,3 +98,16 @@ def shots(tmp_path_factory) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
 
+
+
+def _sign_in(driver, base: str) -> None:
+    """Open a page, get sent to /login, paste the API token, land back on the page."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(base + "/compare")
+    WebDriverWait(driver, 30).until(EC.presence_of_element_located((By.ID, "login-form")))
+    driver.find_element(By.ID, "token").send_keys(API_TOKEN)
+    driver.find_element(By.ID, "login-form").submit()
+    WebDriverWait(driver, 30).until(lambda d: d.current_url.endswith("/compare"))

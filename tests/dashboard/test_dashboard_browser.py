@@ -207,7 +207,9 @@ def test_unknown_pages_answer_an_html_404_and_the_api_keeps_json(browser, site):
     _assert_console_clean(browser, allowed=("status of 404",))
     import httpx
 
-    resp = httpx.get(site["url"] + "/api/runs/99999")
+    from support import AUTH
+
+    resp = httpx.get(site["url"] + "/api/runs/99999", headers=AUTH)
     assert resp.status_code == 404 and resp.json()["error"]["message"] == "run 99999 not found"
 
 

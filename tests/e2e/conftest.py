@@ -18,7 +18,7 @@ from alembic import command
 from alembic.config import Config
 
 from app import config, db
-from support import REDIS_BASE, ROOT, celery_worker_args, free_port, wait_for
+from support import AUTH, REDIS_BASE, ROOT, celery_worker_args, free_port, wait_for
 
 E2E_REDIS_DB = 6
 
@@ -71,7 +71,7 @@ def stack(tmp_path, monkeypatch, spawn):
         "rollout": spawn(celery_worker_args("rollout", concurrency=6, name="rollout"), env, "rollout"),
         "gpu": spawn(celery_worker_args("gpu", concurrency=1, name="gpu"), env, "gpu"),
     }
-    client = httpx.Client(base_url=env["TURNSTILE_API_URL"], timeout=30)
+    client = httpx.Client(base_url=env["TURNSTILE_API_URL"], timeout=30, headers=AUTH)
     st = Stack(client, env, procs)
 
     def up():

@@ -109,3 +109,20 @@ def test_requests_in_flight_and_arriving_during_reload_are_answered(engine, tmp_
     assert reload_result["version"] == target
     assert held["out"]["policy_version"] == target
     assert held["out"]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_loading_weights_needs_the_api_token(engine, tmp_path):
+    """The admin route refuses a caller without the deployment's token (401, vLLM's error body);
+    nothing is loaded and the served version stays."""
+    import httpx
+
+    version = engine.client.policy_version()
+    perturbed_checkpoint(tmp_path / "step-x", seed=5, version=777)
+    body = {"path": str(tmp_path / "step-x"), "policy_version": 777}
+    for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": "Basic x"}):
+        resp = httpx.post(f"{engine.url}/v1/load_weights", json=body, headers=headers, timeout=30)
+        assert resp.status_code == 401 and resp.json()["error"]["type"] == "AuthenticationError"
+    with pytest.raises(EngineHTTPError) as err:
+        EngineClient(engine.url, admin_token="wrong-token").reset_to_base()
+    assert err.value.status == 401
+    assert engine.client.policy_version() == version

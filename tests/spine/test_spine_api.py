@@ -9,14 +9,14 @@ from sqlalchemy import func, select
 from app import create_app
 from app.db import session_scope
 from app.models import Completion, Episode, Run, TaskInstance
-from support import ROOT
+from support import ROOT, api_client
 
 REDIS_DB = 10
 
 
 @pytest.fixture
 def client(database, redis_db):
-    return create_app({"TESTING": True}).test_client()
+    return api_client(create_app({"TESTING": True}))
 
 
 def _runs_in_db() -> int:
@@ -248,7 +248,7 @@ def test_responses_carry_exactly_the_documented_fields_in_order(client):
 
 @pytest.fixture
 def any_client(any_database, redis_db):
-    return create_app({"TESTING": True}).test_client()
+    return api_client(create_app({"TESTING": True}))
 
 
 @pytest.mark.parametrize("path", ["/api/runs/2147483648", "/api/runs/99999999999999999999/episodes",

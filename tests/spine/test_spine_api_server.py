@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from app.db import session_scope
 from app.models import Run
-from support import REDIS_BASE, celery_worker_args, free_port, wait_for
+from support import AUTH, REDIS_BASE, celery_worker_args, free_port, wait_for
 
 REDIS_DB = 10
 
@@ -33,7 +33,7 @@ def test_every_created_run_is_started(database, redis_db, spawn):
 
     wait_for(up, 60, what=f"the API\n{api.output()}")
     body = {"kind": "eval", "group_size": 1, "simulate": {"episode_median_s": 0.1}, "scheduling": {"rollout_slots": 1}}
-    ids = [httpx.post(f"{base}/api/runs", json=body, timeout=30).json()["id"] for _ in range(12)]
+    ids = [httpx.post(f"{base}/api/runs", json=body, timeout=30, headers=AUTH).json()["id"] for _ in range(12)]
 
     def all_started():
         with session_scope() as s:

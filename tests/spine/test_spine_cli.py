@@ -11,6 +11,7 @@ from app.cli import main
 from app.cli import runs as runs_cli
 from app.db import session_scope
 from app.models import Episode, Run, TaskInstance
+from support import AUTH
 
 REDIS_DB = 10
 
@@ -20,7 +21,7 @@ def api(database, redis_db, monkeypatch):
     """The CLI's HTTP client talks to `create_app()` in-process."""
     flask_app = create_app({"TESTING": True})
     monkeypatch.setattr(runs_cli, "_client", lambda: httpx.Client(transport=httpx.WSGITransport(app=flask_app),
-                                                                  base_url="http://api"))
+                                                                  base_url="http://api", headers=AUTH))
     return flask_app
 
 

@@ -22,6 +22,7 @@ from app.db import session_scope
 from app.harnesses import PRESETS, get_preset
 from app.models import Episode, Group, Run, TaskInstance, utcnow
 from app.runconfig import RunConfig
+from support import api_client
 
 REDIS_DB = 10
 LOG = Path("/var/runs/1/episodes/1/harness-attempt1.log")
@@ -29,7 +30,7 @@ LOG = Path("/var/runs/1/episodes/1/harness-attempt1.log")
 
 @pytest.fixture
 def client(database, redis_db):
-    return create_app({"TESTING": True}).test_client()
+    return api_client(create_app({"TESTING": True}))
 
 
 # --- the cause, named --------------------------------------------------------------

@@ -11,7 +11,7 @@ from app.control import scheduler, state
 from app.db import session_scope
 from app.models import Episode, Group, Run, TaskInstance, TrainingStep
 from app.runconfig import RunConfig
-from support import REDIS_BASE, celery_worker_args, wait_for
+from support import REDIS_BASE, api_client, celery_worker_args, wait_for
 
 REDIS_DB = 10
 
@@ -146,7 +146,7 @@ def test_eval_run_jumps_the_rollout_queue(database, spawn):
     from app import create_app
 
     env = {"DATABASE_URL": database, "REDIS_URL": f"{REDIS_BASE}/10"}
-    client = create_app().test_client()
+    client = api_client(create_app())
     cpu = spawn(celery_worker_args("control,prepare,grade,gpu", concurrency=2, name="cpu"), env, "cpu")
     train = client.post("/api/runs", json={"kind": "train", "group_size": 6, "tasks_per_step": 1, "steps": 1,
                                            "simulate": {"episode_median_s": 0.5},

@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 from app import create_app
 from app.db import session_scope
 from app.models import Episode, Group, Run, TrainingStep
-from support import REDIS_BASE, celery_worker_args, wait_for
+from support import REDIS_BASE, api_client, celery_worker_args, wait_for
 
 REDIS_DB = 10
 QUEUES = "control,prepare,rollout,grade,gpu"
@@ -29,7 +29,7 @@ def env(database, redis_db):
 
 
 def _create(config: dict) -> int:
-    client = create_app().test_client()
+    client = api_client(create_app())
     resp = client.post("/api/runs", json=config)
     assert resp.status_code == 202, resp.get_json()
     return resp.get_json()["id"]

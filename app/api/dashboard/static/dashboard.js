@@ -73,6 +73,12 @@ function liveRun(page) {
   schedule();
 }
 
+/* Requests that change something carry the page's CSRF value (the session cookie alone is not enough). */
+function csrfHeaders() {
+  const meta = document.querySelector('meta[name="csrf-token"]');
+  return meta && meta.content ? { "X-CSRF-Token": meta.content } : {};
+}
+
 function bindCancel() {
   const button = document.getElementById("cancel-run");
   const page = document.getElementById("run-page");
@@ -80,7 +86,7 @@ function bindCancel() {
   button.addEventListener("click", async () => {
     if (!window.confirm(`Cancel run ${page.dataset.runId}? Running episodes are stopped.`)) return;
     button.disabled = true;
-    const resp = await fetch(`/api/runs/${page.dataset.runId}/cancel`, { method: "POST" });
+    const resp = await fetch(`/api/runs/${page.dataset.runId}/cancel`, { method: "POST", headers: csrfHeaders() });
     const body = await resp.json();
     const out = document.getElementById("cancel-result");
     if (out) out.textContent = resp.ok ? `run ${body.id}: ${body.status}` : body.error.message;
@@ -119,7 +125,7 @@ function bindSubmit(form) {
       const value = fieldValue(el);
       if (value !== undefined) setPath(body, el.dataset.path, value);
     });
-    const resp = await fetch("/api/runs", { method: "POST", headers: { "Content-Type": "application/json" },
+    const resp = await fetch("/api/runs", { method: "POST", headers: { "Content-Type": "application/json", ...csrfHeaders() },
                                             body: JSON.stringify(body) });
     const answer = await resp.json();
     if (resp.status === 202) {
