@@ -145,6 +145,7 @@ class Episode(Base):
     __table_args__ = (
         UniqueConstraint("run_id", "group_index", "sample_index", name="uq_episode_slot"),
         Index("ix_episodes_run_status", "run_id", "status"),
+        Index("ix_episodes_status_lease", "status", "lease_expires_at"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -155,6 +156,12 @@ class Episode(Base):
     sample_index: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16), default="queued")
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # The stage lease (app.control.lease): which worker process holds the episode's current
+    # stage (NULL while the stage's message waits for a worker) and until when; the holder
+    # renews it while it works, and the watchdog re-dispatches or fails an expired one.
+    lease_owner: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    redeliveries: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # re-dispatches so far
     # sha256 hex of the episode's gateway API key; the key itself is never stored.
     session_token_hash: Mapped[str | None] = mapped_column(String(64), unique=True, nullable=True)
     policy_version: Mapped[int | None] = mapped_column(Integer, nullable=True)  # version at rollout start
@@ -184,6 +191,10 @@ class Episode(Base):
 # --- completions --------------------------------------------------------------------
 
 
+# `Completion.rejected_reason` of an earlier attempt's rows once a new attempt is claimed.
+SUPERSEDED = "superseded"
+
+
 class Completion(Base):
     """One model call through the gateway: what the policy saw and what it sampled.
 
@@ -195,12 +206,16 @@ class Completion(Base):
     __tablename__ = "completions"
     __table_args__ = (
         UniqueConstraint("episode_id", "seq", name="uq_completion_seq"),
-        UniqueConstraint("episode_id", "request_key", name="uq_completion_request_key"),
+        # Not unique: a harness may repeat an identical call on purpose (app.proxy.record).
+        Index("ix_completion_request_key", "episode_id", "attempt", "request_key"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     episode_id: Mapped[int] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), index=True)
     seq: Mapped[int] = mapped_column(Integer)
+    # The episode's rollout attempt whose session made the call; only the episode's current
+    # attempt is trained, and attempts never overwrite each other's rows.
+    attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     request_key: Mapped[str] = mapped_column(String(128))
     api: Mapped[str] = mapped_column(String(32))  # anthropic | chat | responses | gemini
     model: Mapped[str | None] = mapped_column(String(255), nullable=True)

@@ -23,7 +23,7 @@ from app.control.plan import Plan, celery_priority
 from app.control.runs import stages_for
 from app.control.stages import Claim, HarnessOutcome
 from app.db import session_scope
-from app.models import Completion, Episode, Run, utcnow
+from app.models import SUPERSEDED, Completion, Episode, Run, utcnow
 from app.runconfig import RunConfig
 from app.states import transition
 
@@ -115,7 +115,7 @@ def _claim_rollout(episode_id: int) -> tuple[Claim, str] | None:
             s.execute(
                 update(Completion)
                 .where(Completion.episode_id == episode_id, Completion.rejected_reason.is_(None))
-                .values(rejected_reason=f"superseded: attempt {attempt - 1} was lost with its worker")
+                .values(rejected_reason=f"{SUPERSEDED}: attempt {attempt - 1} was lost with its worker")
             )
         claim = Claim(episode_id, ep.run_id, attempt, run.run_config(), ep.instance.record, ep.runtime,
                       run.policy_version)

@@ -36,17 +36,16 @@ OVERFLOW_WORDS = ("context length", "context_length", "context window", "prompt 
 LOG_TAIL_CHARS = 2500
 
 
-def usable_completions(episode_id: int) -> int:
-    """Completions of the episode's current attempt with at least one sampled token (a count).
+def usable_completions(episode_id: int, attempt: int) -> int:
+    """Completions of the episode's rollout `attempt` with at least one sampled token (a count).
 
-    Earlier attempts' completions carry a `rejected_reason` (superseded) from the moment the
-    current attempt was claimed, so they are not counted.  A call the gateway refused
-    (context overflow, bad request) records no row at all.
+    Earlier attempts' completions (`Completion.attempt`) are not counted.  A call the gateway
+    refused (context overflow, bad request) records no row at all.
     """
     with session_scope() as s:
         return int(s.scalar(select(func.count()).select_from(Completion).where(
-            Completion.episode_id == episode_id, Completion.rejected_reason.is_(None),
-            func.length(Completion.sampled_ids) > 0)) or 0)
+            Completion.episode_id == episode_id, Completion.attempt == attempt,
+            Completion.rejected_reason.is_(None), func.length(Completion.sampled_ids) > 0)) or 0)
 
 
 def harness_failure(name: str, exit_code: int, timed_out: bool, timeout_s: int, log_text: str, log_path: Path) -> str:
@@ -201,7 +200,7 @@ class RealStages:
         stopped = result.stopped or cancelled()
         status = "timeout" if result.timed_out else ("cancelled" if stopped else f"exit {result.exit_code}")
         failure = None
-        if status != "cancelled" and usable_completions(claim.episode_id) == 0:
+        if status != "cancelled" and usable_completions(claim.episode_id, claim.attempt) == 0:
             failure = harness_failure(preset.name, result.exit_code, result.timed_out, cfg.timeouts.agent_s,
                                       log_text, log_path)
         return HarnessOutcome(patch=patch, exit_status=status, timed_out=result.timed_out, log_path=str(log_path),

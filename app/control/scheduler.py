@@ -224,11 +224,13 @@ def _oldest_version(s, run_id: int, group_index: int) -> int | None:
     weights that actually served them), not on the run's version when an episode started: if
     a weight sync failed, the engines kept serving the old weights while the run's version
     moved on.  Episodes without completions (simulated runs) fall back to their start version.
+    Only the current attempt's rows count (`Completion.attempt >= Episode.attempts`).
     """
     completed = select(Episode.id).where(Episode.run_id == run_id, Episode.group_index == group_index,
                                          Episode.status == "completed")
-    served = s.scalar(select(func.min(Completion.policy_version)).where(
-        Completion.episode_id.in_(completed), Completion.rejected_reason.is_(None)))
+    served = s.scalar(select(func.min(Completion.policy_version)).join(Episode, Episode.id == Completion.episode_id)
+                      .where(Episode.id.in_(completed), Completion.attempt >= Episode.attempts,
+                             Completion.rejected_reason.is_(None)))
     if served is not None:
         return served
     return s.scalar(select(func.min(Episode.policy_version)).where(Episode.id.in_(completed)))

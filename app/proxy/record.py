@@ -9,13 +9,26 @@ the finish reason, engine id, policy version and timings:
   first_token_ms  request arrival -> first generated token from the engine
   total_ms        request arrival -> end of the answer (or disconnect)
 
-Exactly one row per call: SDKs retry the same body (openai/anthropic SDKs retry
-twice on 5xx/timeouts), so rows are keyed by `request_key` = sha256(episode,
-path, body, Idempotency-Key).  The latest attempt (by arrival time,
-`raw_request.received_at`) replaces earlier ones in place (keeping their `seq`),
-because the harness continues from the answer it finally received; a slow earlier
-attempt that finishes last does not overwrite it.  `seq` (order within the episode) is allocated as max+1 and retried on
-a unique-constraint race, so concurrent calls of one episode never collide.
+One row per call, and one per try only when it is a true retry.  SDKs retry a call
+whose answer failed (openai-python and anthropic-sdk-python retry connection errors,
+timeouts, 408/409/429 and 5xx, twice by default:
+https://github.com/openai/openai-python#retries), so a call is identified by
+`request_key` = sha256(episode, path, body, Idempotency-Key) within its rollout
+`attempt` (the session token of one attempt).  The rule that tells a retry from a
+deliberate repeat of the same body:
+
+  * an answer that reached the client whole (`partial` False) always keeps its own row:
+    a harness that sends the same request again after reading that answer is making a
+    new call, and both are trained;
+  * an answer that did not (`partial`: the client left, or the engine failed mid-answer)
+    is a dead try: the next try of the same key replaces its row in place, keeping its
+    `seq` (the harness continues from the answer it finally received), and a dead try that
+    arrived before a stored row of its key is dropped.
+
+Rows of different attempts never meet: attempt 2's first call never replaces attempt 1's
+row, whatever its key.  Writers of one episode are serialised by a row lock on the episode
+(an UPDATE of the row, which takes SQLite's write lock and PostgreSQL's row lock), so the
+decision above and the `seq` allocation (max+1 within the episode) never race.
 """
 from __future__ import annotations
 
@@ -29,7 +42,7 @@ from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from app.db import get_engine, session_scope
-from app.models import Completion
+from app.models import Completion, Episode
 from app.proxy.canonical import Result
 
 log = logging.getLogger("turnstile.gateway")
@@ -54,12 +67,13 @@ def request_key(episode_id: int, path: str, body: bytes, idempotency_key: str | 
 
 
 _T = Completion.__table__
-# Built once (compiled once): one statement allocates the next seq and inserts.  SQLite
-# serializes writers; on PostgreSQL a concurrent insert may take the same seq -> unique
-# violation -> retry.
+_E = Episode.__table__
+# Built once (compiled once): one statement allocates the next seq and inserts.
 _INSERT = insert(_T).values(seq=select(func.coalesce(func.max(_T.c.seq), -1) + 1)
                             .where(_T.c.episode_id == bindparam("seq_episode")).scalar_subquery()
                             ).returning(_T.c.id)
+# Takes the episode row's write lock for the transaction (changes nothing).
+_LOCK_EPISODE = update(_E).where(_E.c.id == bindparam("lock_episode")).values(updated_at=_E.c.updated_at)
 
 
 @dataclass
@@ -75,6 +89,7 @@ class Capture:
     normalized_request: dict
     policy_version_fallback: int
     engine_id: str | None = None
+    attempt: int = 1  # the episode's rollout attempt whose session token the call used
     t0: float = field(default_factory=time.perf_counter)
     t_accepted: float | None = None
     t_first: float | None = None
@@ -86,10 +101,10 @@ class Capture:
 
 def write_completion(cap: Capture, result: Result, response: dict | None, response_id: str | None, *,
                      partial: bool, error: str | None = None) -> int | None:
-    """Insert (or, for a retried request key, overwrite) the completion row; returns its id.
+    """Insert the completion row, or replace the dead try it retries (module docstring); returns its id.
 
-    Safe to call once per capture: later calls are ignored.  Database errors are logged and
-    re-raised to the caller.
+    `partial`: the answer did not reach the client whole.  Safe to call once per capture:
+    later calls are ignored.  Database errors are logged and re-raised to the caller.
     """
     if cap.written:
         return None
@@ -106,26 +121,38 @@ def write_completion(cap: Capture, result: Result, response: dict | None, respon
         queue_ms=cap.ms(cap.t_accepted), first_token_ms=cap.ms(cap.t_first), total_ms=cap.ms(time.perf_counter()),
         partial=partial, error=error,
     )
-    values["request_key"] = cap.request_key
-    values["episode_id"] = cap.episode_id
-    params = {**values, "seq_episode": cap.episode_id}
+    received = float(cap.raw_request.get("received_at") or 0.0)
     for attempt in range(50):
         try:
             with get_engine().begin() as conn:
-                return conn.execute(_INSERT, params).scalar_one()
+                conn.execute(_LOCK_EPISODE, {"lock_episode": cap.episode_id})
+                target, keep = _retried_row(conn, cap, received, partial)
+                if keep:
+                    return target  # a later try of this call is already stored
+                if target is not None:
+                    conn.execute(update(_T).where(_T.c.id == target).values(**values))
+                    return target
+                return conn.execute(_INSERT, {**values, "request_key": cap.request_key, "episode_id": cap.episode_id,
+                                              "attempt": cap.attempt, "seq_episode": cap.episode_id}).scalar_one()
         except IntegrityError:
-            pass
-        with get_engine().begin() as conn:  # the key exists (a retried call) or the seq was taken
-            existing = conn.execute(select(_T.c.id, _T.c.raw_request).where(
-                _T.c.episode_id == cap.episode_id, _T.c.request_key == cap.request_key)).first()
-            if existing is not None:
-                if (existing.raw_request or {}).get("received_at", 0) > cap.raw_request.get("received_at", 0):
-                    return existing.id  # a later attempt (the one the client used) is already stored
-                fields = {k: v for k, v in values.items() if k not in ("request_key", "episode_id")}
-                conn.execute(update(_T).where(_T.c.id == existing.id).values(**fields))
-                return existing.id
-        time.sleep(0.001 * (attempt + 1))
+            time.sleep(0.001 * (attempt + 1))  # a seq taken by a writer that did not lock (cannot happen here)
     raise RuntimeError(f"could not allocate a completion seq for episode {cap.episode_id}")
+
+
+def _retried_row(conn, cap: Capture, received: float, partial: bool) -> tuple[int | None, bool]:
+    """(row id, keep it) for a new try of `cap.request_key` in its attempt: (id, False) = replace
+    that dead try, (id, True) = this try is dead and a later one is stored, (None, False) = insert."""
+    rows = conn.execute(
+        select(_T.c.id, _T.c.partial, _T.c.raw_request["received_at"].as_float().label("received_at"))
+        .where(_T.c.episode_id == cap.episode_id, _T.c.attempt == cap.attempt, _T.c.request_key == cap.request_key)
+        .order_by(_T.c.seq)
+    ).all()
+    if partial:
+        later = [r for r in rows if (r.received_at or 0.0) > received]
+        if later:
+            return later[-1].id, True
+    dead = [r for r in rows if r.partial and (r.received_at or 0.0) <= received]
+    return (dead[-1].id, False) if dead else (None, False)
 
 
 def find_response(episode_id: int, response_id: str) -> tuple[dict, dict] | None:

@@ -30,6 +30,7 @@ class SessionInfo:
     run_id: int
     policy_version: int   # the run's current policy version (fallback when the engine reports none)
     splice_history: bool = True  # the run's `splice_history` option (app.proxy.splice)
+    attempt: int = 1  # the episode's rollout attempt this token belongs to (a new token per attempt)
 
 
 def hash_token(token: str) -> str:
@@ -78,7 +79,7 @@ def resolve_session_info(token: str | None) -> SessionInfo | None:
         return hit[1]
     with session_scope() as s:
         row = s.execute(
-            select(Episode.id, Episode.run_id, Episode.status, Run.policy_version, Run.config)
+            select(Episode.id, Episode.run_id, Episode.status, Episode.attempts, Run.policy_version, Run.config)
             .join(Run, Run.id == Episode.run_id)
             .where(Episode.session_token_hash == digest)
         ).first()
@@ -87,7 +88,8 @@ def resolve_session_info(token: str | None) -> SessionInfo | None:
             _cache.pop(digest, None)
         return None
     info = SessionInfo(row.id, row.run_id, int(row.policy_version or 0),
-                       (row.config or {}).get("splice_history", True) is not False)
+                       (row.config or {}).get("splice_history", True) is not False,
+                       attempt=max(int(row.attempts or 0), 1))
     with _cache_lock:
         _cache[digest] = (now + gateway_settings().session_cache_s, info)
         _cache.move_to_end(digest)

@@ -259,7 +259,7 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     if norm.stream:
         upstream_body["stream_options"]["continuous_usage_stats"] = True
     cap = record.Capture(
-        episode_id=info.episode_id, api=route.api, model=norm.model, stream=norm.stream,
+        episode_id=info.episode_id, attempt=info.attempt, api=route.api, model=norm.model, stream=norm.stream,
         request_key=record.request_key(info.episode_id, request.path, raw, request.headers.get("idempotency-key")),
         raw_request={"received_at": time.time(), "method": request.method, "path": request.path,
                      "query": record.scrub_query(request.args),

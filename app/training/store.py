@@ -1,24 +1,35 @@
 """Build an episode's trajectories from its stored completions and store them, idempotently.
 
-Reads `Completion` rows, runs a builder from `app.training.trajectories`, writes
-`Completion.rejected_reason` for captures that cannot be trained on (they stay in the
-table for inspection), inserts one `Trajectory` row per chain under the unique
+Reads the `Completion` rows of the episode's current attempt, runs a builder from
+`app.training.trajectories`, writes `Completion.rejected_reason` for captures that cannot
+be trained on (they stay in the table for inspection), inserts one `Trajectory` row per chain under the unique
 (episode, builder, chain_index) key, and records the builder's report in
 `Episode.merge_stats[builder]`.  Calling it again returns the stored rows unchanged.
 """
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.models import Completion, Episode, Trajectory
+from app.models import SUPERSEDED, Completion, Episode, Trajectory
 from app.training.trajectories import CompletionRecord, build
 
 
+def current_attempt_rows(episode_id: int, attempt: int):
+    """The condition that selects the completions training may use: those of the episode's
+    current rollout `attempt` (`max(Episode.attempts, 1)`), without those marked superseded.
+    An earlier attempt's rows, lost with its worker, are kept for inspection and never trained."""
+    return and_(Completion.episode_id == episode_id, Completion.attempt == attempt,
+                or_(Completion.rejected_reason.is_(None), Completion.rejected_reason.not_like(f"{SUPERSEDED}%")))
+
+
 def completion_records(session: Session, episode_id: int) -> tuple[list[Completion], list[CompletionRecord]]:
-    """The episode's completion rows in `seq` order and their `CompletionRecord`s."""
-    rows = list(session.scalars(select(Completion).where(Completion.episode_id == episode_id).order_by(Completion.seq)))
+    """The completion rows of the episode's current attempt in `seq` order and their `CompletionRecord`s."""
+    episode = session.get(Episode, episode_id)
+    attempt = max(episode.attempts or 0, 1) if episode is not None else 1
+    rows = list(session.scalars(select(Completion).where(current_attempt_rows(episode_id, attempt))
+                                .order_by(Completion.seq)))
     records = [
         CompletionRecord(
             seq=row.seq,

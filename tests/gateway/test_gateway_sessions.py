@@ -165,26 +165,28 @@ def test_concurrent_calls_of_one_episode_get_distinct_seqs(gw):
     assert len({r.request_key for r in recs}) == 16
 
 
-def _capture(ep: int, key: str) -> Capture:
+def _capture(ep: int, key: str, received_at: float = 0.0) -> Capture:
     return Capture(episode_id=ep, api="chat", model="m", stream=False, request_key=key,
-                   raw_request={"body": {}}, normalized_request={"messages": []}, policy_version_fallback=3)
+                   raw_request={"body": {}, "received_at": received_at}, normalized_request={"messages": []},
+                   policy_version_fallback=3)
 
 
 def test_record_seq_allocation_under_threads_sqlite_and_postgres(any_database):
     """write_completion on real SQLite and PostgreSQL: 24 concurrent writers, 20 distinct calls plus
-    4 duplicates of one key -> seqs 0..20 without gaps or collisions, duplicates merged."""
+    4 dead tries (partial) of one key -> seqs 0..20 without gaps or collisions, the tries merged
+    into one row holding the newest try."""
     ep, _ = make_episode()
     r = Result(prompt_ids=[1, 2], sampled_ids=[3], logprobs=[-0.5], finish_reason="stop")
     errors = []
 
-    def w(key):
+    def w(key, n):
         try:
-            write_completion(_capture(ep, key), r, {"ok": 1}, "id", partial=False)
+            write_completion(_capture(ep, key, float(n)), r, {"ok": 1}, "id", partial=key == "dup")
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
     keys = [f"k{i}" for i in range(20)] + ["dup"] * 4
-    threads = [threading.Thread(target=w, args=(k,)) for k in keys]
+    threads = [threading.Thread(target=w, args=(k, n)) for n, k in enumerate(keys)]
     for t in threads:
         t.start()
     for t in threads:
@@ -193,3 +195,5 @@ def test_record_seq_allocation_under_threads_sqlite_and_postgres(any_database):
     recs = completions(ep)
     assert sorted(c.seq for c in recs) == list(range(21))
     assert {c.policy_version for c in recs} == {3} and recs[0].logprobs == [-0.5]
+    [dup] = [c for c in recs if c.request_key == "dup"]
+    assert dup.raw_request["received_at"] == len(keys) - 1

@@ -70,3 +70,34 @@ def test_unknown_episode_and_builder(database):
     with session_scope() as s:
         with pytest.raises(ValueError, match="unknown trajectory builder"):
             build_episode_trajectories(s, episode_id, "tree")
+
+
+def test_only_the_current_attempts_rows_are_trained(database):
+    """Attempt 1's rows (marked superseded when attempt 2 was claimed, or written late by the dead
+    attempt without the mark) give no trainable token; attempt 2's rows are the whole trajectory."""
+    with session_scope() as s:
+        run = Run(kind="train", config={})
+        inst = TaskInstance(task_set="t", instance_id="x__2", repo="x/x", record={})
+        s.add_all([run, inst])
+        s.flush()
+        ep = Episode(run_id=run.id, instance_id=inst.id, group_index=0, sample_index=0, status="completed",
+                     reward=1.0, attempts=2)
+        s.add(ep)
+        s.flush()
+        old = dict(prompt_ids=[1, 2, 3], sampled_ids=[7] * 64, logprobs=[-0.1] * 64, finish_reason="stop")
+        for seq, reason in enumerate(["superseded: attempt 1 was lost with its worker"] * 3 + [None]):
+            s.add(Completion(episode_id=ep.id, seq=seq, attempt=1, request_key=f"a1-{seq}", api="chat",
+                             raw_request={}, rejected_reason=reason, **old))
+        s.add(Completion(episode_id=ep.id, seq=4, attempt=2, request_key="a2-0", api="chat", raw_request={},
+                         prompt_ids=[1, 2, 3], sampled_ids=[8, 9], logprobs=[-0.5, -0.25], finish_reason="stop"))
+        episode_id = ep.id
+    with session_scope() as s:
+        rows, report = build_episode_trajectories(s, episode_id, "per_request", vocab_size=49152)
+        assert sum(sum(t.loss_mask) for t in rows) == 2 and [t.token_ids for t in rows] == [[1, 2, 3, 8, 9]]
+        assert report["rejected"] == 0
+    with session_scope() as s:  # the same rows as attempt 1 alone: nothing trainable
+        s.get(Episode, episode_id).attempts = 1
+        s.query(Completion).filter(Completion.attempt == 1).update({"rejected_reason": "superseded: x"})
+    with session_scope() as s:
+        rows, _ = build_episode_trajectories(s, episode_id, "prefix_merging", vocab_size=49152)
+        assert sum(sum(t.loss_mask) for t in rows) == 0
