@@ -60,9 +60,18 @@ app.conf.update(
     result_backend_transport_options={"visibility_timeout": _settings.visibility_timeout},
     worker_cancel_long_running_tasks_on_connection_loss=True,
     broker_connection_retry_on_startup=True,
+    # Reconnect to a restarted Redis for as long as it takes (the default gives up after 100 tries
+    # and the worker exits).  Workers run with --without-gossip: the Gossip step is the one
+    # ConsumerStep, and restarting it after a lost connection closes its channel through a
+    # connection whose client is already gone (kombu's Redis `_connparams` reads
+    # `conninfo.hostname` of None: "Unrecoverable error: AttributeError('NoneType' object has no
+    # attribute 'hostname')", https://github.com/celery/kombu/issues/582), which kills the worker.
+    # Turnstile uses nothing gossip provides (worker-to-worker events, clock sync, elections).
+    broker_connection_max_retries=None,
     timezone="UTC",
     beat_schedule={
-        "watchdog": {"task": "control.watchdog", "schedule": 30.0, "options": {"expires": 25}},
+        "watchdog": {"task": "control.watchdog", "schedule": _settings.watchdog_interval_s,
+                     "options": {"expires": _settings.watchdog_interval_s * 0.8}},
     },
     beat_schedule_filename=str(_settings.var_dir / "celerybeat-schedule"),
 )

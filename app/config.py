@@ -132,6 +132,9 @@ class Settings(BaseSettings):
                                                 "(default: max(4 h, 2 x TURNSTILE_TASK_TIME_LIMIT)).")
     max_redeliveries: int = Field(3, ge=0, **_env("TURNSTILE_MAX_REDELIVERIES"),
                                   description="How often a task lost with its worker is redelivered before it fails.")
+    restart_backoff_s: float = Field(1.0, gt=0, le=30, allow_inf_nan=False, **_env("TURNSTILE_RESTART_BACKOFF_S"),
+                                     description="First wait before `workers.launch` restarts a Procfile process "
+                                                 "that exited (doubles per quick successive exit, at most 30 s).")
     log_level: LogLevel = Field("INFO", **_env("TURNSTILE_LOG_LEVEL"),
                                 description="Log level of every process: DEBUG, INFO, WARNING, ERROR or CRITICAL.")
     cpu_concurrency: int = Field(3, ge=1, **_env("TURNSTILE_CPU_CONCURRENCY"),

@@ -3,7 +3,7 @@
     python -m workers.gpu_worker [extra celery worker options]
 
 Equivalent to `celery -A app worker -Q gpu -c 1 -P prefork -n gpu@%h
---prefetch-multiplier 1 --without-mingle`, with the training-specific choices in one place:
+--prefetch-multiplier 1 --without-mingle --without-gossip`, with the training-specific choices in one place:
 
 * prefork with a single child: the parent never imports torch (it is imported in the
   child by the first `gpu.train_step`), so CUDA is initialised only after fork
@@ -29,6 +29,7 @@ def argv(extra: list[str] | None = None) -> list[str]:
         "-n", "gpu@%h",
         "--prefetch-multiplier", "1",
         "--without-mingle",
+        "--without-gossip",  # gossip's restart after a lost broker connection crashes the worker (app/celery.py)
         *(extra or []),
     ]
 
