@@ -16,13 +16,16 @@ failure (refused, reset, timed out, malformed HTTP) raises ``EngineConnectionErr
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
+import select
 import socket
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+import httpcore
 import httpx
 
 from app.engines.sse import SSEDecoder
@@ -104,6 +107,151 @@ def stream_items(events: list[tuple[str | None, str]]) -> list:
             items.append(exc)
             return items
     return items
+
+
+_watch = threading.local()  # (idle, every): set by `watching` on the thread doing the read
+
+
+@contextlib.contextmanager
+def watching(idle: Callable[[], None] | None, every: float) -> Iterator[None]:
+    """While active on this thread, a read from an engine connection that finds nothing to read
+    waits in slices of ``every`` seconds and calls ``idle()`` between them; an exception raised by
+    ``idle`` abandons the call (httpcore then closes the connection, so the engine sees the client
+    leave and aborts the request)."""
+    previous = getattr(_watch, "current", None)
+    _watch.current = (idle, every) if idle is not None else None
+    try:
+        yield
+    finally:
+        _watch.current = previous
+
+
+class _WatchedStream(httpcore.NetworkStream):
+    """An engine connection (httpcore's plain socket stream) whose reads honour ``watching``."""
+
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+        sock = inner.get_extra_info("socket")
+        self._poll = select.poll() if sock is not None else None  # poll: no FD_SETSIZE limit
+        if self._poll is not None:
+            self._poll.register(sock, select.POLLIN | select.POLLPRI)
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        watch = getattr(_watch, "current", None)
+        if watch is not None and self._poll is not None:
+            idle, every = watch
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self._poll.poll(0 if every <= 0 else max(1, int(every * 1000))):
+                idle()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise httpcore.ReadTimeout("timed out")
+        return self._inner.read(max_bytes, timeout)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, timeout)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> httpcore.NetworkStream:
+        return self._inner.start_tls(ssl_context, server_hostname, timeout)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _WatchedBackend(httpcore.SyncBackend):
+    def connect_tcp(self, *args, **kwargs) -> httpcore.NetworkStream:
+        return _WatchedStream(super().connect_tcp(*args, **kwargs))
+
+
+class InlineChatStream:
+    """A streamed ``POST /v1/chat/completions`` read on the calling thread (no reader thread,
+    no hand-over between threads: the lowest latency per call).
+
+    ``idle()`` is called every ``idle_s`` seconds while the engine is silent, before the response
+    head and between chunks; an exception it raises ends the call and closes the connection (the
+    engine aborts the request) and propagates to the caller.  Construction sends the request and
+    waits for the head: it raises ``EngineHTTPError`` when the engine refuses and
+    ``EngineConnectionError`` on transport failures.  Iterate ``batches()``, then ``close()``
+    (a context manager does).  ``t_head``: ``time.perf_counter()`` when the head arrived.
+    """
+
+    def __init__(self, client: "EngineClient", body: dict, headers: dict | None,
+                 idle: Callable[[], None] | None = None, idle_s: float = 0.25) -> None:
+        self.base_url = client.base_url
+        self._idle, self._idle_s = idle, idle_s
+        self._ended = False
+        request = client._http.build_request("POST", "/v1/chat/completions", content=_dumps(body).encode("utf-8"),
+                                             headers={"Content-Type": "application/json", "Accept-Encoding": "identity",
+                                                      **(headers or {})})
+        try:
+            with watching(idle, idle_s):
+                self._response = client._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise _connection_error(exc, self.base_url) from exc
+        self.t_head = time.perf_counter()
+        self.status = self._response.status_code
+        if self.status >= 400:
+            try:
+                with watching(idle, idle_s):
+                    self._response.read()
+            except httpx.HTTPError as exc:
+                self._response.close()
+                raise _connection_error(exc, self.base_url) from exc
+            self._response.close()
+            raise EngineHTTPError(self.status, _parse_body(self._response))
+        self._chunks = self._response.iter_raw()
+
+    def batches(self) -> Iterator[list]:
+        """Lists of items as received (chunk dicts, then ``DONE``, ``EOF`` or an exception ending
+        the last list, as ``ChatStream.poll``)."""
+        decoder = SSEDecoder()
+        while not self._ended:
+            try:
+                with watching(self._idle, self._idle_s):
+                    data = next(self._chunks, None)
+            except httpx.HTTPError as exc:
+                self._ended = True
+                yield [_connection_error(exc, self.base_url)]
+                return
+            if data is None:
+                self._ended = True
+                items = stream_items(decoder.close())
+                if not items or items[-1] is not DONE:
+                    items.append(EOF)
+                yield items
+                return
+            items = stream_items(decoder.feed(data))
+            if items:
+                self._ended = items[-1] is DONE or isinstance(items[-1], Exception)
+                yield items
+
+    def close(self) -> None:
+        """Release the connection: after ``[DONE]`` the rest of the body (the terminating chunk,
+        normally already sent) is read so the connection is reused; an unfinished answer's
+        connection is closed, so the engine aborts it."""
+        response = self._response
+        if self._ended and not response.is_closed:
+            def give_up() -> None:
+                raise _Abandon()
+            try:
+                with watching(give_up, 0.05):
+                    for _ in self._chunks:
+                        pass
+            except (_Abandon, httpx.HTTPError):
+                pass
+        response.close()
+
+    def __enter__(self) -> "InlineChatStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Abandon(Exception):
+    """The engine did not finish its response body promptly after ``[DONE]``."""
 
 
 class ChatStream:
@@ -270,13 +418,21 @@ class EngineClient:
                  max_keepalive: int = 32, admin_token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._admin_token = admin_token
-        transport = httpx.HTTPTransport(
-            # A plain-http engine never uses TLS: skip loading the CA bundle (~0.1 s per process).
-            verify=self.base_url.startswith("https://"),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=max_keepalive),
-            # The request head and body are separate writes: without TCP_NODELAY, Nagle's
-            # algorithm holds the body until the head is acknowledged (milliseconds per call).
-            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=max_keepalive)
+        # The request head and body are separate writes: without TCP_NODELAY, Nagle's
+        # algorithm holds the body until the head is acknowledged (milliseconds per call).
+        socket_options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+        # A plain-http engine never uses TLS: skip loading the CA bundle (~0.1 s per process).
+        https = self.base_url.startswith("https://")
+        transport = httpx.HTTPTransport(verify=https, limits=limits, socket_options=socket_options)
+        # Same pool, on connections whose reads honour `watching` (httpcore network backends:
+        # https://www.encode.io/httpcore/network-backends/); httpx 0.28's HTTPTransport sends
+        # every request through its `_pool`.
+        transport._pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(verify=True) if https else None,
+            max_connections=limits.max_connections, max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry, socket_options=socket_options,
+            network_backend=_WatchedBackend())
         self._http = httpx.Client(base_url=self.base_url, transport=transport, trust_env=False,
                                   timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)))
 
@@ -370,6 +526,12 @@ class EngineClient:
     def complete(self, body: dict, *, headers: dict | None = None) -> dict:
         """Non-stream ``POST /v1/chat/completions`` with the full request ``body`` as given."""
         return self.request("POST", "/v1/chat/completions", body, headers=headers)
+
+    def read_stream(self, body: dict, *, headers: dict | None = None, idle: Callable[[], None] | None = None,
+                    idle_s: float = 0.25) -> InlineChatStream:
+        """Start a streamed ``POST /v1/chat/completions`` read on this thread (see
+        ``InlineChatStream``); returns once the engine sent its response head."""
+        return InlineChatStream(self, body, headers, idle, idle_s)
 
     def open_stream(self, body: dict, *, headers: dict | None = None) -> ChatStream:
         """Start a streamed ``POST /v1/chat/completions`` with ``body`` as given (it should say

@@ -325,15 +325,18 @@ def _client_gone_probe():
     """A function telling whether the client has closed its connection (EOF on the socket
     gunicorn hands the app); always False where no socket is known."""
     sock = request.environ.get("gunicorn.socket")
+    if sock is None:
+        return lambda: False
+    poller = select.poll()  # poll, not select: no FD_SETSIZE (1024) limit on busy workers
+    poller.register(sock, select.POLLIN | select.POLLPRI)
 
     def gone() -> bool:
-        if sock is None:
-            return False
         try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            if not readable:
+            if not poller.poll(0):
                 return False
             return sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
         except (OSError, ValueError):
             return True
     return gone
@@ -341,48 +344,41 @@ def _client_gone_probe():
 
 def collect_answer(up, engine, body: dict, episode_id: int, cap: record.Capture, module, norm: Normalized,
                    resp_id: str) -> Result:
-    """A non-stream answer, read from the engine's stream while watching the client: if the
-    client leaves, the engine request is closed within a poll interval and what was sampled
-    is recorded as partial (with the reason)."""
+    """A non-stream answer, read from the engine's stream on this thread while watching the
+    client: if the client leaves, the engine request is closed within a poll interval and what
+    was sampled is recorded as partial (with the reason)."""
     poll_s = 0.25
     gone = _client_gone_probe()
     reader = ChunkNormalizer(history_call_ids(norm))
     r = reader.result
-    opening = up.start_stream(engine, body, episode_id)
+
+    def idle() -> None:
+        if gone():
+            raise ClientGone()
+
+    stream = None
     try:
-        while True:
-            handle = opening.wait(poll_s)
-            if handle is None:
-                if gone():
-                    raise ClientGone()
-                continue
-            room = up.room_after(engine, body, handle)
-            if room is None:
-                break
-            opening.cancel()
-            body["max_tokens"] = room
-            opening = up.start_stream(engine, body, episode_id)
-        if isinstance(handle, GatewayError):
-            raise handle
-        _accepted(cap, opening)
+        stream = up.read_answer(engine, body, episode_id, idle, poll_s)
+        _accepted(cap, stream.t_head)
         error, finished = None, False
         checked = time.monotonic()
-        while not finished:
-            items = handle.poll(poll_s)
-            if time.monotonic() - checked >= poll_s:
-                if gone():
-                    raise ClientGone()
-                checked = time.monotonic()
-            for item in items or []:
+        for items in stream.batches():
+            for item in items:
                 error, finished, _ = _consume(item, r, error, reader.feed, cap)
                 if finished:
                     break
+            if finished:
+                break
+            if time.monotonic() - checked >= poll_s:  # a client may leave while tokens flow
+                idle()
+                checked = time.monotonic()
         if error is not None:
             raise error
         reader.finish()
         return r
     except ClientGone:
-        opening.cancel()
+        if stream is not None:
+            stream.close()
         if reader.first_chunk_seen:
             try:
                 record.write_completion(cap, r, module.render(r, norm, resp_id), resp_id, partial=True,
@@ -391,7 +387,8 @@ def collect_answer(up, engine, body: dict, episode_id: int, cap: record.Capture,
                 log.exception("could not record partial completion")
         raise GatewayError("invalid_request", "client disconnected", status=499) from None
     finally:
-        opening.cancel()
+        if stream is not None:
+            stream.close()
 
 
 def _splice(info: SessionInfo, api: str, up, engine, body: dict) -> splice.Splice:
@@ -402,10 +399,11 @@ def _splice(info: SessionInfo, api: str, up, engine, body: dict) -> splice.Splic
     return splice.splice(up, engine, info.episode_id, api, body)
 
 
-def _accepted(cap: record.Capture, opening: PendingStream) -> None:
-    """The engine accepted the request: stamp the time; the request body was sent, so the
-    spliced prompt ids leave the record (the engine's own prompt ids are recorded instead)."""
-    cap.t_accepted = opening.t_done
+def _accepted(cap: record.Capture, t_accepted: float | None) -> None:
+    """The engine accepted the request (at `t_accepted`, perf_counter): stamp the time; the request
+    body was sent, so the spliced prompt ids leave the record (the engine's own prompt ids are
+    recorded instead)."""
+    cap.t_accepted = t_accepted
     cap.normalized_request.pop("prompt_token_ids", None)
 
 
@@ -493,7 +491,7 @@ def stream_answer(writer, opening: PendingStream, cap: record.Capture, resp_id: 
         error: GatewayError | None = None
         while (handle := opening.wait(keepalive)) is None:
             yield writer.keepalive()
-        _accepted(cap, opening)
+        _accepted(cap, opening.t_done)
         if isinstance(handle, GatewayError):
             error, handle = handle, None
         finished = handle is None
