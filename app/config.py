@@ -131,7 +131,8 @@ class Settings(BaseSettings):
                                     description="Redis visibility timeout, seconds "
                                                 "(default: max(4 h, 2 x TURNSTILE_TASK_TIME_LIMIT)).")
     max_redeliveries: int = Field(3, ge=0, **_env("TURNSTILE_MAX_REDELIVERIES"),
-                                  description="How often a task lost with its worker is redelivered before it fails.")
+                                  description="How often an episode stage whose lease expired (its worker or its "
+                                              "message lost) is re-dispatched before the episode fails.")
     restart_backoff_s: float = Field(1.0, gt=0, le=30, allow_inf_nan=False, **_env("TURNSTILE_RESTART_BACKOFF_S"),
                                      description="First wait before `workers.launch` restarts a Procfile process "
                                                  "that exited (doubles per quick successive exit, at most 30 s).")
@@ -141,6 +142,17 @@ class Settings(BaseSettings):
                                  description="Processes of the `worker` (control, prepare, grade queues).")
     rollout_concurrency: int = Field(8, ge=1, **_env("TURNSTILE_ROLLOUT_CONCURRENCY"),
                                      description="Processes of the `rollout` worker (harness episodes at once).")
+    # Stage leases (app.control.lease): a killed worker's episode is re-dispatched at most
+    # lease_ttl_s + watchdog_interval_s after its last renewal.
+    lease_ttl_s: float = Field(30.0, gt=0, allow_inf_nan=False, **_env("TURNSTILE_LEASE_TTL_S"),
+                               description="Seconds an episode stage's lease lasts past its last renewal; the "
+                                           "watchdog re-dispatches a stage whose lease expired.")
+    lease_renew_s: float | None = Field(None, gt=0, allow_inf_nan=False, **_env("TURNSTILE_LEASE_RENEW_S"),
+                                        description="Seconds between two renewals of a working stage's lease "
+                                                    "(default: TURNSTILE_LEASE_TTL_S / 3).")
+    watchdog_interval_s: float = Field(30.0, gt=0, allow_inf_nan=False, **_env("TURNSTILE_WATCHDOG_INTERVAL_S"),
+                                       description="Seconds between two watchdog passes of `beat` (lost steps, "
+                                                   "expired leases, Redis state rebuilt from SQL).")
     flower_port: int = Field(5555, ge=1, le=65535, **_env("TURNSTILE_FLOWER_PORT"),
                              description="Port of the Flower dashboard (bound to 127.0.0.1).")
     tensorboard_port: int = Field(6006, ge=1, le=65535, **_env("TURNSTILE_TENSORBOARD_PORT"),
@@ -301,6 +313,9 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _limits(self) -> "Settings":
+        if self.lease_renew_s is not None and self.lease_renew_s >= self.lease_ttl_s:
+            raise ValueError("TURNSTILE_LEASE_RENEW_S must be below TURNSTILE_LEASE_TTL_S "
+                             f"({self.lease_renew_s} >= {self.lease_ttl_s})")
         if self.task_time_limit <= self.task_soft_time_limit:
             raise ValueError("TURNSTILE_TASK_TIME_LIMIT must be above TURNSTILE_TASK_SOFT_TIME_LIMIT "
                              f"({self.task_time_limit} <= {self.task_soft_time_limit})")
