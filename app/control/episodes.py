@@ -1,9 +1,12 @@
 """An episode's life: prepare → READY buffer → rollout → grade, as plain functions.
 
 The Celery tasks in `app.tasks.episodes` call these and send the `Plan` each returns.
-Each stage starts with a compare-and-set claim on the episode row and ends with another,
-so a redelivered message (acks_late after a worker died) either resumes the stage or
-finds it done and returns; an attempt that lost its claim never writes.  The stage's
+Each stage starts by claiming the episode's stage lease (`app.control.lease`, a
+compare-and-set on the row), renews it while it works, and ends with a transition that
+requires the lease to be still its own.  So a duplicate message (a redelivery while the
+stage runs) finds a live lease and returns, a message for a finished stage finds the
+state moved on, and a worker that lost its lease never writes; a stage whose worker died
+is re-dispatched by the watchdog once its lease expires (`app.control.reaper`).  The stage's
 work itself is done by the run's `Stages` (`app.control.stages`).
 
 The DB session is closed during the long work of each stage (harness run, test run):
@@ -17,8 +20,7 @@ import secrets
 
 from sqlalchemy import update
 
-from app.config import get_settings
-from app.control import scheduler, state
+from app.control import lease, scheduler, state
 from app.control.plan import Plan, celery_priority
 from app.control.runs import stages_for
 from app.control.stages import Claim, HarnessOutcome
@@ -39,15 +41,20 @@ def _load(episode_id: int) -> tuple[Episode, RunConfig, dict] | None:
         return ep, s.get(Run, ep.run_id).run_config(), dict(ep.instance.record)
 
 
-def fail(episode_id: int, error: str) -> Plan:
-    """Mark the episode failed with `error` (if it is not finished yet), release its runtime, tick its run."""
+def fail(episode_id: int, error: str, owner: str | None = None) -> Plan:
+    """Mark the episode failed with `error` (if it is not finished yet), release its runtime, tick its run.
+
+    `owner`: the failing stage's lease owner; when given, nothing happens unless that owner
+    still holds the episode's lease (a stage that lost its lease does not fail its successor).
+    """
     with session_scope() as s:
         ep = s.get(Episode, episode_id)
-        if ep is None:
+        if ep is None or (owner is not None and ep.lease_owner != owner):
             return Plan()
         run_id = ep.run_id
         # the session ends with the episode: the gateway refuses its key from now on
-        transition(s, Episode, episode_id, "failed", error=error[:4000], finished_at=utcnow(), session_token_hash=None)
+        transition(s, Episode, episode_id, "failed", where={"lease_owner": owner} if owner else None,
+                   error=error[:4000], finished_at=utcnow(), session_token_hash=None)
     log.warning("episode=%s event=failed error=%s", episode_id, error[:200])
     _release_runtime_of(episode_id)
     return scheduler.tick(run_id)
@@ -73,13 +80,19 @@ def prepare(episode_id: int) -> Plan:
     ep, cfg, record = loaded
     if ep.status != "preparing":
         return Plan()  # already prepared, running, done or cancelled
+    owner = lease.new_owner()
+    with session_scope() as s:
+        if not lease.claim(s, episode_id, "preparing", owner):
+            return Plan()  # another worker holds the stage (a duplicate message), or it moved on
     stages = stages_for(cfg)
     try:
-        runtime = stages.prepare(record, episode_id, cfg)
+        with lease.Heartbeat(episode_id, "preparing", owner):
+            runtime = stages.prepare(record, episode_id, cfg)
     except Exception as exc:
-        return fail(episode_id, f"prepare failed: {type(exc).__name__}: {exc}")
+        return fail(episode_id, f"prepare failed: {type(exc).__name__}: {exc}", owner)
     with session_scope() as s:
-        won = transition(s, Episode, episode_id, "ready", expect=("preparing",), runtime=runtime, prepared_at=utcnow())
+        won = transition(s, Episode, episode_id, "ready", expect=("preparing",), where={"lease_owner": owner},
+                         runtime=runtime, prepared_at=utcnow(), **lease.clear_values())
     if not won:
         stages.release(runtime)
         return Plan()
@@ -90,22 +103,18 @@ def prepare(episode_id: int) -> Plan:
 # --- rollout ------------------------------------------------------------------------
 
 
-def _claim_rollout(episode_id: int) -> tuple[Claim, str] | None:
-    """Take the episode's next attempt; returns the claim and the session token (plaintext)."""
-    settings = get_settings()
+def _claim_rollout(episode_id: int, owner: str) -> tuple[Claim, str] | None:
+    """Take the episode's rollout lease and its next attempt; returns the claim and the session
+    token (plaintext), or None when another worker holds the rollout or it moved on."""
     with session_scope() as s:
         ep = s.get(Episode, episode_id)
         if ep is None or ep.status != "running":
             return None
         run = s.get(Run, ep.run_id)
         attempt = ep.attempts + 1
-        if attempt > settings.max_redeliveries:
-            transition(s, Episode, episode_id, "failed", finished_at=utcnow(),
-                       error=f"gave up after {ep.attempts} attempts (worker lost each time)")
-            return None
         token = secrets.token_urlsafe(32)
-        if not transition(
-            s, Episode, episode_id, "running", expect=("running",), where={"attempts": ep.attempts},
+        if not lease.claim(
+            s, episode_id, "running", owner, where={"attempts": ep.attempts},
             attempts=attempt, started_at=utcnow(), policy_version=run.policy_version,
             session_token_hash=hashlib.sha256(token.encode()).hexdigest(),
         ):
@@ -128,28 +137,34 @@ def rollout(episode_id: int) -> Plan:
     An attempt without a usable model call (`HarnessOutcome.failure`) fails the episode
     instead (`_harness_failed`); it is never graded.
     """
-    claimed = _claim_rollout(episode_id)
+    owner = lease.new_owner()
+    claimed = _claim_rollout(episode_id, owner)
     if claimed is None:
         return Plan()
     claim, token = claimed
     state.record_ready_wait(claim.run_id, episode_id)
     log.info("episode=%s event=rollout attempt=%s", episode_id, claim.attempt)
     try:
-        outcome = stages_for(claim.cfg).rollout(claim, token, cancelled=lambda: state.is_cancelled(episode_id))
+        with lease.Heartbeat(episode_id, "running", owner) as beat:
+            outcome = stages_for(claim.cfg).rollout(
+                claim, token, cancelled=lambda: beat.lost or state.is_cancelled(episode_id))
     except Exception as exc:
         state.free_slot(claim.run_id)
-        return fail(episode_id, f"rollout failed: {type(exc).__name__}: {exc}")
+        return fail(episode_id, f"rollout failed: {type(exc).__name__}: {exc}", owner)
+    if not lease.holds(episode_id, owner):
+        return Plan()  # taken over (this worker stalled past its lease): the runtime is the successor's now
     if state.is_cancelled(episode_id):
         _release_runtime_of(episode_id)
         state.free_slot(claim.run_id)
         return scheduler.tick(claim.run_id)
     if outcome.failure is not None:
-        return _harness_failed(claim, outcome)
+        return _harness_failed(claim, outcome, owner)
     with session_scope() as s:
         won = transition(
-            s, Episode, episode_id, "grading", expect=("running",), where={"attempts": claim.attempt},
+            s, Episode, episode_id, "grading", expect=("running",),
+            where={"attempts": claim.attempt, "lease_owner": owner},
             patch=outcome.patch, exit_status=outcome.exit_status, timed_out=outcome.timed_out,
-            rollout_finished_at=utcnow(),
+            rollout_finished_at=utcnow(), **lease.dispatch_values(),
             session_token_hash=None,  # the session ends with the rollout: the gateway now refuses the key
         )
     _release_runtime_of(episode_id)
@@ -159,7 +174,7 @@ def rollout(episode_id: int) -> Plan:
     return plan
 
 
-def _harness_failed(claim: Claim, outcome: HarnessOutcome) -> Plan:
+def _harness_failed(claim: Claim, outcome: HarnessOutcome, owner: str) -> Plan:
     """Fail an episode whose harness made no usable model call (never graded, never trained).
 
     Rule: a reward is a judgement of what the policy sampled; when the policy sampled
@@ -171,7 +186,8 @@ def _harness_failed(claim: Claim, outcome: HarnessOutcome) -> Plan:
     episode_id = claim.episode_id
     with session_scope() as s:
         won = transition(
-            s, Episode, episode_id, "failed", expect=("running",), where={"attempts": claim.attempt},
+            s, Episode, episode_id, "failed", expect=("running",),
+            where={"attempts": claim.attempt, "lease_owner": owner},
             patch=outcome.patch, exit_status=outcome.exit_status, timed_out=outcome.timed_out,
             error=(outcome.failure or "")[:4000], rollout_finished_at=utcnow(), finished_at=utcnow(),
             session_token_hash=None,
@@ -194,13 +210,18 @@ def grade(episode_id: int) -> Plan:
     ep, cfg, record = loaded
     if ep.status != "grading":
         return Plan()
-    try:
-        outcome = stages_for(cfg).grade(record, ep.patch or "", episode_id, cfg)
-    except Exception as exc:
-        return fail(episode_id, f"grading failed: {type(exc).__name__}: {exc}")
+    owner = lease.new_owner()
     with session_scope() as s:
-        transition(s, Episode, episode_id, "completed", expect=("grading",), reward=outcome.reward,
-                   resolved=outcome.resolved, grading_report=outcome.report, merge_stats=outcome.merge_stats,
-                   finished_at=utcnow())
+        if not lease.claim(s, episode_id, "grading", owner):
+            return Plan()  # another worker grades it (a duplicate message), or it moved on
+    try:
+        with lease.Heartbeat(episode_id, "grading", owner):
+            outcome = stages_for(cfg).grade(record, ep.patch or "", episode_id, cfg)
+    except Exception as exc:
+        return fail(episode_id, f"grading failed: {type(exc).__name__}: {exc}", owner)
+    with session_scope() as s:
+        transition(s, Episode, episode_id, "completed", expect=("grading",), where={"lease_owner": owner},
+                   reward=outcome.reward, resolved=outcome.resolved, grading_report=outcome.report,
+                   merge_stats=outcome.merge_stats, finished_at=utcnow(), **lease.clear_values())
     log.info("episode=%s event=graded reward=%s", episode_id, outcome.reward)
     return scheduler.tick(ep.run_id)

@@ -28,7 +28,7 @@ import math
 
 from sqlalchemy import func, select, update
 
-from app.control import state
+from app.control import lease, state
 from app.control.plan import Plan, celery_priority
 from app.control.summary import scheduling_metrics, summarize_run
 from app.control.tracking import log_run_summary
@@ -163,7 +163,7 @@ def _dispatch(s, run: Run, cfg: RunConfig) -> tuple[list[int], list[int]]:
         episode_id = state.pop_ready(run.id)
         if episode_id is None:
             break
-        if transition(s, Episode, episode_id, "running", expect=("ready",)):
+        if transition(s, Episode, episode_id, "running", expect=("ready",), **lease.dispatch_values()):
             to_run.append(episode_id)
             state.assign_slot(run.id, episode_id)  # refilling a slot that a finished rollout released
     free = sched.rollout_slots - running - len(to_run)
@@ -181,7 +181,7 @@ def _dispatch(s, run: Run, cfg: RunConfig) -> tuple[list[int], list[int]]:
             .limit(want)
         ).all()
         for episode_id in candidates:
-            if transition(s, Episode, episode_id, "preparing", expect=("queued",)):
+            if transition(s, Episode, episode_id, "preparing", expect=("queued",), **lease.dispatch_values()):
                 to_prepare.append(episode_id)
     return to_prepare, to_run
 

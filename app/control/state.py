@@ -1,7 +1,12 @@
 """The control loop's Redis state: key names and every operation on them, in one place.
 
-All of it can be rebuilt from SQL (a lost READY buffer only costs preparing runtimes
-again; a lost cancel flag is set again by the next tick that sees the episode cancelled):
+All of it is rebuilt from SQL by the watchdog (`app.control.reaper.rebuild_redis_state`):
+a missing `turnstile:state:marker` says Redis lost its data (restarted without it, or
+flushed), and every READY buffer, slot list and cancel flag is then written again from
+the episodes' rows; a READY buffer that differs from the run's `ready` episodes is
+rewritten on any pass:
+
+    turnstile:state:marker          str    set by the watchdog once Redis holds the state SQL implies
 
     turnstile:run:<id>:ready        list   prepared episode ids waiting for a rollout slot (READY buffer)
     turnstile:run:<id>:slot_free    list   unix times at which a rollout slot became free
@@ -52,6 +57,18 @@ def cancel_key(episode_id: int) -> str:
     return f"turnstile:episode:{episode_id}:cancel"
 
 
+MARKER_KEY = "turnstile:state:marker"
+
+
+def has_marker() -> bool:
+    """True while Redis still holds what the watchdog last rebuilt or checked (no data loss since)."""
+    return bool(get_redis().exists(MARKER_KEY))
+
+
+def set_marker() -> None:
+    get_redis().set(MARKER_KEY, time.time())
+
+
 # --- the run lock and the dirty mark --------------------------------------------------
 
 
@@ -91,6 +108,40 @@ def pop_ready(run_id: int) -> int | None:
 
 def clear_ready(run_id: int) -> None:
     get_redis().delete(ready_key(run_id))
+
+
+def ready_ids(run_id: int) -> list[int]:
+    """The READY buffer's episode ids, oldest (next to pop) first."""
+    return [int(x) for x in reversed(get_redis().lrange(ready_key(run_id), 0, -1))]
+
+
+def set_ready(run_id: int, episode_ids: list[int]) -> None:
+    """Replace the READY buffer with `episode_ids`, oldest (next to pop) first, in one transaction."""
+    pipe = get_redis().pipeline()
+    pipe.delete(ready_key(run_id))
+    if episode_ids:
+        pipe.lpush(ready_key(run_id), *episode_ids)
+    pipe.execute()
+
+
+def reset_slots(run_id: int, free: int, running: list[int]) -> None:
+    """Slot bookkeeping after a loss: `free` slots freed now, no READY wait pending for an episode
+    that is not in `running` (the READY-wait clock of a lost slot restarts at the rebuild)."""
+    r = get_redis()
+    waiting = [int(k) for k in r.hkeys(slot_wait_key(run_id))]
+    pipe = r.pipeline()
+    pipe.delete(slot_free_key(run_id))
+    if free > 0:
+        pipe.rpush(slot_free_key(run_id), *([time.time()] * free))
+    stale = [k for k in waiting if k not in set(running)]
+    if stale:
+        pipe.hdel(slot_wait_key(run_id), *stale)
+    pipe.execute()
+
+
+def slots_free(run_id: int) -> int:
+    """Freed slots not yet refilled (entries of the slot-free list)."""
+    return int(get_redis().llen(slot_free_key(run_id)))
 
 
 def free_slot(run_id: int) -> None:
@@ -136,6 +187,16 @@ def ready_waits(run_id: int) -> list[float]:
 def flag_cancelled(episode_id: int) -> None:
     """Tell the episode's rollout (in whatever process) to stop."""
     get_redis().set(cancel_key(episode_id), 1, ex=CANCEL_TTL_S)
+
+
+def missing_cancel_flags(episode_ids: list[int]) -> list[int]:
+    """Those of `episode_ids` whose cancel flag is not set."""
+    if not episode_ids:
+        return []
+    pipe = get_redis().pipeline()
+    for episode_id in episode_ids:
+        pipe.exists(cancel_key(episode_id))
+    return [e for e, present in zip(episode_ids, pipe.execute()) if not present]
 
 
 def is_cancelled(episode_id: int) -> bool:

@@ -1,11 +1,13 @@
-"""Backstop for lost work: re-send training steps whose trainer died, tick running runs, and
-delete runtime folders nobody will use again.
+"""Backstop for lost work: re-send training steps whose trainer died, re-dispatch episode stages
+whose lease expired and rebuild Redis state from SQL (`app.control.reaper`), tick running runs,
+and delete runtime folders nobody will use again.
 
-Episode stages are late-acknowledged, so Redis redelivers them after a crash.  Training
+Episode stages hold a lease on their row (`app.control.lease`); the reaper re-dispatches an
+expired one, whatever lost it (a killed worker, a message lost with Redis).  Training
 steps are acknowledged on start (a redelivery while a step still runs would train twice),
 so a gpu worker killed mid-step loses its message; the step row stays `pending`/`training`.
-Every `WATCHDOG_INTERVAL_S` the task layer asks the workers what they are running and how
-many messages wait on the gpu queue, and calls `watchdog` with the answers: a step that no
+Every `watchdog_interval_s` (settings) the task layer asks the workers what they are running
+and how many messages wait on the gpu queue, and calls `watchdog` with the answers: a step that no
 worker is running or holding, with nothing waiting on the gpu queue, is sent again — the
 trainer resumes it from its last checkpoint (`app.training.steps`).
 """
@@ -18,13 +20,13 @@ from pathlib import Path
 from sqlalchemy import select
 
 from app.config import get_settings
+from app.control import reaper
 from app.control.plan import Plan
 from app.db import session_scope
 from app.models import Episode, Run, TrainingStep, utcnow
 
 log = logging.getLogger("turnstile.watchdog")
 
-WATCHDOG_INTERVAL_S = 30.0
 STEP_GRACE_S = 60.0  # a step younger than this may still be on its way to a worker
 
 
@@ -127,3 +129,15 @@ def watchdog(in_workers: set[tuple[int, int]], queue_depth: int) -> Plan:
     with session_scope() as s:
         running = list(s.scalars(select(Run.id).where(Run.status.in_(("running", "cancelling")))))
     return Plan(train=orphans, tick=running)
+
+
+def recover_episodes(queued: set[tuple[str, int]] | None) -> tuple[list[Plan], dict]:
+    """Rebuild Redis state from SQL, then re-dispatch or fail episodes whose stage lease expired.
+
+    `queued`: (stage state, episode id) of every episode stage message waiting on a queue or
+    held by a live worker (None when unknown).  Returns the plans to send and a report
+    (`{"redis": rebuild report, "leases": reap report}`).
+    """
+    plans, rebuilt = reaper.rebuild_redis_state(queued)
+    reaped, leases = reaper.reap_expired_leases(utcnow(), queued)
+    return plans + reaped, {"redis": rebuilt, "leases": leases}

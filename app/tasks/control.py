@@ -1,6 +1,9 @@
 """`control` queue: start, tick and cancel runs; the watchdog; a failed training step's errback."""
 from __future__ import annotations
 
+import base64
+import json
+
 from billiard.exceptions import WorkerLostError
 from celery import shared_task
 
@@ -31,11 +34,18 @@ def cancel_run(run_id: int) -> None:
 
 @shared_task(name="control.watchdog", acks_late=True)
 def watchdog() -> dict:
-    """Periodic backstop (Celery beat): re-send orphaned training steps, tick running runs, sweep
-    runtimes, put restarted engines back on their run's newest weights."""
-    plan = control_watchdog.watchdog(_steps_in_workers(), _gpu_queue_depth())
+    """Periodic backstop (Celery beat): rebuild Redis state from SQL, re-dispatch episode stages
+    whose lease expired, re-send orphaned training steps, tick running runs, sweep runtimes, put
+    restarted engines back on their run's newest weights."""
+    queued = _queued_episode_stages()  # the queues first, then the workers (a message moves that way)
+    in_workers = _tasks_in_workers()
+    recovery, report = control_watchdog.recover_episodes(queued | _episode_stages(in_workers))
+    for plan in recovery:
+        send(plan)
+    plan = control_watchdog.watchdog(_steps(in_workers), _gpu_queue_depth())
     send(plan)
-    return {"resent": plan.train, "ticked": plan.tick, "runtimes_removed": control_watchdog.sweep_runtimes(),
+    return {"resent": plan.train, "ticked": plan.tick, "episodes": report,
+            "runtimes_removed": control_watchdog.sweep_runtimes(),
             "engines_resynced": control_watchdog.resync_engines()}
 
 
@@ -63,15 +73,49 @@ def _gpu_queue_depth() -> int:
     return sum(r.llen(key) for key in ["gpu", *(f"gpu:{p}" for p in range(1, 10))])
 
 
-def _steps_in_workers() -> set[tuple[int, int]]:
-    """(run_id, step) of every training task a live worker is running or has reserved."""
+def _tasks_in_workers() -> list[tuple[str, list]]:
+    """(task name, args) of every task a live worker is running or has reserved."""
     from app.celery import app as celery_app
 
     inspect = celery_app.control.inspect(timeout=2.0)
-    seen: set[tuple[int, int]] = set()
+    seen: list[tuple[str, list]] = []
     for listing in (inspect.active() or {}, inspect.reserved() or {}):
         for tasks in listing.values():
-            for task in tasks:
-                if task.get("name") == TRAIN_TASK and len(task.get("args") or []) >= 2:
-                    seen.add((int(task["args"][0]), int(task["args"][1])))
+            seen += [(task.get("name") or "", list(task.get("args") or [])) for task in tasks]
     return seen
+
+
+def _steps(tasks: list[tuple[str, list]]) -> set[tuple[int, int]]:
+    """(run_id, step) of the training tasks among `tasks`."""
+    return {(int(args[0]), int(args[1])) for name, args in tasks if name == TRAIN_TASK and len(args) >= 2}
+
+
+# Episode stage task -> the episode state it works on (app.control.lease.STAGE_STATES).
+STAGE_TASKS = {"prepare.prepare_episode": "preparing", "rollout.run_episode": "running",
+               "grade.grade_episode": "grading"}
+
+
+def _episode_stages(tasks: list[tuple[str, list]]) -> set[tuple[str, int]]:
+    """(stage state, episode id) of the episode stage tasks among `tasks`."""
+    return {(STAGE_TASKS[name], int(args[0])) for name, args in tasks if name in STAGE_TASKS and args}
+
+
+def _queued_episode_stages() -> set[tuple[str, int]]:
+    """(stage state, episode id) of every episode stage message waiting on its queue.
+
+    kombu's Redis transport keeps each queue as lists (one per priority level, as in
+    `_gpu_queue_depth`) of JSON envelopes whose `headers.task` names the task and whose body is
+    base64 JSON `[args, kwargs, embed]` (Celery message protocol 2).
+    """
+    r = get_redis()
+    found: list[tuple[str, list]] = []
+    for queue in ("prepare", "rollout", "grade"):
+        for key in [queue, *(f"{queue}:{p}" for p in range(1, 10))]:
+            for raw in r.lrange(key, 0, -1):
+                try:
+                    envelope = json.loads(raw)
+                    args = json.loads(base64.b64decode(envelope["body"]))[0]
+                    found.append((envelope["headers"]["task"], list(args)))
+                except (ValueError, KeyError, TypeError, IndexError):
+                    continue  # not a Celery protocol-2 message: nothing of ours
+    return _episode_stages(found)

@@ -25,7 +25,7 @@ QUEUES = "control,prepare,rollout,grade,gpu"
 @pytest.fixture
 def env(database, redis_db):
     return {"DATABASE_URL": database, "REDIS_URL": f"{REDIS_BASE}/10",
-            "TURNSTILE_VISIBILITY_TIMEOUT": "6"}
+            "TURNSTILE_VISIBILITY_TIMEOUT": "6", "TURNSTILE_LEASE_TTL_S": "3"}
 
 
 def _create(config: dict) -> int:
