@@ -78,6 +78,7 @@ def build_model(shape: str, device: torch.device):
     from transformers import AutoModelForCausalLM
 
     config = qwen3_config(shape)
+    torch.manual_seed(0)  # the same random weights for the recorder and every builder's model
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model, config
@@ -202,6 +203,47 @@ def flops(config, sequences: list[StepSequence]) -> float:
     return 3 * total
 
 
+def long_chain_lines(shape: str, device: torch.device, lengths: list[int], micro_batch_tokens: int):
+    """Yield one line per chain length: one merged chain of `length` tokens (an SWE-like
+    session: 20% of its tokens sampled, the rest prompt and tool output) trained in one
+    `Trainer.update` on a fresh `shape` model, with step time, peak memory above the weights and
+    optimizer state, and whether it fit; out-of-memory is caught and reported, not raised."""
+    model, _config = build_model(shape, device)
+    config = TrainingConfig(learning_rate=1e-6, micro_batch_tokens=max(micro_batch_tokens, max(lengths)),
+                            max_sequence_tokens=max(lengths) + 16)
+    trainer = Trainer(config, model)
+    rng = random.Random(0)
+    warm = [StepSequence([rng.randrange(3, 49000) for _ in range(256)], [0] * 128 + [1] * 128, [0.0] * 256, 1.0)]
+    trainer.update(warm)  # allocates the optimizer state, so the peak below is the step's own
+    for length in sorted(lengths):
+        ids = [rng.randrange(3, 49000) for _ in range(length)]
+        turn = max(1, min(512, length // 10))
+        mask = [1 if (i // turn) % 5 == 4 else 0 for i in range(length)]  # turns of <= 512 tokens, every fifth sampled
+        seq = StepSequence(ids, mask, [-1.0 if m else 0.0 for m in mask], 1.0)
+        base = reset_peak(device)
+        started = time.perf_counter()
+        try:
+            metrics = trainer.update([seq])
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        except torch.OutOfMemoryError as exc:
+            trainer.optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            yield f"long chain {length:>7} tokens ({shape}, {device.type}): DID NOT FIT ({str(exc).splitlines()[0][:120]})"
+            continue
+        elapsed = time.perf_counter() - started
+        peak = (peak_since_reset(device) - base) / 2**30
+        total = peak_since_reset(device) / 2**30
+        yield (f"long chain {length:>7} tokens ({shape}, {device.type}): fit, step {elapsed:.2f} s, "
+               f"{metrics['tokens_trained']} trained tokens, peak {peak:.1f} GiB above weights+optimizer "
+               f"({total:.1f} GiB in all), checkpointing {'on' if metrics['activation_checkpointing'] else 'off'}, "
+               f"loss {metrics['loss']:.4f}")
+    del trainer, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def smollm2_config():
     from transformers import LlamaConfig
 
@@ -220,6 +262,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=CONTEXT, help="largest session context (tokens)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: H100/H200 bf16)")
     parser.add_argument("--activation-tokens", type=int, default=4096, help="chain length of the activation line")
+    parser.add_argument("--warm", action="store_true",
+                        help="time a warm step: one untimed update (the builder's first sequence) before the timed one")
+    parser.add_argument("--long-chains", default="",
+                        help="comma-separated chain lengths (tokens): train one merged chain of each in one step "
+                             "and print step time, peak memory and whether it fit (e.g. 32768,65536)")
+    parser.add_argument("--skip-builders", action="store_true", help="only the --long-chains lines")
+    parser.add_argument("--builders", default="per_request,prefix_merging",
+                        help="comma-separated builders to run (both for the ratios)")
+    parser.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto",
+                        help="auto: the trainer's default (on with CUDA)")
     parser.add_argument("--probe-activations", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -228,10 +280,19 @@ def main() -> None:
         print(json.dumps({"bytes_per_token": activation_probe(args.probe_activations, args.checkpointing, device)}))
         return
     CONTEXT = args.context
+    if args.long_chains:
+        lengths = [int(n) for n in args.long_chains.split(",") if n]
+        for line in long_chain_lines(args.shape, device, lengths, args.micro_batch_tokens):
+            print(line)
+        if args.skip_builders:
+            return
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     config = TrainingConfig(learning_rate=1e-6, micro_batch_tokens=args.micro_batch_tokens,
-                            max_sequence_tokens=max(args.context + 64, 16))
+                            max_sequence_tokens=max(args.context + 64, 16),
+                            activation_checkpointing={"auto": None, "on": True, "off": False}[args.activation_checkpointing])
+    builders = [b for b in (("per_request", per_request), ("prefix_merging", prefix_merging))
+                if b[0] in args.builders.split(",")]
     peak_tflops = args.peak_tflops
     if peak_tflops is None and device.type == "cuda" and any(n in torch.cuda.get_device_name() for n in ("H100", "H200")):
         peak_tflops = H100_BF16_TFLOPS
@@ -245,7 +306,7 @@ def main() -> None:
           f"final context {[len(s[-1].prompt_ids) + len(s[-1].sampled_ids) for s in sessions]} tokens")
 
     results = {}
-    for name, builder in (("per_request", per_request), ("prefix_merging", prefix_merging)):
+    for name, builder in builders:
         built = time.perf_counter()
         sequences = [StepSequence(seq.token_ids, seq.loss_mask, seq.logprobs, adv)
                      for records, adv in zip(sessions, advantages) for seq in builder(records).sequences]
@@ -253,6 +314,8 @@ def main() -> None:
         model, model_config = build_model(args.shape, device)
         n_params = non_embedding_parameters(model)
         trainer = Trainer(config, model)
+        if args.warm:  # kernels chosen, allocator warm, optimizer state allocated
+            trainer.update(sequences[:1])
         base = reset_peak(device)
         started, cpu_started = time.perf_counter(), time.process_time()
         metrics = trainer.update(sequences)
@@ -273,6 +336,7 @@ def main() -> None:
             "flops6n": 6 * n_params * metrics["tokens_processed"],
             "ckpt": metrics["activation_checkpointing"],
             "work_tiny": flops(tiny_config(), sequences),
+            "work_model": flops(model_config, sequences),
             "work_smollm2": flops(smollm2_config(), sequences),
         }
         del trainer, model
@@ -286,11 +350,17 @@ def main() -> None:
               f"{r['time']:>9.2f}{r['cpu']:>9.2f}{r['build']:>9.3f}{r['tokens'] / r['time']:>9.0f}{r['gap']:>10.2e}")
     print(f"shape {args.shape} on {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), "
           f"N = {n_params / 1e6:.1f}M non-embedding parameters, activation checkpointing "
-          f"{'on' if results['prefix_merging']['ckpt'] else 'off'}")
-    print(f"{'builder':<16}{'tokens':>10}{'step s':>9}{'peak MiB':>11}{'MiB/token':>11}{'MFU':>8}")
+          f"{'on' if next(iter(results.values()))['ckpt'] else 'off'}{', warm step' if args.warm else ''}")
+    # MFU: 6*N*tokens (Kaplan et al.); "MFU+attn" counts the analytic work of this trainer
+    # instead (linear layers, causal attention, LM head at sampled positions; no recompute).
+    print(f"{'builder':<16}{'tokens':>10}{'step s':>9}{'peak MiB':>11}{'MiB/token':>11}{'MFU':>8}{'MFU+attn':>10}")
     for name, r in results.items():
         mfu = f"{r['flops6n'] / r['time'] / (peak_tflops * 1e12):>8.1%}" if peak_tflops else f"{'n/a':>8}"
-        print(f"{name:<16}{r['tokens']:>10}{r['time']:>9.2f}{r['peak_mib']:>11.1f}{r['peak_mib'] / r['tokens']:>11.4f}{mfu}")
+        mfu_attn = f"{r['work_model'] / r['time'] / (peak_tflops * 1e12):>10.1%}" if peak_tflops else f"{'n/a':>10}"
+        print(f"{name:<16}{r['tokens']:>10}{r['time']:>9.2f}{r['peak_mib']:>11.1f}{r['peak_mib'] / r['tokens']:>11.4f}"
+              f"{mfu}{mfu_attn}")
+    if len(results) < 2:
+        return
     pr, pm = results["per_request"], results["prefix_merging"]
     token_ratio = pr["tokens"] / pm["tokens"]
     time_ratio = pr["time"] / pm["time"]

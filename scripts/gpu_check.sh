@@ -24,7 +24,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PY" scripts/gpu_check.py "$@"
 status=$?
 # The trainer at a Qwen3-1.7B shape, random-initialised: tokens, step time, peak memory,
-# MiB/token and MFU per builder, and activation memory per token with and without checkpointing.
-echo "== trainer bench (bench/prefix_merging.py, qwen3-1.7b shape) =="
-timeout 300 "$PY" bench/prefix_merging.py --device cuda --shape qwen3-1.7b --episodes 2 --context 16384 || status=1
+# MiB/token and MFU per builder (warm step), and activation memory per token with and without
+# checkpointing.  Then the longest chains at the Qwen3-4B shape: one merged chain per step.
+echo "== trainer bench (bench/prefix_merging.py, qwen3-1.7b shape, warm step) =="
+timeout 300 "$PY" bench/prefix_merging.py --device cuda --shape qwen3-1.7b --episodes 2 --context 16384 --warm || status=1
+echo "== long chains (bench/prefix_merging.py, qwen3-4b shape) =="
+timeout 300 "$PY" bench/prefix_merging.py --device cuda --shape qwen3-4b --long-chains "${LONG_CHAINS:-32768,65536,98304}" \
+    --skip-builders || status=1
 exit $status

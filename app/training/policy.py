@@ -61,10 +61,17 @@ def set_activation_checkpointing(model, enabled: bool) -> None:
     input [T, hidden] instead of every intermediate (measured with `bench/prefix_merging.py`).
     """
     lm = causal_lm(model)
+    # transformers renamed gradient_checkpointing_* to activation_checkpointing_* (v5.2x); the
+    # older names remain on the releases GPU images carry (5.17 seen), so use whichever exists.
+    new = hasattr(lm, "activation_checkpointing_enable")
     if enabled:
-        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    elif lm.is_activation_checkpointing:
-        lm.activation_checkpointing_disable()
+        kwargs = {"use_reentrant": False}
+        if new:
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    elif lm.is_activation_checkpointing if new else lm.is_gradient_checkpointing:
+        (lm.activation_checkpointing_disable if new else lm.gradient_checkpointing_disable)()
 
 
 def causal_lm(model):
