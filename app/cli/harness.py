@@ -4,7 +4,8 @@
 * `check NAME|all` runs each CLI once, headless, against a fresh gateway (gunicorn
   subprocess) backed by a scripted engine (`app.conformance`), and prints: exit status, completions
   captured (with token ids), API spoken, merge fidelity, the diff, seconds.
-  `--json` prints one JSON object per harness instead.  Exit code 1 when any check fails.
+  `--json` prints one JSON object per harness instead; `--keep DIR` keeps each check's
+  captures (SQLite database) in `DIR/NAME`.  Exit code 1 when any check fails.
   `--pipeline` instead submits a `collect` run per harness through the REST API to a
   real Celery worker (sandboxed runtime of a real task instance, grading, trajectories).
 * `list` shows the presets, pinned versions, APIs and whether each is installed.
@@ -15,6 +16,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from app.harnesses import PRESETS, get_preset
 from app.harnesses.base import HarnessInstallError
@@ -64,7 +66,8 @@ def _print_report(r) -> None:
           f"completions {r.completions} ({r.completions_with_ids} with prompt ids, sampled ids, logprobs); "
           f"API {','.join(r.apis) or '-'} (expected {r.api_expected}); "
           f"merge: {merge.get('chains')} chains, {merge.get('completions_merged')} merged, "
-          f"fidelity {merge.get('fidelity')}, cuts {merge.get('cut_reasons')}; "
+          f"fidelity {merge.get('fidelity')} over {merge.get('continuing')} continuing calls, "
+          f"{merge.get('spliced')} spliced, cuts {merge.get('cut_reasons')}; "
           f"diff {'has' if r.patch else 'lacks'} the edit; token leaked: {r.token_leaked}", flush=True)
     for problem in r.problems:
         print(f"    problem: {problem}")
@@ -122,7 +125,8 @@ def cmd_check(args) -> int:
     for name in _names(args.name):
         t0 = time.monotonic()
         try:
-            report = run_check(name, timeout_s=args.timeout)
+            workdir = Path(args.keep) / name if args.keep else None
+            report = run_check(name, timeout_s=args.timeout, workdir=workdir, splice_history=not args.no_splice)
         except HarnessInstallError as exc:
             print(f"FAIL {name}: {exc}", file=sys.stderr)
             failed += 1
@@ -149,6 +153,11 @@ def register(sub) -> None:
     q.add_argument("name", help=f"one of {names}, or all")
     q.add_argument("--timeout", type=float, default=120.0, help="seconds the CLI may run (default 120)")
     q.add_argument("--json", action="store_true", help="print one JSON report per harness")
+    q.add_argument("--keep", default=None, metavar="DIR",
+                   help="keep each check's database, logs and workspace in DIR/NAME (an empty or new folder); "
+                        "bench/prefix_merging_captures.py reads the captured sessions from there")
+    q.add_argument("--no-splice", action="store_true",
+                   help="render every turn from the harness's text (run option splice_history=false), for comparison")
     q.add_argument("--pipeline", action="store_true",
                    help="go through the real pipeline: a collect run per harness via the REST API and a Celery "
                         "worker, in the sandboxed runtime of a real task instance")

@@ -10,7 +10,8 @@ the preset's config into a scratch HOME, runs the CLI headless (stdin =
 gateway recorded.  The report holds: exit status, completions captured (with
 prompt ids, sampled ids and logprobs), the APIs spoken, merge fidelity (the
 `prefix_merging` builder of `app.training.trajectories` over the captured ids),
-the agent's `git diff`, whether the session token leaked into any record, and
+the agent's `git diff`, whether the session token leaked into any record, how many calls
+the gateway spliced from sampled ids (`app.proxy.splice`), and
 `first_prompt_tokens`: the harness's minimum prompt in SmolLM2 tokens (its first
 agent call rendered as the embedded engine renders it; see `first_prompt_tokens`).
 
@@ -91,9 +92,10 @@ def make_workspace(path: Path) -> None:
         subprocess.run(["git", *args], cwd=path, env=env, check=True, capture_output=True)
 
 
-def create_episode(session: Session, harness: str) -> int:
+def create_episode(session: Session, harness: str, splice_history: bool = True) -> int:
     """A collect run, one instance and one `running` episode for the check; returns the episode id."""
-    run = Run(kind="collect", status="running", config={"kind": "collect", "harness": harness, "check": True})
+    run = Run(kind="collect", status="running", config={"kind": "collect", "harness": harness, "check": True,
+                                                        "splice_history": splice_history})
     inst = TaskInstance(task_set="harness-check", instance_id=f"check-{harness}", repo="local/check",
                         record={"problem_statement": CHECK_PROBLEM})
     session.add_all([run, inst])
@@ -143,6 +145,26 @@ def first_prompt_tokens(preset: HarnessPreset, rows: list[Completion]) -> int | 
     return len(ids)
 
 
+def continues_conversation(row: Completion) -> bool:
+    """Whether the call's request holds an earlier assistant turn (a call that should extend a
+    chain), unlike the first call of an agent, a sub-agent or an auxiliary prompt (a title
+    generator), which starts a conversation of its own."""
+    messages = (row.normalized_request or {}).get("messages") or []
+    return any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+
+
+def merge_fidelity(rows: list[Completion], sequences) -> dict:
+    """`fidelity`: of the calls that continue a conversation (`continues_conversation`), the
+    share that extended a chain token-exactly (None without such calls); `continuing`: how many
+    there were.  A call that begins a new conversation (an auxiliary prompt) starts a chain of
+    its own and is not counted as a failed merge."""
+    starters = {seq.completions[0] for seq in sequences if seq.completions}
+    merged = {label for seq in sequences for label in seq.completions[1:]}
+    continuing = [r.id for r in rows if continues_conversation(r) and (r.id in merged or r.id in starters)]
+    hits = sum(1 for cid in continuing if cid in merged)
+    return {"fidelity": round(hits / len(continuing), 3) if continuing else None, "continuing": len(continuing)}
+
+
 def evaluate(report: CheckReport, preset: HarnessPreset, rows: list[Completion], patch: str, token: str) -> None:
     """Fill the record-derived fields of `report` and its list of problems."""
     report.completions = len(rows)
@@ -156,11 +178,10 @@ def evaluate(report: CheckReport, preset: HarnessPreset, rows: list[Completion],
                                 finish_reason=r.finish_reason, completion_id=r.id) for r in rows]
     built = prefix_merging(records)
     rep = built.report
-    # Fidelity: of the calls after a chain's first, how many extended it token-exactly.
-    followers = rep["accepted"] - rep["chains"] + rep["chains_cut"]
     report.merge = {k: rep[k] for k in ("completions", "accepted", "rejected", "chains", "completions_merged",
                                         "chains_cut", "cut_reasons")}
-    report.merge["fidelity"] = round(rep["completions_merged"] / followers, 3) if followers else None
+    report.merge.update(merge_fidelity(rows, built.sequences))
+    report.merge["spliced"] = sum(1 for r in rows if "completion" in ((r.raw_request or {}).get("splice") or {}))
     report.patch = patch
     report.first_prompt_tokens = first_prompt_tokens(preset, rows)
     blob = json.dumps([[r.raw_request, r.normalized_request, r.response, r.error] for r in rows], default=str)
@@ -181,12 +202,15 @@ def evaluate(report: CheckReport, preset: HarnessPreset, rows: list[Completion],
 
 
 def run_check(name: str, *, timeout_s: float = 120.0, workdir: Path | None = None,
-              budget: Budget | None = None, max_model_len: int | None = None) -> CheckReport:
+              budget: Budget | None = None, max_model_len: int | None = None,
+              splice_history: bool = True) -> CheckReport:
     """Run harness `name` once against a fresh gateway + scripted engine; returns a `CheckReport`.
 
     Uses its own SQLite database under `workdir` (a temporary folder by default,
     removed afterwards unless given).  `max_model_len` shrinks the scripted engine's
-    context window (token = byte there) to provoke context-overflow errors.  Raises
+    context window (token = byte there) to provoke context-overflow errors;
+    `splice_history=False` makes the gateway render every turn from the harness's text (the
+    run option of the same name).  Raises
     `HarnessInstallError` when the CLI is not installed, RuntimeError when a server does
     not start, ValueError for an unknown harness or a non-empty `workdir`.
     """
@@ -204,7 +228,7 @@ def run_check(name: str, *, timeout_s: float = 120.0, workdir: Path | None = Non
     try:
         Base.metadata.create_all(engine)
         with Session(engine) as s, s.begin():
-            episode_id = create_episode(s, name)
+            episode_id = create_episode(s, name, splice_history)
             token = issue_session(s, episode_id)
         workspace, home = work / "workspace", work / "home"
         make_workspace(workspace)

@@ -261,3 +261,30 @@ CHECK_CONTENT = "hello from the harness check"
 CHECK_SHELL = f"printf '%s\\n' '{CHECK_CONTENT}' > {CHECK_FILE}"
 CHECK_PROBLEM = (f"Create the file {CHECK_FILE} in the repository root containing the line "
                  f"'{CHECK_CONTENT}', then stop.")
+# Read-only commands the check runs before the edit: five tool calls in all, so that merge
+# fidelity is measured over a real multi-turn session.
+CHECK_WARMUP = ("echo 'Grüße ✓ 日本語'", "ls", "git status --short", "printf '%s\\n' 1.0")
+
+
+def check_tool_calls(tool: str, key: str = "command", *, strict_edit: bool = False,
+                     **fixed: Any) -> list[ScriptedTurn]:
+    """Five scripted calls of a harness's shell `tool` (`key` names its command argument),
+    the last one making the check's edit.
+
+    The arguments are the kind harnesses re-serialize before sending the history back: keys
+    not in alphabetical order (`z_context`, then the `fixed` arguments, then the command), a
+    nested object with floats written as `1.0` and non-ASCII text (`z_context`), and `fixed`
+    arguments such as a timeout written as a float (`60000.0`).  `strict_edit`: the tool rejects
+    arguments outside its schema (Claude Code), so the edit call leaves `z_context` out and the
+    four calls before it come back as the harness's validation error, which the conversation
+    (and its merge) carries on from.
+    """
+    calls = []
+    for command in (*CHECK_WARMUP, CHECK_SHELL):
+        args: dict[str, Any] = {}
+        if not (strict_edit and command == CHECK_SHELL):
+            args["z_context"] = {"weight": 1.0, "note": {"lang": "de", "text": "Grüße ✓ 日本語"}, "tags": [2.0, "ü"]}
+        args.update(fixed)
+        args[key] = command
+        calls.append(ScriptedTurn(tool=tool, arguments=args))
+    return calls

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.harnesses.base import CHECK_SHELL, HarnessPreset, ScriptedTurn, gateway_base, prompt_arg, write_json
+from app.harnesses.base import HarnessPreset, ScriptedTurn, check_tool_calls, gateway_base, prompt_arg, write_json
 from app.runconfig import Budget
 
 ALLOWED_TOOLS = "Bash,Edit,Write,Read,Glob,Grep,MultiEdit,NotebookEdit,TodoWrite"
@@ -80,5 +80,5 @@ class ClaudeCode(HarnessPreset):
                 "CLAUDE_CODE_SUBAGENT_MODEL": model}
 
     def check_script(self) -> list[ScriptedTurn]:
-        return [ScriptedTurn(tool="Bash", arguments={"command": CHECK_SHELL, "description": "Write hello.txt"}),
+        return [*check_tool_calls("Bash", strict_edit=True, description="Run a check command", timeout=60000.0),
                 ScriptedTurn(text="Done: hello.txt written.")]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.harnesses.base import CHECK_SHELL, HarnessPreset, ScriptedTurn, gateway_base, prompt_arg, write_text
+from app.harnesses.base import HarnessPreset, ScriptedTurn, check_tool_calls, gateway_base, prompt_arg, write_text
 from app.runconfig import Budget
 
 KEY_ENV = "TURNSTILE_API_KEY"
@@ -85,5 +85,5 @@ api_key_model_discovery = false
                 "RUST_LOG": "error"}
 
     def check_script(self) -> list[ScriptedTurn]:
-        return [ScriptedTurn(tool="exec_command", arguments={"cmd": CHECK_SHELL}),
+        return [*check_tool_calls("exec_command", "cmd"),
                 ScriptedTurn(text="Done: hello.txt written.")]

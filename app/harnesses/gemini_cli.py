@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.harnesses.base import CHECK_SHELL, HarnessPreset, ScriptedTurn, gateway_base, prompt_arg, write_json
+from app.harnesses.base import HarnessPreset, ScriptedTurn, check_tool_calls, gateway_base, prompt_arg, write_json
 from app.runconfig import Budget
 
 
@@ -58,5 +58,5 @@ class GeminiCli(HarnessPreset):
                 "GEMINI_TELEMETRY_ENABLED": "false", "GEMINI_SANDBOX": "false"}
 
     def check_script(self) -> list[ScriptedTurn]:
-        return [ScriptedTurn(tool="run_shell_command", arguments={"command": CHECK_SHELL}),
+        return [*check_tool_calls("run_shell_command", description="Run a check command"),
                 ScriptedTurn(text="Done: hello.txt written.")]

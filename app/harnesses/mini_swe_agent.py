@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from app.harnesses.base import CHECK_SHELL, HarnessPreset, ScriptedTurn, gateway_base, prompt_arg, write_text
+from app.harnesses.base import HarnessPreset, ScriptedTurn, check_tool_calls, gateway_base, prompt_arg, write_text
 from app.runconfig import Budget
 
 CONFIG_DIR = Path(".config") / "mini-swe-agent"
@@ -80,5 +80,5 @@ class MiniSweAgent(HarnessPreset):
                 "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "PYTHONUNBUFFERED": "1"}
 
     def check_script(self) -> list[ScriptedTurn]:
-        return [ScriptedTurn(text="Writing the file.", tool="bash", arguments={"command": CHECK_SHELL}),
+        return [*check_tool_calls("bash"),
                 ScriptedTurn(text="Submitting.", tool="bash", arguments={"command": SUBMIT})]

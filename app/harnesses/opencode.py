@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.harnesses.base import CHECK_SHELL, HarnessPreset, ScriptedTurn, gateway_base, prompt_arg, write_json
+from app.harnesses.base import HarnessPreset, ScriptedTurn, check_tool_calls, gateway_base, prompt_arg, write_json
 from app.runconfig import Budget
 
 KEY_ENV = "TURNSTILE_API_KEY"
@@ -72,5 +72,5 @@ class OpenCode(HarnessPreset):
         return {**self.base_env(home), **OFFLINE_ENV, KEY_ENV: api_key}
 
     def check_script(self) -> list[ScriptedTurn]:
-        return [ScriptedTurn(tool="bash", arguments={"command": CHECK_SHELL, "description": "Write hello.txt"}),
+        return [*check_tool_calls("bash", description="Run a check command", timeout=60000.0),
                 ScriptedTurn(text="Done: hello.txt written.")]

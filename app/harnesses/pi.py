@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.harnesses.base import CHECK_SHELL, HarnessPreset, ScriptedTurn, gateway_base, prompt_arg, write_json
+from app.harnesses.base import HarnessPreset, ScriptedTurn, check_tool_calls, gateway_base, prompt_arg, write_json
 from app.runconfig import Budget
 
 KEY_ENV = "TURNSTILE_API_KEY"
@@ -55,5 +55,5 @@ class Pi(HarnessPreset):
                 "PI_SKIP_VERSION_CHECK": "1"}
 
     def check_script(self) -> list[ScriptedTurn]:
-        return [ScriptedTurn(tool="bash", arguments={"command": CHECK_SHELL}),
+        return [*check_tool_calls("bash", timeout=60.0),
                 ScriptedTurn(text="Done: hello.txt written.")]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.harnesses.base import CHECK_SHELL, HarnessPreset, ScriptedTurn, gateway_base, prompt_arg, write_json
+from app.harnesses.base import HarnessPreset, ScriptedTurn, check_tool_calls, gateway_base, prompt_arg, write_json
 from app.runconfig import Budget
 
 OFF = {"privacy": {"usageStatisticsEnabled": False},
@@ -56,5 +56,5 @@ class QwenCode(HarnessPreset):
                 "OPENAI_API_KEY": api_key, "OPENAI_MODEL": model, "QWEN_CODE_NO_RELAUNCH": "1"}
 
     def check_script(self) -> list[ScriptedTurn]:
-        return [ScriptedTurn(tool="run_shell_command", arguments={"command": CHECK_SHELL}),
+        return [*check_tool_calls("run_shell_command", description="Run a check command"),
                 ScriptedTurn(text="Done: hello.txt written.")]

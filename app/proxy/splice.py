@@ -58,6 +58,8 @@ MISS_REASONS = {
     "context_changed": "the turn is recorded, but the messages, tools or template options before it changed",
     "template_rerenders_history": "the template renders the turn's prefix differently once later messages follow",
     "engine_error": "the engine's tokenizer could not render the tail",
+    "disabled": "the run turned splicing off (`splice_history: false`)",
+    "internal_error": "the splice failed (logged); the request was rendered from text",
 }
 
 
@@ -128,12 +130,9 @@ def message_key(msg: dict) -> tuple:
     return role, body, engine_call_id(msg.get("tool_call_id")) if msg.get("tool_call_id") else None, msg.get("name")
 
 
-def _context_key(messages: list[dict]) -> list[tuple]:
-    # Reasoning in earlier turns is compared only when both sides hold it (`_same_context`).
-    return [message_key(m) for m in messages]
-
-
 def _same_context(now: list[dict], then: list[dict]) -> bool:
+    """Whether two histories are the same conversation in `message_key` terms; reasoning of an
+    assistant turn is compared only when both sides hold it (a harness may drop it)."""
     if len(now) != len(then):
         return False
     for a, b in zip(now, then):

@@ -396,7 +396,11 @@ def _splice(info: SessionInfo, api: str, up, engine, body: dict) -> splice.Splic
     (`app.proxy.splice`), unless the run turned it off (`splice_history: false`)."""
     if not info.splice_history:
         return splice.Splice(report={"miss": "disabled"})
-    return splice.splice(up, engine, info.episode_id, api, body)
+    try:
+        return splice.splice(up, engine, info.episode_id, api, body)
+    except Exception:  # noqa: BLE001 - a splice bug must not fail the call: render from text instead
+        log.exception("splice failed; rendering the request from text")
+        return splice.Splice(report={"miss": "internal_error"})
 
 
 def _accepted(cap: record.Capture, t_accepted: float | None) -> None:

@@ -49,3 +49,36 @@ def test_sdks_through_gateway_match_the_engine_token_for_token(gw, real):
             assert "".join(b.text for b in amsg.content if b.type == "text") == text
             assert amsg.usage.output_tokens == len(rec.sampled_ids)
             assert amsg.usage.input_tokens == len(rec.prompt_ids)
+
+
+def test_spliced_prompts_merge_and_keep_the_trainer_logprob_gap_small(gw, real):
+    """A harness that trims the model's answers (here: surrounding whitespace) would make every
+    call a new chain when rendered from text; spliced from the sampled ids, the session is one
+    chain, and the trainer's logprobs over it equal the engine's within 1e-4."""
+    from app.engines.modeling import build_tiny_model
+    from app.runconfig import TrainingConfig
+    from app.training.batching import StepSequence
+    from app.training.trainer import Trainer
+    from app.training.trajectories import CompletionRecord, prefix_merging
+
+    _, gateway = real
+    ep, token = make_episode()
+    messages = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "Fix issue 7."}]
+    for turn in range(2):
+        r = httpx.post(f"{gateway}/v1/chat/completions", headers={"authorization": f"Bearer {token}"}, timeout=120,
+                       json={"model": "m", "messages": messages, "max_tokens": 6, "temperature": 1.0, "seed": turn})
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["message"]["content"] or ""
+        messages += [{"role": "assistant", "content": text.strip()},
+                     {"role": "user", "content": f"Still failing {turn}."}]
+    rows = completions(ep)
+    assert [bool(r.raw_request["splice"].get("completion")) for r in rows] == [False, True]
+    built = prefix_merging([CompletionRecord(r.seq, r.prompt_ids, r.sampled_ids, r.logprobs, r.finish_reason, r.id)
+                            for r in rows])
+    assert (built.report["chains"], built.report["completions_merged"]) == (1, 1)
+    (chain,) = built.sequences
+    trainer = Trainer(TrainingConfig(), build_tiny_model(0))
+    values = trainer.logprobs([StepSequence(chain.token_ids, chain.loss_mask, chain.logprobs, 0.0)])[0].tolist()
+    recorded = [lp for lp, m in zip(chain.logprobs, chain.loss_mask) if m]
+    assert len(values) == len(recorded) == sum(len(r.sampled_ids) for r in rows)
+    assert max(abs(a - b) for a, b in zip(values, recorded)) < 1e-4

@@ -3,7 +3,7 @@ backed by the conformance scripted engine (answering the preset's check script).
 
 Per harness: exit 0, at least one Completion row with prompt ids, sampled ids and
 logprobs, the API recorded equals the preset's `api`, the scripted file edit is in
-`git diff`, no session token appears in any record, and the preset's recorded
+`git diff`, no session token appears in any record, merge fidelity is at least 0.95, and the preset's recorded
 `min_prompt_tokens` matches the SmolLM2 token count of its first agent call.  A harness whose CLI is not
 installed is skipped with the install command as the reason.
 """
@@ -56,6 +56,9 @@ def test_real_cli_through_gateway(name, tmp_path):
     assert f"b/{CHECK_FILE}" in report.patch and f"+{CHECK_CONTENT}" in report.patch
     assert (tmp_path / "workspace" / CHECK_FILE).read_text().strip() == CHECK_CONTENT
     assert report.completions == len(rows) >= 2  # the tool-call turn and the turn after its result
+    # Five tool calls with re-serializable arguments: every call that continues the conversation
+    # extends its chain token for token (the gateway splices the sampled ids of earlier turns).
+    assert report.merge["continuing"] >= 5 and report.merge["fidelity"] >= 0.95, report.merge
 
     # The preset's recorded minimum prompt (what the API refuses a run by) is what the check
     # measures now: never above it (a harness that fits must never be refused) and within 10%.

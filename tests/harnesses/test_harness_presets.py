@@ -181,9 +181,14 @@ def test_scripted_engine_reply_choice():
     tools = [{"type": "function", "function": {"name": "exec_command"}}]
     first = choose_reply(turns, {"messages": [{"role": "user", "content": "go"}], "tools": tools})
     assert first["tool_calls"][0]["name"] == "exec_command"
-    after = {"messages": [{"role": "user", "content": "go"},
-                          {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "exec_command"}}]},
-                          {"role": "tool", "content": "ok"}], "tools": tools}
+    calls = sum(1 for t in turns if t.tool)
+    assert calls >= 5  # the check measures merge fidelity over a multi-turn session
+    made = [m for k in range(calls) for m in (
+        {"role": "assistant", "tool_calls": [{"id": f"c{k}", "function": {"name": "exec_command"}}]},
+        {"role": "tool", "content": "ok"})]
+    second = {"messages": [{"role": "user", "content": "go"}, *made[:2]], "tools": tools}
+    assert choose_reply(turns, second)["tool_calls"][0]["arguments"] == turns[1].arguments
+    after = {"messages": [{"role": "user", "content": "go"}, *made], "tools": tools}
     assert "tool_calls" not in choose_reply(turns, after) and choose_reply(turns, after)["text"]
     # auxiliary calls (no edit tool, or JSON mode) get the scripted engine's default
     assert choose_reply(turns, {"messages": [{"role": "user", "content": "title?"}]}) == {}
