@@ -235,6 +235,20 @@ class Settings(BaseSettings):
     pyenv_root: Path | None = Field(None, **_env("PYENV_ROOT"),
                                     description="pyenv root searched for task Python versions (also ~/.pyenv).")
 
+    # --- sandbox limits (per episode command; app/runtimes/sandbox.py) -------------------
+    sandbox_max_processes: int = Field(512, ge=8, **_env("TURNSTILE_SANDBOX_MAX_PROCESSES"),
+                                       description="Most processes (threads included) one sandboxed command may "
+                                                   "hold at once (cgroup pids.max; RLIMIT_NPROC where there is no "
+                                                   "writable cgroup and the worker is not root).")
+    sandbox_memory_mb: int = Field(4096, ge=64, **_env("TURNSTILE_SANDBOX_MEMORY_MB"),
+                                   description="Memory of one sandboxed command, all its processes and tmpfs files "
+                                               "together, MiB (cgroup memory limit; also each process's RLIMIT_DATA).")
+    sandbox_tmpfs_mb: int = Field(1024, ge=1, **_env("TURNSTILE_SANDBOX_TMPFS_MB"),
+                                  description="Size of each tmpfs inside the sandbox (/, /tmp, /dev/shm), MiB.")
+    sandbox_disk_mb: int = Field(8192, ge=16, **_env("TURNSTILE_SANDBOX_DISK_MB"),
+                                 description="Disk an episode's workspace and scratch HOME may use together, MiB "
+                                             "(checked every few seconds; the command is killed when over).")
+
     # --- conformance checks -------------------------------------------------------------
     check_redis_url: str | None = Field(None, **_env("TURNSTILE_CHECK_REDIS_URL"),
                                         description="Redis DB of `python -m app harness check-pipeline` "

@@ -67,6 +67,17 @@ def harness_failure(name: str, exit_code: int, timed_out: bool, timeout_s: int, 
     return f"{HARNESS_FAILED}{cause}\n--- harness log tail ({log_path}) ---\n{log_text[-LOG_TAIL_CHARS:]}"
 
 
+# Every episode failed by a sandbox cap has an error starting with this (then the cap, one line).
+SANDBOX_LIMIT = "sandbox limit reached by the harness's commands: "
+
+
+def sandbox_limit_failure(limit_hit: str, log_text: str, log_path: Path) -> str:
+    """The error of an attempt whose commands ran into a sandbox cap (`RunResult.limit_hit`: processes,
+    memory, disk): `SANDBOX_LIMIT`, the cap, then the tail of the harness log.  Such an attempt is
+    failed, not graded: the command was killed or refused by the deployment's limits."""
+    return f"{SANDBOX_LIMIT}{limit_hit}\n--- harness log tail ({log_path}) ---\n{log_text[-LOG_TAIL_CHARS:]}"
+
+
 def episode_dir(run_id: int, episode_id: int) -> Path:
     """`<var_dir>/runs/<run>/episodes/<episode>/` (created): harness logs of every attempt."""
     path = get_settings().var_dir / "runs" / str(run_id) / "episodes" / str(episode_id)
@@ -194,13 +205,17 @@ class RealStages:
                              should_stop=cancelled)  # a cancelled episode's harness is killed at once
         patch = runtime.patch()
         log_path = episode_dir(claim.run_id, claim.episode_id) / f"harness-attempt{claim.attempt}.log"
+        limit = f"sandbox limit: {result.limit_hit}\n" if result.limit_hit else ""
         log_text = (f"$ {preset.name} (exit {result.exit_code}, {result.duration_s:.1f} s, confined={runtime.confined})\n"
-                    f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}\n").replace(token, "<session-token>")
+                    f"{limit}--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}\n"
+                    ).replace(token, "<session-token>")
         log_path.write_text(log_text)
         stopped = result.stopped or cancelled()
         status = "timeout" if result.timed_out else ("cancelled" if stopped else f"exit {result.exit_code}")
         failure = None
-        if status != "cancelled" and usable_completions(claim.episode_id, claim.attempt) == 0:
+        if status != "cancelled" and result.limit_hit:
+            failure = sandbox_limit_failure(result.limit_hit, log_text, log_path)
+        elif status != "cancelled" and usable_completions(claim.episode_id, claim.attempt) == 0:
             failure = harness_failure(preset.name, result.exit_code, result.timed_out, cfg.timeouts.agent_s,
                                       log_text, log_path)
         return HarnessOutcome(patch=patch, exit_status=status, timed_out=result.timed_out, log_path=str(log_path),

@@ -146,10 +146,10 @@ class LocalRuntime:
             "python_prefix": str(env.python.prefix), "confined": confined,
             "gateway_url": gateway_url or settings.gateway_url,
             "ro_binds": _with_resolved(ro_binds),
-            "limits": (limits or Limits()).__dict__,
+            "limits": (limits or Limits.for_episodes(settings)).__dict__,
             "timings": {"base_s": round(t1 - t0, 3), "env_s": round(t2 - t1, 3), "workspace_s": round(t3 - t2, 3)},
         }
-        return cls(state, limits)
+        return cls(state, limits or Limits.for_episodes(settings))
 
     @classmethod
     def attach(cls, state: dict[str, Any]) -> "LocalRuntime":
@@ -250,10 +250,11 @@ class LocalRuntime:
             raise ValueError(f"network must be 'none' or 'gateway', not {network!r}")
         argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         full_env = self.environment(env, path_prepend)
+        disk = (self.workspace, self.home)  # what `limits.disk_mb` caps
         if not self.confined:
             host_env = dict(full_env)
             return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=False, network=network,
-                           env=host_env, cwd=self.workspace, stdin=stdin, should_stop=should_stop)
+                           env=host_env, cwd=self.workspace, stdin=stdin, should_stop=should_stop, disk_paths=disk)
         mounts = [Mount(self.workspace, SANDBOX_REPO, True), Mount(self.home, SANDBOX_HOME, True),
                   Mount(Path(self._state["venv"]), SANDBOX_VENV, False)]
         mounts += [Mount(Path(h), s, False) for h, s in self._state["ro_binds"]]
@@ -264,14 +265,15 @@ class LocalRuntime:
             mounts += [Mount(INIT_SOURCE, INIT_PATH, False), Mount(self.root / "gateway.sock", BRIDGE_SOCKET, False)]
         argv = bwrap_argv(argv, mounts=mounts, workdir=SANDBOX_REPO, env=full_env, network=network,
                           python_prefixes=[Path(self._state["python_prefix"])],
-                          init_python=self._state["python_executable"], gateway_port=port)
+                          init_python=self._state["python_executable"], gateway_port=port,
+                          tmpfs_mb=self.limits.tmpfs_mb)
         if network != "gateway":
             return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network, stdin=stdin,
-                           should_stop=should_stop)
+                           should_stop=should_stop, disk_paths=disk)
         gw = urlsplit(self._state["gateway_url"])
         with GatewayBridge(self.root / "gateway.sock", gw.hostname or "127.0.0.1", self._gateway_port()):
             return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network, stdin=stdin,
-                           should_stop=should_stop)
+                           should_stop=should_stop, disk_paths=disk)
 
     # --- results and cleanup ------------------------------------------------------------
 

@@ -256,3 +256,65 @@ def test_stale_runtimes_are_swept_but_kept_ones_stay(settings):
         assert removed == [orphan.id] and not orphan.root.exists() and live.root.exists()
     finally:
         live.close()
+
+
+FORK_LOOP = ("python -c \"import os, time\nn = 0\nfor _ in range(200):\n    try:\n        pid = os.fork()\n"
+             "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(2)\n        os._exit(0)\n"
+             "    n += 1\nprint(n)\"")
+
+
+def test_a_fork_bomb_stops_at_the_process_cap_and_is_reported(settings):
+    """200 forks under a 40-process cap: fewer than 40 start (the worker runs as root here, where
+    RLIMIT_NPROC does not apply: the cap is the command's pids cgroup), and the cap hit is named."""
+    from app.runtimes import Limits, cgroups
+
+    rec = load_task_set("synthetic").get("synthetic__inflection-5")
+    with LocalRuntime.prepare(rec, settings=settings, limits=Limits(nproc=40)) as rt:
+        res = rt.run(FORK_LOOP, timeout_s=60)
+    started = int(res.stdout.split()[-1])
+    assert started < 40, res
+    if "pids" in cgroups.available():
+        assert res.limit_hit and "process limit reached: 40 processes" in res.limit_hit
+
+
+def test_memory_cap_covers_all_processes_of_a_command(settings):
+    """Three processes of 120 MiB each stay under a 256 MiB per-process RLIMIT_DATA but not under
+    the command's 256 MiB memory cgroup: some are OOM-killed and the hit is named."""
+    from app.runtimes import Limits, cgroups
+
+    if "memory" not in cgroups.available():
+        pytest.fail(f"no writable memory cgroup here ({cgroups.available()}): the memory cap is per process only")
+    rec = load_task_set("synthetic").get("synthetic__inflection-5")
+    hog = "python -c \"x = b'a' * (120 << 20); import time; time.sleep(1)\""
+    with LocalRuntime.prepare(rec, settings=settings, limits=Limits(memory_mb=256)) as rt:
+        res = rt.run(f"for i in 1 2 3; do {hog} & done; wait", timeout_s=60)
+    assert res.limit_hit and "memory limit reached: 256 MiB" in res.limit_hit and "Killed" in res.stderr
+
+
+def test_writes_past_the_tmpfs_and_disk_caps_fail(settings):
+    """Each tmpfs (/, /tmp, /dev/shm) stops at its size with ENOSPC and /dev is read-only; filling
+    the workspace past the disk cap gets the command killed with the cap named."""
+    from app.runtimes import Limits
+
+    rec = load_task_set("synthetic").get("synthetic__inflection-5")
+    with LocalRuntime.prepare(rec, settings=settings, limits=Limits(tmpfs_mb=8, disk_mb=48)) as rt:
+        res = rt.run("for f in /tmp/big /dev/shm/big /big; do head -c 20M /dev/zero > $f; "
+                     "echo $f $(stat -c %s $f); done; echo x > /dev/x || echo dev-ro", timeout_s=60)
+        assert res.stderr.count("No space left on device") == 3, res.stderr
+        sizes = dict(line.split() for line in res.stdout.splitlines() if line.startswith("/"))
+        assert sizes == {"/tmp/big": str(8 << 20), "/dev/shm/big": str(8 << 20), "/big": str(8 << 20)}
+        assert res.stdout.strip().endswith("dev-ro")
+        res = rt.run("for i in $(seq 20); do head -c 8M /dev/zero > /testbed/f$i; sleep 0.2; done; echo done",
+                     timeout_s=60)
+        assert res.exit_code == 137 and "done" not in res.stdout
+        assert res.limit_hit and "disk limit reached" in res.limit_hit and "limit 48 MiB" in res.limit_hit
+
+
+def test_a_cap_hit_is_the_episodes_failure_reason_not_a_harness_failure(tmp_path):
+    from app.control.real_stages import SANDBOX_LIMIT, sandbox_limit_failure
+    from app.control.stages import harness_failure_cause
+
+    error = sandbox_limit_failure("process limit reached: 40 processes", "log " * 2000, tmp_path / "h.log")
+    assert error.startswith(SANDBOX_LIMIT + "process limit reached: 40 processes\n")
+    assert harness_failure_cause(error) is None  # not counted as "the harness never worked"
+    assert len(error) < 4000
