@@ -91,3 +91,25 @@ def test_another_sessions_answer_is_never_spliced(gw):
     assert recorded_b.raw_request["splice"]["miss"] == "turn_not_recorded"
     ids, sampled = recorded_b.prompt_ids, recorded_a.sampled_ids
     assert not any(ids[i:i + len(sampled)] == sampled for i in range(len(ids) - len(sampled) + 1))
+
+
+def test_anthropic_history_is_spliced_and_count_tokens_reports_that_prompt(gw):
+    ep, token = make_episode()
+    headers = {"x-api-key": token, "anthropic-version": "2023-06-01"}
+    tools = [{"name": "bash", "input_schema": {"type": "object"}}]
+    user = {"role": "user", "content": "go " + directive({"tool_calls": [{"name": "bash", "arguments": ARGS}]})}
+    body = {"model": "claude-x", "max_tokens": 256, "tools": tools, "messages": [user]}
+    first = httpx.post(f"{gw.gateway_url}/v1/messages", headers=headers, json=body, timeout=30).json()
+    (use,) = [b for b in first["content"] if b["type"] == "tool_use"]
+    # The SDK sends `input` back as an object: keys in another order, 1.0 as 1, escaped text.
+    sent = dict(use, input=json.loads(json.dumps(dict(reversed(list(use["input"].items()))), ensure_ascii=True)))
+    history = [user, {"role": "assistant", "content": [sent]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "total 0"}]}]
+    counted = httpx.post(f"{gw.gateway_url}/v1/messages/count_tokens", headers=headers,
+                         json={"model": "claude-x", "tools": tools, "messages": history}, timeout=30).json()
+    second = httpx.post(f"{gw.gateway_url}/v1/messages", headers=headers, json=dict(body, messages=history),
+                        timeout=30).json()
+    a, b = completions(ep)
+    assert b.raw_request["splice"]["completion"] == a.id
+    assert b.prompt_ids[:len(a.prompt_ids) + len(a.sampled_ids)] == a.prompt_ids + a.sampled_ids
+    assert counted["input_tokens"] == len(b.prompt_ids) == second["usage"]["input_tokens"]
