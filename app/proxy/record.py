@@ -72,6 +72,12 @@ _E = Episode.__table__
 _INSERT = insert(_T).values(seq=select(func.coalesce(func.max(_T.c.seq), -1) + 1)
                             .where(_T.c.episode_id == bindparam("seq_episode")).scalar_subquery()
                             ).returning(_T.c.id)
+# The stored tries of one call (built once: building and hashing the statement per call cost
+# about as much CPU as running it).
+_TRIES = (select(_T.c.id, _T.c.partial, _T.c.raw_request["received_at"].as_float().label("received_at"))
+          .where(_T.c.episode_id == bindparam("try_episode"), _T.c.attempt == bindparam("try_attempt"),
+                 _T.c.request_key == bindparam("try_key"))
+          .order_by(_T.c.seq))
 # Takes the episode row's write lock for the transaction (changes nothing).
 _LOCK_EPISODE = update(_E).where(_E.c.id == bindparam("lock_episode")).values(updated_at=_E.c.updated_at)
 
@@ -142,11 +148,8 @@ def write_completion(cap: Capture, result: Result, response: dict | None, respon
 def _retried_row(conn, cap: Capture, received: float, partial: bool) -> tuple[int | None, bool]:
     """(row id, keep it) for a new try of `cap.request_key` in its attempt: (id, False) = replace
     that dead try, (id, True) = this try is dead and a later one is stored, (None, False) = insert."""
-    rows = conn.execute(
-        select(_T.c.id, _T.c.partial, _T.c.raw_request["received_at"].as_float().label("received_at"))
-        .where(_T.c.episode_id == cap.episode_id, _T.c.attempt == cap.attempt, _T.c.request_key == cap.request_key)
-        .order_by(_T.c.seq)
-    ).all()
+    rows = conn.execute(_TRIES, {"try_episode": cap.episode_id, "try_attempt": cap.attempt,
+                                 "try_key": cap.request_key}).all()
     if partial:
         later = [r for r in rows if (r.received_at or 0.0) > received]
         if later:
