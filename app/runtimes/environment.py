@@ -100,7 +100,12 @@ class Environment:
 
 def env_key(record: InstanceRecord, python: PythonInterpreter, confined: bool) -> str:
     """16 hex digits over python version, install commands, source identity and layout."""
-    src = record.source.sha256 if record.source_kind == "pypi_sdist" else f"{record.repo}@{record.base_commit}"
+    if record.source_kind == "pypi_sdist":
+        src = record.source.sha256
+    elif record.source_kind == "inline":
+        src = hashlib.sha256(json.dumps(record.source.files, sort_keys=True).encode()).hexdigest()
+    else:
+        src = f"{record.repo}@{record.base_commit}"
     touched = set(re.findall(r"^diff --git a/(\S+)", record.bug_patch, flags=re.M))
     packaging = record.bug_patch if {Path(t).name for t in touched} & _PACKAGING_FILES else ""
     blob = json.dumps({"python": python.version, "install": record.install, "source": src,

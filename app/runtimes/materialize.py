@@ -1,6 +1,6 @@
 """Materialize an instance's base repository (the tree the agent starts from), cached per instance.
 
-`pypi_sdist`: unpack the sdist, `git init -b
+`pypi_sdist` / `inline` (files in the record): unpack the sdist or write the files, `git init -b
 main`, append the by-product patterns to `.git/info/exclude`, apply `bug_patch`
 (synthetic instances) *before* the only commit, `git add -A`, commit as `sdist
 <sdist@localhost>` at 2020-01-01T00:00:00+00:00 with message `<name> <version>`.
@@ -66,6 +66,8 @@ def materialize_base(record: InstanceRecord, paths: RuntimePaths) -> Path:
             repo = work / "repo"
             if record.source_kind == "pypi_sdist":
                 _build_from_sdist(record, paths, repo)
+            elif record.source_kind == "inline":
+                _build_from_inline(record, repo)
             else:
                 _build_from_git(record, paths, repo)
             repo.rename(target)
@@ -74,10 +76,25 @@ def materialize_base(record: InstanceRecord, paths: RuntimePaths) -> Path:
     return target
 
 
+def _build_from_inline(record: InstanceRecord, repo: Path) -> None:
+    """Write the record's `files` into `repo`, then bug_patch and commit exactly as for an sdist."""
+    repo.mkdir()
+    for rel, text in sorted(record.source.files.items()):
+        target = repo / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+    _commit_base(record, repo)
+
+
 def _build_from_sdist(record: InstanceRecord, paths: RuntimePaths, repo: Path) -> None:
-    src = record.source
-    archive = fetch_sdist(src, paths)
+    archive = fetch_sdist(record.source, paths)
     unpack_sdist(archive, repo)
+    _commit_base(record, repo)
+
+
+def _commit_base(record: InstanceRecord, repo: Path) -> None:
+    """git init, bug_patch, one commit with the fixed sdist identity; checks `sdist_base_commit`."""
+    src = record.source
     git(repo, "init", "-q", "-b", "main", stage="commit")
     write_excludes(repo)
     if record.bug_patch:

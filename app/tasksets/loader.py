@@ -2,6 +2,8 @@
 
 Named sets:
   * `synthetic` (default): `data/tasks/synthetic.jsonl`, bundled (PROVENANCE.md there).
+  * `starter`: `data/tasks/starter.jsonl`, bundled, written by `scripts/make_starter_tasks.py`
+    (one-line bugs in small generated packages, easy enough for SmolLM2 to solve some).
   * `swebench-real`: `../shared/tasks/swebench-real.jsonl` relative to the repository
     root; never copied into the project, so it exists only where that folder does.
   * anything else is a path: a `.jsonl`/`.json`/`.parquet` file, or a folder in the HF
@@ -31,6 +33,7 @@ BUNDLED_DIR = ROOT / "data" / "tasks"
 SHARED_TASKS_DIR = ROOT.parent / "shared" / "tasks"
 NAMED_SETS = {
     "synthetic": BUNDLED_DIR / "synthetic.jsonl",
+    "starter": BUNDLED_DIR / "starter.jsonl",
     "swebench-real": SHARED_TASKS_DIR / "swebench-real.jsonl",
 }
 

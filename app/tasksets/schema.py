@@ -6,8 +6,8 @@ The layout is the one `swebench` 5.0.2 reads (`swebench/types.py`,
 that form and plain lists are accepted; the model always holds lists.
 
 Turnstile's extras (see data/tasks/PROVENANCE.md):
-`source` (where the repository comes from: a PyPI sdist, or a git repository at
-`base_commit`, the SWE-bench default), `bug_patch`, `install`, `test_cmd`,
+`source` (where the repository comes from: a PyPI sdist, a git repository at
+`base_commit`, the SWE-bench default, or `inline` files written by a generator in the project), `bug_patch`, `install`, `test_cmd`,
 `test_files`, `python`, `sdist_base_commit`.  Unknown fields are kept (`extra`)
 so a record round-trips unchanged.
 """
@@ -49,7 +49,31 @@ class GitSource(BaseModel):
     url: str | None = None
 
 
-Source = Annotated[Union[PypiSdistSource, GitSource], Field(discriminator="kind")]
+class InlineSource(BaseModel):
+    """The repository is `files` (relative POSIX path -> UTF-8 text), written by a generator in the project.
+
+    For task families whose packages are generated rather than downloaded (the `starter` set,
+    `scripts/make_starter_tasks.py`): built like an sdist (files written, `bug_patch` applied,
+    one commit with the fixed sdist identity), so `sdist_base_commit` pins the tree.
+    """
+
+    model_config = ConfigDict(extra="allow")
+    kind: Literal["inline"]
+    name: str = Field(min_length=1)
+    version: str = Field(min_length=1)
+    files: dict[str, str] = Field(min_length=1)
+
+    @field_validator("files")
+    @classmethod
+    def _relative(cls, v: dict[str, str]) -> dict[str, str]:
+        for path in v:
+            parts = path.split("/")
+            if path.startswith("/") or ".." in parts or "" in parts or ".git" in parts:
+                raise ValueError(f"file path {path[:200]!r} must be relative, inside the repository and not under .git")
+        return v
+
+
+Source = Annotated[Union[PypiSdistSource, GitSource, InlineSource], Field(discriminator="kind")]
 
 
 def _json_list(value: Any) -> Any:

@@ -112,10 +112,10 @@ def eval_script_lines(eval_script: str) -> list[str]:
 def default_eval_script(record: Any) -> str:
     """An eval script (reset the test files, then run `test_cmd`) for a record that has only `test_cmd`.
 
-    BASE is the repository's root commit for sdist sources, `base_commit` for git ones.
+    BASE is the repository's root commit for sdist and inline sources, `base_commit` for git ones.
     """
     files = " ".join(record.test_files)
-    base = '$(git rev-list --max-parents=0 HEAD | tail -n 1)' if record.source_kind == "pypi_sdist" else record.base_commit
+    base = '$(git rev-list --max-parents=0 HEAD | tail -n 1)' if record.source_kind in ("pypi_sdist", "inline") else record.base_commit
     lines = ["#!/bin/bash", "set -uxo pipefail", f"BASE={base}", "git status --short"]
     if files:
         lines.append(f'git checkout "$BASE" -- {files}')
