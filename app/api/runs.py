@@ -7,6 +7,7 @@ Status always comes from SQL, never from Celery results.
 from __future__ import annotations
 
 import json
+import math
 from typing import Iterator
 
 from flask import Blueprint, Response, jsonify, request, url_for
@@ -78,11 +79,54 @@ def health():
     return jsonify(Health().model_dump(mode="json"))
 
 
+def _unstorable(body) -> tuple[str, str] | None:
+    """The first value of a parsed JSON body that SQL cannot store, as (field path, problem), or None.
+
+    PostgreSQL's JSONB rejects U+0000 and non-finite numbers, and no database stores a lone UTF-16
+    surrogate as UTF-8 (https://www.postgresql.org/docs/current/datatype-json.html); Python's JSON
+    parser accepts all three (`NaN`, `"\\u0000"`, `"\\ud800"`).  Iterative: depth is bounded by the parser.
+    """
+    stack = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                problem = _bad_text(key)
+                if problem:
+                    return where, f"field name {problem}"
+                stack.append((where, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value))
+        elif isinstance(value, float) and not math.isfinite(value):
+            return path, "must be a finite number"
+        elif isinstance(value, str):
+            problem = _bad_text(value)
+            if problem:
+                return path, problem
+    return None
+
+
+def _bad_text(text) -> str | None:
+    if not isinstance(text, str):
+        return None
+    if "\x00" in text:
+        return "must not contain NUL (U+0000) characters"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must be valid Unicode (a lone UTF-16 surrogate escape is not)"
+    return None
+
+
 @bp.post("/runs")
 def create_run():
     body = request.get_json(silent=True)
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    bad = _unstorable(body)
+    if bad is not None:
+        raise ApiError(400, f"invalid run config: {bad[0]}: {bad[1]}", bad[0] or None)
     try:
         cfg = RunConfig.model_validate(body)
     except ValidationError as exc:

@@ -35,6 +35,9 @@ def _blocks(content: Any, where: str) -> list[dict]:
     for i, b in enumerate(content):
         c.expect(isinstance(b, dict) and isinstance(b.get("type"), str),
                  f"{where}.{i}: each content block must be an object with a string 'type'", where)
+        for key in ("text", "thinking"):  # the text of text and thinking blocks is a string (or absent)
+            if b["type"] == key:
+                c.expect(b.get(key) is None or isinstance(b[key], str), f"{where}.{i}.{key}: expected a string", where)
     return content
 
 

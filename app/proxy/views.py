@@ -102,15 +102,17 @@ def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
     return raw
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 def _replace_surrogates(value):
     """Strings with lone UTF-16 surrogates (a JSON escape like "\\ud83d" without its pair)
     cannot be encoded as UTF-8; each is replaced by U+FFFD, as a UTF-8 decoder would
-    (RFC 8259 §8.2 leaves such strings' behaviour unpredictable)."""
+    (RFC 8259 §8.2 leaves such strings' behaviour unpredictable).  U+0000 is replaced the same
+    way: PostgreSQL text and JSONB cannot hold it (https://www.postgresql.org/docs/current/datatype-json.html),
+    and the engine must see exactly what is recorded."""
     if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value)
+        return _UNSTORABLE.sub("\ufffd", value)
     if isinstance(value, list):
         return [_replace_surrogates(v) for v in value]
     if isinstance(value, dict):
@@ -122,14 +124,22 @@ def parse_body(raw: bytes) -> dict:
     if not raw.strip():
         raise GatewayError("invalid_request", "Request body is empty; expected a JSON object")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise GatewayError("invalid_request", "Request body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise GatewayError("invalid_request", f"Request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise GatewayError("invalid_request", f"Request body must be a JSON object, got {type(body).__name__}")
-    if b"\\u" in raw and re.search(rb"\\u[dD][89abcdefABCDEF]", raw):
+    if b"\\u" in raw and (b"\\u0000" in raw or re.search(rb"\\u[dD][89abcdefABCDEF]", raw)):
         body = _replace_surrogates(body)
     return body
+
+
+def _no_constant(name: str):
+    """`NaN`, `Infinity`, `-Infinity` are not JSON (RFC 8259 §6), though Python's parser accepts them;
+    they must not reach the engine nor the record (SQLite's and PostgreSQL's JSON reject them)."""
+    raise ValueError(f"{name} is not a JSON number (RFC 8259 section 6)")
 
 
 def model_ids() -> list[str]:
@@ -156,6 +166,10 @@ def dispatch(path: str) -> Response:
                 raise GatewayError("not_found", f"No such endpoint: {request.method} {request.path}")
             api = route.api
             return get_resource(route)
+        if _has_control(request.path):  # e.g. /v1/messages%00: no API's path
+            raise GatewayError("not_found", f"No such endpoint: POST {request.path!r}")
+        if any(_has_control(k) or _has_control(v) for k, v in request.args.items(multi=True)):
+            raise GatewayError("invalid_request", "Query parameters must not contain control characters")
         limit = gateway_settings().max_body_bytes
         try:
             raw = request.get_data(cache=False)
@@ -178,6 +192,8 @@ def dispatch(path: str) -> Response:
         return error_response(api, err)
     except RequestEntityTooLarge:
         return error_response(api, GatewayError("too_large", "Request body is too large"))
+    except RecursionError:  # JSON nested deep enough to exhaust a recursive step after parsing
+        return error_response(api, GatewayError("invalid_request", "Request body is nested too deeply"))
     except Exception:  # noqa: BLE001 - a bug must still answer in the caller's shape, never HTML
         log.exception("gateway error on %s %s", request.method, request.path)
         return error_response(api, GatewayError("internal", "Internal gateway error"))
@@ -238,8 +254,19 @@ def _normalize(route: Route, body: dict, info: SessionInfo) -> Normalized:
     return responses.normalize(body, history)
 
 
+def _has_control(text: str) -> bool:
+    """True when `text` holds an ASCII control character (U+0000-U+001F, U+007F): never part of a
+    model API's path or query, and U+0000 cannot be recorded (PostgreSQL text)."""
+    return any(ch < " " or ch == "\x7f" for ch in text)
+
+
+MODEL_MAX_CHARS = 255  # the recorded model name's column (`Completion.model`)
+
+
 def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float) -> Response:
     norm = _normalize(route, body, info)
+    if len(norm.model or "") > MODEL_MAX_CHARS:  # checked before the engine is asked, never at record time
+        raise GatewayError("invalid_request", f"model: at most {MODEL_MAX_CHARS} characters", param="model")
     up = get_upstream()
     engine = up.describe(up.pick(info.episode_id))
     upstream_body = dict(norm.chat, model=engine.model, stream=norm.stream, return_token_ids=True, logprobs=True)

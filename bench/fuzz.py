@@ -1,0 +1,112 @@
+"""Fuzz the REST API and the gateway with 2,000 hostile bodies each; print status counts and every 5xx.
+
+    .venv/bin/python bench/fuzz.py [--n 2000] [--database postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
+
+The bodies are `tests/fuzz_corpus.py`'s (nesting 5,000 deep, NUL, NaN/Infinity, ids past 2**31,
+`?status=%00`, 1 MiB strings, wrong types, raw bytes), sent through the in-process apps (Flask test
+clients) on a fresh PostgreSQL database, the gateway in front of the scripted engine.  Exit status 1
+when any answer is a 5xx or an error outside the caller's API shape.  `tests/spine/test_spine_fuzz.py`
+runs a 400-body sample of the same corpus.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=2000, help="bodies per server (the gateway's split over 4 APIs)")
+    parser.add_argument("--database", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
+                        help="admin URL of a PostgreSQL server (a scratch database is created and dropped)")
+    args = parser.parse_args()
+    from sqlalchemy import create_engine, text
+
+    from support import free_port
+
+    name = f"turnstile_fuzz_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(args.database, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    port = free_port()
+    engine_proc = subprocess.Popen([sys.executable, "-m", "app.engines.scripted", "--port", str(port)], cwd=ROOT,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ.update(DATABASE_URL=args.database.rsplit("/", 1)[0] + f"/{name}",
+                      TURNSTILE_ENGINE_URLS=f"http://127.0.0.1:{port}", TURNSTILE_GATEWAY_KEEPALIVE_S="0.3",
+                      TURNSTILE_API_TOKEN=os.environ.get("TURNSTILE_API_TOKEN", "fuzz-bench-token-0123456789"),
+                      REDIS_URL=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/14"))
+    failures = 0
+    try:
+        failures = _run(args.n, port)
+    finally:
+        engine_proc.terminate()
+        engine_proc.wait(timeout=10)
+        from app import db
+
+        db.dispose_engine()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+    return 1 if failures else 0
+
+
+def _run(n: int, engine_port: int) -> int:
+    import httpx
+
+    from app import create_app, db
+    from app.auth import auth_header
+    from app.models import Base, Episode, Run, TaskInstance
+    from app.proxy import create_gateway_app
+    from app.proxy.sessions import issue_session
+    from fuzz_corpus import GATEWAY_SHAPE, gateway_cases, rest_cases, rest_shape, run_cases
+
+    for _ in range(100):
+        try:
+            httpx.get(f"http://127.0.0.1:{engine_port}/health", timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    Base.metadata.create_all(db.get_engine())
+    failures = 0
+    t0 = time.monotonic()
+    report = run_cases(create_app().test_client(), rest_cases(n), rest_shape, auth_header())
+    print(f"REST API: {n} bodies in {time.monotonic() - t0:.1f} s; statuses {dict(sorted(report['statuses'].items()))}; "
+          f"5xx or off-shape: {len(report['bad'])}")
+    failures += len(report["bad"])
+    for case in report["bad"][:10]:
+        print("  ", case)
+    gateway = create_gateway_app().test_client()
+    for api in ("anthropic", "chat", "responses", "gemini"):
+        with db.session_scope() as s:
+            run = Run(kind="collect", config={})
+            s.add(run)
+            s.flush()
+            ti = TaskInstance(task_set="t", instance_id=f"fuzz-{api}", repo="r", record={})
+            s.add(ti)
+            s.flush()
+            ep = Episode(run_id=run.id, instance_id=ti.id, group_index=0, sample_index=0, status="running")
+            s.add(ep)
+            s.flush()
+            token = issue_session(s, ep.id)
+        auth = {"anthropic": {"x-api-key": token, "anthropic-version": "2023-06-01"},
+                "gemini": {"x-goog-api-key": token}}.get(api, {"authorization": f"Bearer {token}"})
+        t0 = time.monotonic()
+        report = run_cases(gateway, gateway_cases(api, n // 4), GATEWAY_SHAPE[api], auth)
+        print(f"gateway {api}: {n // 4} bodies in {time.monotonic() - t0:.1f} s; "
+              f"statuses {dict(sorted(report['statuses'].items()))}; 5xx or off-shape: {len(report['bad'])}")
+        failures += len(report["bad"])
+        for case in report["bad"][:10]:
+            print("  ", case)
+    return failures
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
