@@ -13,7 +13,8 @@ program as a child in its own process group and restarts it whenever it exits, a
 starts at `TURNSTILE_RESTART_BACKOFF_S` and doubles per quick successive exit up to 30 s (reset once
 the child has run `STABLE_S` seconds).  SIGTERM / SIGINT / SIGHUP to the launcher are passed to the
 child's process group and end supervision: the launcher waits for the child and exits with its status.
-The child gets SIGTERM if the launcher itself is killed (Linux `PR_SET_PDEATHSIG`).
+The child gets SIGTERM if the launcher itself is killed, and the launcher if its parent (the process
+manager) is (Linux `PR_SET_PDEATHSIG`).
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ def supervise(args: list[str], first_backoff_s: float) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    _die_with_parent()  # the launcher too: a process manager killed with SIGKILL leaves nothing running
     quick_exits = 0
     while True:
         started = time.monotonic()
