@@ -348,9 +348,13 @@ def register(sub) -> None:
     p.add_argument("--timeout", type=float, default=3600)
     p.set_defaults(handler=cmd_demo)
 
-    p = sub.add_parser("compare", help="before/after table of two eval runs (e.g. base model vs a checkpoint)")
+    p = sub.add_parser("compare", help="before/after table of two eval runs (e.g. base model vs a checkpoint): "
+                                        "pass@k per instance, pass@1 with 95%% bootstrap intervals and of the difference")
     p.add_argument("before", type=int)
     p.add_argument("after", type=int)
+    p.add_argument("--replicates", type=int, default=10000, help="bootstrap replicates (default 10000)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    p.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
     p.set_defaults(handler=cmd_compare)
 
     p = sub.add_parser("cancel", help="cancel a run")
@@ -376,7 +380,16 @@ def compare_table(before: dict, after: dict) -> Table:
 
 
 def cmd_compare(args) -> int:
+    from app.cli.compare import compare_samples, comparison_table, samples_of, write_json
+
     with _client() as client:
         runs = [client.get(f"/api/runs/{rid}").raise_for_status().json() for rid in (args.before, args.after)]
-    Console().print(compare_table(*runs))
+        samples = [samples_of(client.get(f"/api/runs/{rid}/episodes").raise_for_status().json()["episodes"])
+                   for rid in (args.before, args.after)]
+    console = Console()
+    console.print(compare_table(*runs))
+    result = compare_samples(*samples, replicates=args.replicates, seed=args.seed)
+    console.print(comparison_table(*runs, *samples, result))
+    if args.json:
+        write_json(args.json, *runs, *samples, result)
     return 0
