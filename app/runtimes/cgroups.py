@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -64,9 +65,37 @@ def _inside(mount_point: str, root: str, group_path: str) -> Path | None:
     return Path(mount_point) / ("" if rel == "." else rel)
 
 
+def _can_join(m: _Mount) -> bool:
+    """Whether a child group can be made under `m.parent` and a process moved into it (a writable
+    folder alone does not prove the kernel lets this process move others)."""
+    probe = m.parent / f"{PREFIX}probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    try:
+        probe.mkdir()
+    except OSError:
+        return False
+    try:
+        done = subprocess.run(["/bin/sh", "-c", 'echo $$ > "$0"', str(probe / "cgroup.procs")],
+                              capture_output=True, timeout=10)
+        return done.returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    finally:
+        for _ in range(50):
+            try:
+                probe.rmdir()
+                break
+            except OSError:
+                time.sleep(0.01)
+
+
 @functools.lru_cache(maxsize=1)
 def _hierarchies() -> tuple[_Mount, ...]:
-    """The writable hierarchies holding `pids` or `memory` for this process (v2 preferred)."""
+    """The writable hierarchies holding `pids` or `memory` for this process (v2 preferred), each
+    checked by moving a probe process into a child group."""
+    return tuple(m for m in _candidates() if _can_join(m))
+
+
+def _candidates() -> tuple[_Mount, ...]:
     try:
         groups, mounts = _own_groups(), _mounts()
     except OSError:
