@@ -6,11 +6,16 @@ export PYTHONUNBUFFERED := 1
 # Settings (.env included) are read by app/config.py in each Python process, not here: make does
 # not parse .env, and honcho is told not to (`-e /dev/null`); e.g. alembic gets DATABASE_URL from app.config.
 
-.PHONY: demo test setup venv system redis migrate token harnesses harness-demo model up ci-deps clean
+.PHONY: demo test setup venv system redis migrate token harnesses harness-demo model up learn ci-deps clean
 
 ## demo: set up from nothing, start all processes, run a train run end to end, print the summary
 demo: setup harness-demo model
 	bash scripts/demo.sh
+
+## learn: start the stack, eval the base policy on the starter held-out set, train on starter train,
+## eval the newest checkpoint, compare (95% bootstrap intervals), draw var/runs/<id>/learning.png
+learn: setup harness-demo model
+	bash scripts/learn.sh
 
 ## test: install what the tests need (once; later runs only check), then run the whole suite
 test: ci-deps

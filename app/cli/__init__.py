@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from app.cli import learning as learning_cmds
 from app.cli import model as model_cmds
 from app.cli import runs as runs_cmds
 from app.cli import tasks as tasks_cmds
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     runs_cmds.register(sub)
     model_cmds.register(sub)
     tasks_cmds.register(sub)
+    learning_cmds.register(sub)
     token_cmds.register(sub)
     try:
         from app.cli import harness as harness_cmds
