@@ -127,16 +127,29 @@ def watching(idle: Callable[[], None] | None, every: float) -> Iterator[None]:
 
 
 class _WatchedStream(httpcore.NetworkStream):
-    """An engine connection (httpcore's plain socket stream) whose reads honour ``watching``."""
+    """An engine connection (httpcore's plain socket stream) whose reads honour ``watching``.
+
+    Writes are held until the connection next reads (or closes): httpcore writes a request's
+    head and body separately, and two segments wake the engine twice (it reads the head, then
+    waits for the body); held, a request leaves as one ``sendall``.
+    """
 
     def __init__(self, inner: httpcore.NetworkStream) -> None:
         self._inner = inner
+        self._held: list[bytes] = []
+        self._held_timeout: float | None = None
         sock = inner.get_extra_info("socket")
         self._poll = select.poll() if sock is not None else None  # poll: no FD_SETSIZE limit
         if self._poll is not None:
             self._poll.register(sock, select.POLLIN | select.POLLPRI)
 
+    def _flush(self) -> None:
+        if self._held:
+            data, self._held = b"".join(self._held), []
+            self._inner.write(data, self._held_timeout)
+
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        self._flush()
         watch = getattr(_watch, "current", None)
         if watch is not None and self._poll is not None:
             idle, every = watch
@@ -148,12 +161,16 @@ class _WatchedStream(httpcore.NetworkStream):
         return self._inner.read(max_bytes, timeout)
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._inner.write(buffer, timeout)
+        if buffer:
+            self._held.append(buffer)
+            self._held_timeout = timeout
 
     def close(self) -> None:
+        self._held = []
         self._inner.close()
 
     def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> httpcore.NetworkStream:
+        self._flush()
         return self._inner.start_tls(ssl_context, server_hostname, timeout)
 
     def get_extra_info(self, info: str) -> Any:
@@ -207,13 +224,19 @@ class InlineChatStream:
         """Lists of items as received (chunk dicts, then ``DONE``, ``EOF`` or an exception ending
         the last list, as ``ChatStream.poll``)."""
         decoder = SSEDecoder()
+        watch = (self._idle, self._idle_s) if self._idle is not None else None
         while not self._ended:
+            previous = getattr(_watch, "current", None)
+            _watch.current = watch  # as `watching`, without a context manager per chunk
             try:
-                with watching(self._idle, self._idle_s):
-                    data = next(self._chunks, None)
+                data = next(self._chunks, None)
             except httpx.HTTPError as exc:
+                data = exc
+            finally:
+                _watch.current = previous
+            if isinstance(data, httpx.HTTPError):
                 self._ended = True
-                yield [_connection_error(exc, self.base_url)]
+                yield [_connection_error(data, self.base_url)]
                 return
             if data is None:
                 self._ended = True
@@ -254,12 +277,47 @@ class _Abandon(Exception):
     """The engine did not finish its response body promptly after ``[DONE]``."""
 
 
+class _Readers:
+    """Daemon threads reused from stream to stream.  A new thread per stream costs a scheduler
+    round trip on the request's path (``Thread.start`` waits until the thread runs), which on a
+    loaded box is milliseconds; an idle reader is handed the next stream without that wait.
+    Threads are never stopped (their number is the peak of concurrent streams); daemon, so a
+    reader blocked on a silent engine never holds up interpreter exit."""
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable, *args: Any) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        self._tasks.put((fn, args))
+        if spawn:  # every queued task has a thread waiting for it: an idle one, or this new one
+            threading.Thread(target=self._run, daemon=True, name="engine-stream").start()
+
+    def _run(self) -> None:
+        while True:
+            fn, args = self._tasks.get()
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - a reader reports its own failures; keep the thread
+                pass
+            with self._lock:
+                self._idle += 1
+
+
+_READERS = _Readers()
+
+
 class ChatStream:
-    """A streamed ``POST /v1/chat/completions`` read by its own thread, so the caller can wait
+    """A streamed ``POST /v1/chat/completions`` read by a reader thread, so the caller can wait
     with a timeout and do something else (send a keep-alive) while the engine is silent.
 
     httpx reads cannot time out and resume (a read timeout ends the response), hence the reader
-    thread; it hands over everything received per network read as one list.  Use ``wait`` for
+    thread (one of ``_READERS``); it hands over everything received per network read as one list.  Use ``wait`` for
     the response head, then ``poll`` for items, and always ``close``.
     """
 
@@ -278,9 +336,8 @@ class ChatStream:
         request = client._http.build_request("POST", "/v1/chat/completions", content=_dumps(body).encode("utf-8"),
                                              headers={"Content-Type": "application/json", "Accept-Encoding": "identity",
                                                       **(headers or {})})
-        self._thread = threading.Thread(target=self._read, args=(client._http, request), daemon=True,
-                                        name="engine-stream")
-        self._thread.start()
+        self._finished = threading.Event()  # the reader is done with this stream
+        _READERS.submit(self._read, client._http, request)
 
     def _read(self, http: httpx.Client, request: httpx.Request) -> None:
         try:
@@ -289,6 +346,7 @@ class ChatStream:
             self.error = self._failure(exc)
             self._ended = True
             self._head.set()
+            self._finished.set()
             return
         with self._lock:
             self._response = response
@@ -330,6 +388,7 @@ class ChatStream:
                 self._released = True
                 response.close()
             self._head.set()
+            self._finished.set()
 
     def _failure(self, exc: Exception) -> EngineConnectionError:
         if isinstance(exc, httpx.HTTPError):

@@ -138,8 +138,7 @@ def test_close_during_a_silent_engine_ends_the_reader_at_once(scripted_engine):
         assert stream.poll(0.2) is None  # nothing yet: the caller would send a keep-alive
         t0 = time.monotonic()
         stream.close()
-        stream._thread.join(2)
-        assert not stream._thread.is_alive() and time.monotonic() - t0 < 2
+        assert stream._finished.wait(2) and time.monotonic() - t0 < 2
 
 
 def test_read_stream_on_the_calling_thread_reuses_its_connection_and_reports_refusal(scripted_engine):
