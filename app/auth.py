@@ -97,7 +97,7 @@ def same(given: str | None, expected: str) -> bool:
     """`given == expected` in time independent of their contents (`hmac.compare_digest`)."""
     if given is None:
         return False
-    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode("utf-8"))
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("utf-8"))
 
 
 def derive(token: str, purpose: str) -> str:
