@@ -197,6 +197,42 @@ def test_read_stream_idle_hook_runs_while_the_engine_is_silent_and_its_error_abo
         assert client.request("GET", "/_scripted/aborted")["aborted"], "the engine did not see the client leave"
 
 
+def test_engine_connection_sends_a_request_in_one_write():
+    """httpcore writes a request's head and body separately; the engine connection holds writes
+    until it next reads, so the engine gets the request in one segment (one wakeup)."""
+    import socket as socket_mod
+
+    from app.engines.client import _WatchedStream
+
+    class Inner:
+        def __init__(self):
+            self.writes, self.a, self.b = [], *socket_mod.socketpair()
+
+        def write(self, buffer, timeout=None):
+            self.writes.append(buffer)
+            self.a.sendall(buffer)
+
+        def read(self, max_bytes, timeout=None):
+            return self.a.recv(max_bytes)
+
+        def close(self):
+            self.a.close()
+            self.b.close()
+
+        def get_extra_info(self, info):
+            return self.a if info == "socket" else None
+
+    inner = Inner()
+    stream = _WatchedStream(inner)
+    stream.write(b"POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\n")
+    stream.write(b"{}")
+    assert inner.writes == []
+    inner.b.sendall(b"HTTP/1.1 200 OK\r\n")
+    assert stream.read(100) == b"HTTP/1.1 200 OK\r\n"
+    assert inner.writes == [b"POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"]
+    stream.close()
+
+
 def test_unreachable_engine_and_health_timeout():
     with EngineClient("http://127.0.0.1:1", timeout=2) as client:
         with pytest.raises(EngineConnectionError, match="unreachable"):
