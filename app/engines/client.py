@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import select
 import socket
@@ -285,6 +286,11 @@ class _Readers:
     reader blocked on a silent engine never holds up interpreter exit."""
 
     def __init__(self) -> None:
+        self._reset()
+        # A forked child has none of the parent's threads: it starts with an empty pool.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = 0
         self._lock = threading.Lock()

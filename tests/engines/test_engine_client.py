@@ -241,3 +241,32 @@ def test_unreachable_engine_and_health_timeout():
         assert stream.wait(5) and isinstance(stream.error, EngineConnectionError)
         with pytest.raises(TimeoutError):
             client.health(wait_s=0.3)
+
+
+def test_stream_readers_work_in_a_forked_child(scripted_engine):
+    """Reader threads are reused; a child forked after streams were read (a Celery prefork worker,
+    a gunicorn worker) has none of them and must start its own instead of queueing forever."""
+    import os
+
+    with EngineClient(scripted_engine, timeout=10) as client:
+        model = client.models()[0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": scripted.directive({"text": "ok"})}],
+                "stream": True}
+        assert list(client.chat(body["messages"], stream=True, model=model))
+    from app.engines import client as client_module
+    deadline = time.monotonic() + 2
+    while client_module._READERS._idle == 0 and time.monotonic() < deadline:  # the parent's reader is idle
+        time.sleep(0.01)
+    assert client_module._READERS._idle > 0
+    pid = os.fork()
+    if pid == 0:  # child: a fresh client, one stream, exit 0 only if it completes
+        code = 1
+        try:
+            with EngineClient(scripted_engine, timeout=5) as child:
+                stream = child.open_stream(body)
+                code = 0 if stream.wait(3) and stream.error is None else 1
+                stream.close()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
