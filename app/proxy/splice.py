@@ -314,5 +314,8 @@ def splice(up, engine, episode_id: int, api: str, body: dict) -> Splice:
     glue = glue_ids(closing, found.sampled_ids, found.finish_reason)
     tail = full[len(head):]
     ids = found.prompt_ids + found.sampled_ids + glue + tail
+    # `prompt_tokens`: what the engine was sent; an engine that ignored the ids (and rendered the
+    # messages itself) shows as a recorded prompt of another length.
     return Splice(ids, {"completion": found.id, "turn": index, "spliced_tokens": len(found.prompt_ids)
-                        + len(found.sampled_ids), "glue_tokens": len(glue), "tail_tokens": len(tail)})
+                        + len(found.sampled_ids), "glue_tokens": len(glue), "tail_tokens": len(tail),
+                        "prompt_tokens": len(ids)})

@@ -62,6 +62,7 @@ def test_reserialized_tool_call_arguments_merge(gw):
     _chat(gw, token, history + [sent, tool])
     first, second = completions(ep)
     assert second.raw_request["splice"]["completion"] == first.id
+    assert second.raw_request["splice"]["prompt_tokens"] == len(second.prompt_ids)  # the engine took the ids
     assert second.prompt_ids[:len(first.prompt_ids) + len(first.sampled_ids)] == first.prompt_ids + first.sampled_ids
     assert "prompt_token_ids" not in second.normalized_request  # the engine's own ids are the record
     report = _merge(ep)
