@@ -201,28 +201,35 @@ def _template_options(body: dict) -> tuple:
     return (canonical_json(body.get("tools") or []), canonical_json(body.get("chat_template_kwargs") or {}))
 
 
-def find_completion(episode_id: int, api: str, messages: list[dict], index: int, request: dict,
-                    engine_model: str | None) -> tuple[Recorded | None, str | None]:
-    """The newest completion of `episode_id` whose answer is `messages[index]` and whose
-    request holds `messages[:index]`, the same tools and template options (and engine model).
-
-    Returns (completion, None) or (None, miss reason).  Only this episode's finished
-    (non-partial) completions with token ids are considered.
-    """
-    turn = messages[index]
-    want = turn_key(turn)
+def recorded_answers(episode_id: int) -> list[tuple[int, dict]]:
+    """(completion id, assistant message) of every finished (non-partial) completion of
+    `episode_id`, newest first, the message read back by `recorded_turn`."""
     with session_scope() as s:
         rows = s.execute(select(Completion.id, Completion.api, Completion.response)
                          .where(Completion.episode_id == episode_id, Completion.partial.is_(False))
                          .order_by(Completion.seq.desc())).all()
-        candidates = []
-        for row in rows:
-            got = recorded_turn(row.api, row.response)
-            if got is not None and turn_key(got) == want and _reasoning_compatible(turn, got):
-                candidates.append(row.id)
-        if not candidates:
-            return None, "turn_not_recorded"
-        options = _template_options(request)
+    answers = []
+    for row in rows:
+        got = recorded_turn(row.api, row.response)
+        if got is not None:
+            answers.append((row.id, got))
+    return answers
+
+
+def find_completion(answers: list[tuple[int, dict]], messages: list[dict], index: int, request: dict,
+                    engine_model: str | None) -> tuple[Recorded | None, str | None]:
+    """The newest of `answers` (`recorded_answers`: one episode's) that is `messages[index]` and
+    whose request holds `messages[:index]`, the same tools and template options (and engine model).
+
+    Returns (completion, None) or (None, miss reason: `turn_not_recorded` | `context_changed`).
+    """
+    turn = messages[index]
+    want = turn_key(turn)
+    candidates = [cid for cid, got in answers if turn_key(got) == want and _reasoning_compatible(turn, got)]
+    if not candidates:
+        return None, "turn_not_recorded"
+    options = _template_options(request)
+    with session_scope() as s:
         for cid in candidates:
             row = s.execute(select(Completion.prompt_ids, Completion.sampled_ids, Completion.finish_reason,
                                    Completion.normalized_request).where(Completion.id == cid)).one()
@@ -291,16 +298,27 @@ def _with_reasoning_probe(msg: dict) -> dict:
 def splice(up, engine, episode_id: int, api: str, body: dict) -> Splice:
     """Plan and build the prompt ids of one request (`body`: the engine chat request, messages
     finalized).  Never raises for a miss; GatewayError from the engine's /tokenize becomes the
-    miss `engine_error` (the request is then rendered from text by the engine)."""
+    miss `engine_error` (the request is then rendered from text by the engine).
+
+    The newest assistant turn that is a recorded answer (with its context unchanged) is the
+    splice point; assistant turns after it, which the harness changed, are rendered from their
+    text in the tail (`rendered_turns` in the report, with the newest turn's miss reason).
+    """
     messages = list(body.get("messages") or [])
     if body.get("continue_final_message"):
         return Splice(report={"miss": "prefill"})
-    index = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "assistant"), None)
-    if index is None:
+    turns = [i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "assistant"]
+    if not turns:
         return Splice(report={"miss": "no_assistant_turn"})
-    found, miss = find_completion(episode_id, api, messages, index, body, engine.model)
+    answers = recorded_answers(episode_id)
+    found, newest_miss = None, None
+    for index in turns:
+        found, miss = find_completion(answers, messages, index, body, engine.model)
+        if found is not None:
+            break
+        newest_miss = newest_miss or miss
     if found is None:
-        return Splice(report={"miss": miss, "turn": index})
+        return Splice(report={"miss": newest_miss, "turn": turns[0]})
     try:
         probe = messages[:index] + [_with_reasoning_probe(messages[index])]
         head = _tokenize(up, engine, body, probe, False)
@@ -308,14 +326,17 @@ def splice(up, engine, episode_id: int, api: str, body: dict) -> Splice:
         closing = closing_ids(up, engine, body)
     except GatewayError as exc:
         log.warning("splice: tokenize failed, rendering from text: %s", exc.message)
-        return Splice(report={"miss": "engine_error", "turn": index, "completion": found.id})
+        return Splice(report={"miss": "engine_error", "turn": index, "recognised": found.id})
     if full[:len(head)] != head:
-        return Splice(report={"miss": "template_rerenders_history", "turn": index, "completion": found.id})
+        return Splice(report={"miss": "template_rerenders_history", "turn": index, "recognised": found.id})
     glue = glue_ids(closing, found.sampled_ids, found.finish_reason)
     tail = full[len(head):]
     ids = found.prompt_ids + found.sampled_ids + glue + tail
     # `prompt_tokens`: what the engine was sent; an engine that ignored the ids (and rendered the
     # messages itself) shows as a recorded prompt of another length.
-    return Splice(ids, {"completion": found.id, "turn": index, "spliced_tokens": len(found.prompt_ids)
-                        + len(found.sampled_ids), "glue_tokens": len(glue), "tail_tokens": len(tail),
-                        "prompt_tokens": len(ids)})
+    report = {"completion": found.id, "turn": index, "spliced_tokens": len(found.prompt_ids) + len(found.sampled_ids),
+              "glue_tokens": len(glue), "tail_tokens": len(tail), "prompt_tokens": len(ids)}
+    rendered = turns.index(index)
+    if rendered:
+        report.update(rendered_turns=rendered, miss=newest_miss)
+    return Splice(ids, report)

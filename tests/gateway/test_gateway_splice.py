@@ -72,12 +72,18 @@ def test_reserialized_tool_call_arguments_merge(gw):
 def test_edited_assistant_turn_is_cut_with_its_reason(gw):
     ep, token = make_episode()
     history, answer = _first_turn(gw, token)
-    edited = _reserialized(answer, dict(ARGS, command="ls"))  # the harness changed what was sampled
     tool = {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"], "content": "total 0"}
-    _chat(gw, token, history + [edited, tool])
-    first, second = completions(ep)
-    assert second.raw_request["splice"]["miss"] == "turn_not_recorded"
+    history += [_reserialized(answer), tool]
+    second = _chat(gw, token, history)  # spliced: extends the chain
+    edited = _reserialized(second, dict(ARGS, command="ls"))  # the harness changed what was sampled
+    _chat(gw, token, history + [edited, {"role": "tool", "tool_call_id": second["tool_calls"][0]["id"],
+                                         "content": "x"}])
+    first, _, third = completions(ep)
+    # The unchanged older turn is still spliced; the edited one is rendered from its text.
+    splice = third.raw_request["splice"]
+    assert (splice["completion"], splice["rendered_turns"], splice["miss"]) == (first.id, 1, "turn_not_recorded")
     report = _merge(ep)
+    assert (report["chains"], report["completions_merged"]) == (2, 1)
     assert report["chains_cut"] == 1 and report["cut_reasons"] == {"assistant_turn_rerendered": 1}
 
 
