@@ -7,7 +7,9 @@ holds the ids the engine sampled, so prefix merging cannot extend the session's 
 the trainer re-processes the whole prefix for every call.  Here the gateway recognises
 the newest assistant turn of the history as one of the same session's recorded
 completions and builds the prompt as token ids (as slime, AReaL and rLLM keep the sampled
-ids of earlier turns instead of re-rendering them):
+ids of earlier turns instead of re-rendering them); when the harness changed newer turns,
+the newest unchanged recorded turn is the splice point and the changed ones are rendered
+from their text in the tail:
 
     prompt = C.prompt_ids + C.sampled_ids + glue + tail
 
@@ -29,6 +31,10 @@ before the turn must equal that completion's request in the same terms, with the
 tools and template options.  Anything else (an edited, truncated or dropped turn, a
 summary in place of history, another session's answer) is rendered from text as before and
 the miss is recorded; prefix merging then cuts the chain and counts the reason.
+
+Cost: one SQL read of the episode's answers, one of the recognised completion, and two
+`/tokenize` calls rendering the conversation (about 50 ms for a 75k-token prompt on the
+scripted engine, loaded 2-core box); the closing probe is cached per engine.
 """
 from __future__ import annotations
 
@@ -49,7 +55,7 @@ from app.proxy.errors import GatewayError
 
 log = logging.getLogger("turnstile.gateway")
 
-# Why a request was rendered from text instead of spliced (recorded in raw_request["splice"]).
+# Why the newest assistant turn was rendered from text instead of spliced (raw_request["splice"]["miss"]).
 MISS_REASONS = {
     "no_assistant_turn": "the history holds no assistant turn",
     "prefill": "the request ends in an assistant prefill",
