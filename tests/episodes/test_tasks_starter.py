@@ -66,3 +66,22 @@ def test_a_buggy_line_that_is_not_unique_is_refused():
     bug = starter.Bug("mathkit", 9, "add", "return a + b", "return a - b", "add(2, 3)", "-1", "5", "fix", "train")
     with pytest.raises(ValueError, match="must be unique"):
         starter._buggy_files(bug)
+
+
+def test_gold_patch_resolves_and_empty_patch_does_not(tmp_path, monkeypatch):
+    """One instance through the real grader (what `python -m app tasks validate starter` does for all 18).
+
+    The environment cache is the checkout's (var/cache), so the venv (pytest only) is built once per machine.
+    """
+    from app.config import ROOT
+    from app.grading.validate import check_instance
+
+    monkeypatch.setenv("TURNSTILE_VAR_DIR", str(tmp_path / "var"))
+    monkeypatch.setenv("TURNSTILE_CACHE_DIR", str(ROOT / "var" / "cache"))
+    config.reset_settings()
+    try:
+        check = check_instance(load_task_set("starter").get("starter__checkkit-2"), timeout_s=120)
+    finally:
+        config.reset_settings()
+    assert check.problems == []
+    assert check.gold.resolved and not check.empty.resolved
