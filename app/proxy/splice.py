@@ -207,12 +207,14 @@ def _template_options(body: dict) -> tuple:
     return (canonical_json(body.get("tools") or []), canonical_json(body.get("chat_template_kwargs") or {}))
 
 
-def recorded_answers(episode_id: int) -> list[tuple[int, dict]]:
+def recorded_answers(episode_id: int, attempt: int = 1) -> list[tuple[int, dict]]:
     """(completion id, assistant message) of every finished (non-partial) completion of
-    `episode_id`, newest first, the message read back by `recorded_turn`."""
+    `episode_id`'s rollout `attempt` (one session token: the session), newest first, the message
+    read back by `recorded_turn`."""
     with session_scope() as s:
         rows = s.execute(select(Completion.id, Completion.api, Completion.response)
-                         .where(Completion.episode_id == episode_id, Completion.partial.is_(False))
+                         .where(Completion.episode_id == episode_id, Completion.attempt == attempt,
+                                Completion.partial.is_(False))
                          .order_by(Completion.seq.desc())).all()
     answers = []
     for row in rows:
@@ -301,10 +303,11 @@ def _with_reasoning_probe(msg: dict) -> dict:
     return msg if msg.get("reasoning") else dict(msg, reasoning="…")
 
 
-def splice(up, engine, episode_id: int, api: str, body: dict) -> Splice:
+def splice(up, engine, episode_id: int, api: str, body: dict, attempt: int = 1) -> Splice:
     """Plan and build the prompt ids of one request (`body`: the engine chat request, messages
     finalized).  Never raises for a miss; GatewayError from the engine's /tokenize becomes the
-    miss `engine_error` (the request is then rendered from text by the engine).
+    miss `engine_error` (the request is then rendered from text by the engine).  Only the
+    completions of this session (`episode_id`'s rollout `attempt`) are candidates.
 
     The newest assistant turn that is a recorded answer (with its context unchanged) is the
     splice point; assistant turns after it, which the harness changed, are rendered from their
@@ -316,7 +319,7 @@ def splice(up, engine, episode_id: int, api: str, body: dict) -> Splice:
     turns = [i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "assistant"]
     if not turns:
         return Splice(report={"miss": "no_assistant_turn"})
-    answers = recorded_answers(episode_id)
+    answers = recorded_answers(episode_id, attempt)
     found, newest_miss = None, None
     for index in turns:
         found, miss = find_completion(answers, messages, index, body, engine.model)

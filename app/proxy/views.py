@@ -424,7 +424,7 @@ def _splice(info: SessionInfo, api: str, up, engine, body: dict) -> splice.Splic
     if not info.splice_history:
         return splice.Splice(report={"miss": "disabled"})
     try:
-        return splice.splice(up, engine, info.episode_id, api, body)
+        return splice.splice(up, engine, info.episode_id, api, body, info.attempt)
     except Exception:  # noqa: BLE001 - a splice bug must not fail the call: render from text instead
         log.exception("splice failed; rendering the request from text")
         return splice.Splice(report={"miss": "internal_error"})

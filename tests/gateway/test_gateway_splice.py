@@ -120,3 +120,20 @@ def test_anthropic_history_is_spliced_and_count_tokens_reports_that_prompt(gw):
     assert b.raw_request["splice"]["completion"] == a.id
     assert b.prompt_ids[:len(a.prompt_ids) + len(a.sampled_ids)] == a.prompt_ids + a.sampled_ids
     assert counted["input_tokens"] == len(b.prompt_ids) == second["usage"]["input_tokens"]
+
+
+def test_an_earlier_attempts_answer_is_never_spliced(gw):
+    from app import db
+    from app.models import Episode
+    from app.proxy.sessions import issue_session
+
+    ep, token = make_episode()
+    history, answer = _first_turn(gw, token)
+    with db.session_scope() as s:  # the episode is retried: a new attempt, a new session token
+        s.get(Episode, ep).attempts = 2
+        token2 = issue_session(s, ep)
+    tool = {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"], "content": "total 0"}
+    _chat(gw, token2, history + [_reserialized(answer), tool])
+    first, second = completions(ep)
+    assert (first.attempt, second.attempt) == (1, 2)
+    assert second.raw_request["splice"]["miss"] == "turn_not_recorded"
