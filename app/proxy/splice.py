@@ -299,8 +299,10 @@ def glue_ids(closing: list[int], sampled: list[int], finish_reason: str | None) 
 def _with_reasoning_probe(msg: dict) -> dict:
     # Some templates render an assistant turn differently when it is the last message (Qwen3
     # adds an empty think block) unless it carries reasoning; the turn's own rendering is
-    # replaced by its sampled ids anyway, so both renderings get the same placeholder.
-    return msg if msg.get("reasoning") else dict(msg, reasoning="…")
+    # replaced by its sampled ids anyway, so both renderings get the same placeholder (under
+    # both names templates read: Qwen3's `reasoning_content`, the gateway's `reasoning`).
+    text = msg.get("reasoning") or "…"
+    return dict(msg, reasoning=text, reasoning_content=text)
 
 
 def splice(up, engine, episode_id: int, api: str, body: dict, attempt: int = 1) -> Splice:
