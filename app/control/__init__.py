@@ -7,8 +7,10 @@ Read in this order:
 * `stages`     — the interface of a stage's work; `real_stages` and `simulated_stages` implement it
 * `runs`       — run start, and `stages_for` (which implementation a run gets)
 * `scheduler`  — `tick(run_id)`: groups, dispatch, staleness, steps, finishing
+* `lease`      — a stage's lease on its episode row: claim, renew (heartbeat), hold
 * `episodes`   — an episode's claims and transitions: prepare → READY → rollout → grade
-* `watchdog`   — orphaned training steps; ticks every running run
+* `reaper`     — expired leases re-dispatched or failed; Redis state rebuilt from SQL
+* `watchdog`   — orphaned training steps, the reaper's pass; ticks every running run
 * `preflight`  — what this installation can serve, checked before a run is created
 * `summary`    — the run summary and per-step scheduling metrics, from SQL
 

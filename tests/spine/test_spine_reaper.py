@@ -63,7 +63,7 @@ def _expire(episode_id: int) -> None:
         s.get(Episode, episode_id).lease_expires_at = utcnow() - dt.timedelta(seconds=1)
 
 
-def test_an_expired_lease_is_redispatched_once_then_the_episode_fails(database, redis_db, short_leases):
+def test_an_expired_lease_is_redispatched_once_then_the_episode_fails(any_database, redis_db, short_leases):
     run_id, prepare = _started_run()
     episode_id = prepare[0]
     assert _episode(episode_id).lease_owner is None  # dispatched: waiting for a worker
