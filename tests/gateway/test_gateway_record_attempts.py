@@ -48,3 +48,18 @@ def test_a_retry_replaces_its_dead_try_and_a_late_dead_try_is_dropped(any_databa
     assert row.seq == 0 and row.sampled_ids == [2, 3] and row.partial is False
     again = _write(ep, "k", [7], received_at=3.0)  # a deliberate repeat after the whole answer
     assert again != retry and [r.sampled_ids for r in completions(ep)] == [[2, 3], [7]]
+
+
+def test_a_session_key_carries_its_attempt(any_database):
+    """The gateway stamps each call with the attempt of the key it came with (a new key per attempt)."""
+    from app import db
+    from app.models import Episode
+    from app.proxy.sessions import forget, issue_session, resolve_session_info
+
+    ep, first = make_episode()
+    assert resolve_session_info(first).attempt == 1  # never claimed by a rollout: attempt 1
+    with db.session_scope() as s:
+        s.get(Episode, ep).attempts = 2
+        second = issue_session(s, ep)
+    forget(None)
+    assert resolve_session_info(second).attempt == 2 and resolve_session_info(first) is None
