@@ -323,8 +323,10 @@ class ChatStream:
     with a timeout and do something else (send a keep-alive) while the engine is silent.
 
     httpx reads cannot time out and resume (a read timeout ends the response), hence the reader
-    thread (one of ``_READERS``); it hands over everything received per network read as one list.  Use ``wait`` for
-    the response head, then ``poll`` for items, and always ``close``.
+    thread (one of ``_READERS``); it hands over everything received per network read as one
+    list.  Use ``wait`` for the response head, then ``poll`` for items, and always ``close``.
+    (``InlineChatStream`` reads on the caller's thread instead, for callers that need no
+    keep-alives while the engine is silent.)
     """
 
     def __init__(self, client: "EngineClient", body: dict, headers: dict | None) -> None:
