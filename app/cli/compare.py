@@ -104,6 +104,20 @@ def compare_samples(before: Samples, after: Samples, *, replicates: int = 10000,
                       samples_after=sum(len(after[n]) for n in names), replicates=replicates)
 
 
+def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial rate (Wilson 1927); (0.0, 1.0) for n = 0.
+
+    Shown beside the bootstrap because a percentile bootstrap collapses to [p, p] when every
+    sample has the same outcome (0 of 18 gives [0, 0]); Wilson's upper bound stays honest (0.176).
+    """
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def samples_of(episodes: Sequence[Mapping]) -> dict[str, list[bool]]:
     """Resolved flags per instance from a run's episodes (API shape): completed by `resolved`, failed as False."""
     out: dict[str, list[bool]] = {}
@@ -131,6 +145,12 @@ def comparison_table(before_run: Mapping, after_run: Mapping, before: Samples, a
     table.add_row("after - before [95% CI]", "", str(result.difference))
     table.add_row("instances / samples", f"{result.instances} / {result.samples_before}",
                   f"{result.instances} / {result.samples_after}")
+    pooled = []
+    for d in (before, after):
+        flags = [f for name in sorted(set(before) & set(after)) for f in d[name]]
+        low, high = wilson(sum(flags), len(flags))
+        pooled.append(f"{sum(flags)}/{len(flags)} [{low:.3f}, {high:.3f}]")
+    table.add_row("resolved samples [Wilson 95%]", *pooled)
     return table
 
 

@@ -52,3 +52,13 @@ def test_failed_episodes_count_as_unresolved_and_cancelled_ones_are_left_out():
                 {"instance_id": "a", "status": "cancelled", "resolved": None},
                 {"instance_id": "b", "status": "running", "resolved": None}]
     assert samples_of(episodes) == {"a": [True, False]}
+
+
+def test_wilson_interval_stays_open_where_the_bootstrap_collapses():
+    from app.cli.compare import wilson
+
+    low, high = wilson(0, 18)
+    assert low == 0.0 and high == pytest.approx(0.1759, abs=1e-3)
+    low, high = wilson(5, 10)
+    assert low == pytest.approx(0.2366, abs=1e-3) and high == pytest.approx(0.7634, abs=1e-3)
+    assert wilson(0, 0) == (0.0, 1.0)
