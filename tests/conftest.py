@@ -14,6 +14,11 @@ import time
 import uuid
 from pathlib import Path
 
+# Under pytest-xdist, this worker's own Redis server and var folder (before settings are read).
+from worker_isolation import isolate_xdist_worker
+
+isolate_xdist_worker()
+
 # Before any app module reads settings: the broker and app data live in Redis DB 10
 # during tests, never in the DB 0 a developer's running deployment uses.
 os.environ.setdefault("REDIS_URL", os.environ.get("TURNSTILE_TEST_REDIS", "redis://127.0.0.1:6379") + "/10")
