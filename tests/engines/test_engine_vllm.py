@@ -1,12 +1,12 @@
-"""vLLM adapter pieces that run without a GPU: the serve command line and the checkpoint reader
-the vLLM worker extension feeds to ``model.load_weights``.  vLLM itself runs only in
-scripts/gpu_check.sh on a GPU machine (there is no GPU here)."""
+"""vLLM adapter pieces that run without vLLM: the serve command lines (GPU and CPU build) and the
+checkpoint reader the worker extension feeds to the model runner.  The real vLLM server (CPU
+build) runs in tests/vllm; on a GPU machine, scripts/gpu_check.sh."""
 from __future__ import annotations
 
 import torch
 
 from app.engines.modeling import build_tiny_model, save_weights
-from app.engines.vllm import WORKER_EXTENSION, VLLMServeConfig, serve_command
+from app.engines.vllm import WORKER_EXTENSION, VLLMServeConfig, cpu_serve_command, serve_command
 from app.engines.vllm_worker import TurnstileWorkerExtension, iter_checkpoint
 
 
@@ -29,3 +29,43 @@ def test_checkpoint_iterator_yields_every_saved_tensor(tmp_path):
     state = model.state_dict()
     assert set(tensors) == set(state) - {"lm_head.weight"}  # tied head is not stored
     assert all(torch.equal(tensors[k], state[k]) for k in tensors)
+
+
+def test_cpu_serve_command_changes_only_what_the_cpu_build_needs():
+    config = VLLMServeConfig(model="/models/smollm2", port=8299, extra_args=["--enforce-eager"])
+    gpu_argv, gpu_env = serve_command(config)
+    argv, env = cpu_serve_command(config, python="/venv/bin/python", kv_cache_gib=2)
+    assert argv[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/smollm2"]
+    assert "--enable-sleep-mode" in gpu_argv and "--enable-sleep-mode" not in argv
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    # Everything else is the GPU command line, in the same order.
+    rest = [a for a in gpu_argv[3:] if a != "--enable-sleep-mode"]
+    rest[rest.index("--dtype") + 1] = "float32"
+    assert argv[5:] == rest
+    assert env == {**gpu_env, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    bf16, _ = cpu_serve_command(VLLMServeConfig(model="m", dtype="bfloat16"), python="p")
+    assert bf16[bf16.index("--dtype") + 1] == "bfloat16"   # an explicit dtype is kept
+
+
+class _Runner:
+    """A model runner stand-in: records what the extension fed it."""
+
+    def __init__(self, with_reload: bool) -> None:
+        self.got: list[str] = []
+        if with_reload:
+            self.reload_weights = lambda weights_iterator, is_checkpoint_format: self.got.extend(
+                name for name, _ in weights_iterator)
+        self.model = torch.nn.Linear(2, 2)
+        self.model.load_weights = lambda it: [self.got.append(n) for n, _ in it]
+
+
+def test_worker_extension_prefers_the_runners_in_place_reload(tmp_path):
+    save_weights(build_tiny_model(3), tmp_path / "ckpt")
+    names = {name for name, _ in iter_checkpoint(str(tmp_path / "ckpt"))}
+    for with_reload, via in ((True, "model_runner.reload_weights"), (False, "model.load_weights")):
+        ext = TurnstileWorkerExtension()
+        ext.model_runner = _Runner(with_reload)
+        receipt = ext.turnstile_load_weights(str(tmp_path / "ckpt"))
+        # No layer here has a CPU GEMM kernel to rebuild (the CPU build's are checked in tests/vllm).
+        assert receipt == {"directory": str(tmp_path / "ckpt"), "loaded": len(names), "via": via, "repacked": 0}
+        assert set(ext.model_runner.got) == names
