@@ -14,6 +14,7 @@ no pooled connection is held for minutes.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import secrets
@@ -146,6 +147,8 @@ def rollout(episode_id: int) -> Plan:
     log.info("episode=%s event=rollout attempt=%s", episode_id, claim.attempt)
     try:
         with lease.Heartbeat(episode_id, "running", owner) as beat:
+            if claim.attempt > 1 and claim.runtime is not None:
+                claim = _fresh_runtime(claim, owner)
             outcome = stages_for(claim.cfg).rollout(
                 claim, token, cancelled=lambda: beat.lost or state.is_cancelled(episode_id))
     except Exception as exc:
@@ -172,6 +175,25 @@ def rollout(episode_id: int) -> Plan:
     plan = Plan(grade=[episode_id] if won else [], priority=celery_priority(claim.cfg.priority))
     plan += scheduler.tick(claim.run_id)  # a rollout slot is free
     return plan
+
+
+def _fresh_runtime(claim: Claim, owner: str) -> Claim:
+    """A new attempt of a lost rollout starts from a freshly prepared runtime: the lost attempt's
+    agent may have edited the workspace (its patch would leak into this attempt's).  The old
+    runtime is released, a new one prepared and stored on the episode (while `owner` holds the
+    lease); returns the claim with the new runtime.  Raises what the stage's `prepare` raises.
+    """
+    stages = stages_for(claim.cfg)
+    stages.release(claim.runtime)
+    runtime = stages.prepare(claim.record, claim.episode_id, claim.cfg)
+    with session_scope() as s:
+        kept = s.execute(update(Episode).where(Episode.id == claim.episode_id, Episode.lease_owner == owner)
+                         .values(runtime=runtime).execution_options(synchronize_session=False)).rowcount
+    if not kept:
+        stages.release(runtime)
+        raise RuntimeError("the rollout's lease was lost while its runtime was prepared again")
+    log.info("episode=%s event=runtime_prepared_again attempt=%s", claim.episode_id, claim.attempt)
+    return dataclasses.replace(claim, runtime=runtime)
 
 
 def _harness_failed(claim: Claim, outcome: HarnessOutcome, owner: str) -> Plan:

@@ -190,3 +190,21 @@ def test_a_sigkilled_rollout_worker_is_reaped_and_the_run_finishes(database, red
     assert time.monotonic() - t_kill < 30
     for proc in (cpu, second):
         proc.kill()  # SIGKILL: no warm shutdown to wait for
+
+
+def test_a_redispatched_rollout_starts_from_a_fresh_runtime(database, redis_db, short_leases):
+    """The lost attempt's agent may have edited its workspace: attempt 2 gets a newly prepared one."""
+    run_id, prepare = _started_run(rollout_slots=1, group_size=1)
+    episodes.prepare(prepare[0])  # READY, then running (the slot is free)
+    episode_id = prepare[0]
+    with session_scope() as s:  # attempt 1 claimed by a worker that then dies mid-rollout
+        ep = s.get(Episode, episode_id)
+        assert ep.status == "running"
+        assert lease.claim(s, episode_id, "running", "dead:1:a", attempts=1)
+        ep.runtime = {"simulated": True, "edited_by_attempt": 1}
+    _expire(episode_id)
+    plans, report = watchdog.recover_episodes(set())
+    assert report["leases"]["redispatched"] == [[episode_id, "running"]]
+    episodes.rollout(episode_id)  # the re-sent message, in-process
+    ep = _episode(episode_id)
+    assert ep.attempts == 2 and ep.status == "grading" and ep.runtime == {"simulated": True}

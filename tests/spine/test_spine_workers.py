@@ -61,6 +61,9 @@ def test_run_completes_through_real_worker(env, spawn):
 
 
 def test_worker_sigkill_mid_episode_loses_nothing(env, spawn):
+    from app.control import watchdog as control_watchdog
+    from app.tasks.send import send
+
     first = spawn(celery_worker_args(QUEUES, concurrency=4), env, name="first")
     run_id = _create({"kind": "eval", "group_size": 2, "tasks_per_step": 1, "steps": 1,
                       "simulate": {"episode_median_s": 4.0},
@@ -75,8 +78,16 @@ def test_worker_sigkill_mid_episode_loses_nothing(env, spawn):
     time.sleep(0.5)
     first.kill()  # SIGKILL to the whole worker: main process and its pool children
     second = spawn(celery_worker_args(QUEUES, concurrency=4), env, name="second")
-    wait_for(lambda: _run_status(run_id) in ("completed", "failed"), 120,
-             what=f"run to finish after the kill\n{second.output()[-3000:]}")
+
+    def finished():
+        # Beat's pass over episodes (the reaper): a lease that expired with the killed worker is
+        # re-dispatched, whether or not Redis has restored the unacked message to the new worker yet.
+        plans, _ = control_watchdog.recover_episodes(None)
+        for plan in plans:
+            send(plan)
+        return _run_status(run_id) in ("completed", "failed")
+
+    wait_for(finished, 120, interval=1.0, what=f"run to finish after the kill\n{second.output()[-3000:]}")
     assert _run_status(run_id) == "completed", second.output()[-3000:]
     with session_scope() as s:
         eps = s.scalars(select(Episode).where(Episode.run_id == run_id)).all()
