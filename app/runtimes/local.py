@@ -20,6 +20,7 @@ import os
 import shutil
 import stat
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -260,9 +261,11 @@ class LocalRuntime:
         mounts += [Mount(Path(h), s, False) for h, s in self._state["ro_binds"]]
         mounts += list(extra_mounts)
         port = None
+        socket_path = self.root / "gateway.sock"
         if network == "gateway":
             port = self._inside_port()
-            mounts += [Mount(INIT_SOURCE, INIT_PATH, False), Mount(self.root / "gateway.sock", BRIDGE_SOCKET, False)]
+            socket_path = _bridge_socket_path(socket_path)
+            mounts += [Mount(INIT_SOURCE, INIT_PATH, False), Mount(socket_path, BRIDGE_SOCKET, False)]
         argv = bwrap_argv(argv, mounts=mounts, workdir=SANDBOX_REPO, env=full_env, network=network,
                           python_prefixes=[Path(self._state["python_prefix"])],
                           init_python=self._state["python_executable"], gateway_port=port,
@@ -271,9 +274,13 @@ class LocalRuntime:
             return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network, stdin=stdin,
                            should_stop=should_stop, disk_paths=disk)
         gw = urlsplit(self._state["gateway_url"])
-        with GatewayBridge(self.root / "gateway.sock", gw.hostname or "127.0.0.1", self._gateway_port()):
-            return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network, stdin=stdin,
-                           should_stop=should_stop, disk_paths=disk)
+        try:
+            with GatewayBridge(socket_path, gw.hostname or "127.0.0.1", self._gateway_port()):
+                return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network,
+                               stdin=stdin, should_stop=should_stop, disk_paths=disk)
+        finally:
+            if socket_path.parent != self.root:
+                shutil.rmtree(socket_path.parent, ignore_errors=True)
 
     # --- results and cleanup ------------------------------------------------------------
 
@@ -319,6 +326,19 @@ def _with_resolved(binds: Sequence[tuple[str | Path, str]]) -> list[list[str]]:
         if str(real) != str(host) and inside == str(host):
             out.append([str(real), str(real)])
     return out
+
+
+# A Unix socket's path must fit `sockaddr_un.sun_path`: 108 bytes on Linux, the final NUL
+# included (unix(7)); binding a longer one fails with "AF_UNIX path too long".
+UNIX_PATH_MAX = 107
+
+
+def _bridge_socket_path(preferred: Path) -> Path:
+    """`preferred` when it fits a Unix socket address, else `gateway.sock` in a new private
+    folder (mode 0700) under the system temp folder; the caller removes that folder."""
+    if len(os.fsencode(str(preferred))) <= UNIX_PATH_MAX:
+        return preferred
+    return Path(tempfile.mkdtemp(prefix="turnstile-sock-")) / "gateway.sock"
 
 
 def cleanup_stale_runtimes(max_age_s: float, *, keep: Sequence[str] = (), settings: Settings | None = None) -> list[str]:

@@ -104,6 +104,25 @@ def test_gold_patch_is_nowhere_in_the_agent_view(two_runtimes):
     assert (commits, in_history, in_files) == ("1", "0", "0")
 
 
+def test_gateway_is_reachable_from_a_runtime_folder_too_deep_for_a_unix_socket(tmp_path, monkeypatch, gateway):
+    """A Unix socket address holds at most 107 bytes of path (Linux sun_path); a deep var folder
+    (here ~200 bytes) must not break the sandbox's way to the gateway."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60) / "var"
+    monkeypatch.setenv("TURNSTILE_VAR_DIR", str(deep))
+    monkeypatch.setenv("TURNSTILE_CACHE_DIR", str(ROOT / "var" / "cache"))
+    config.reset_settings()
+    rt = LocalRuntime.prepare(load_task_set("synthetic").get("synthetic__inflection-1"), settings=get_settings(),
+                              gateway_url=gateway)
+    try:
+        assert len(os.fsencode(str(rt.root / "gateway.sock"))) > 107
+        fetch = "python -c \"import os,urllib.request;print(urllib.request.urlopen(os.environ['GW']+'/models').read().decode())\""
+        res = rt.run(fetch, env={"GW": rt.gateway_url}, network="gateway", timeout_s=60)
+        assert res.exit_code == 0 and res.stdout.strip() == "gateway saw /v1/models", res.stderr
+    finally:
+        rt.close()
+        config.reset_settings()
+
+
 def test_network_is_only_the_gateway(two_runtimes):
     _, a, _ = two_runtimes
     probe = (
