@@ -276,6 +276,10 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
         # parse its answer); the field is dropped from the record once the engine has the
         # request, since the engine's own `prompt_token_ids` are recorded as `prompt_ids`.
         upstream_body["prompt_token_ids"] = spliced.prompt_ids
+        # vLLM's chat route (0.32) does not read a top-level `prompt_token_ids`; it takes the
+        # prompt as ids from `kv_transfer_params.prompt_token_ids` (its disaggregated-prefill
+        # field).  The embedded and scripted engines read the top-level field and ignore this one.
+        upstream_body["kv_transfer_params"] = {"prompt_token_ids": spliced.prompt_ids}
     # Non-stream answers are read from an engine stream too: the engine has sent its response
     # head before it generates, so a client that leaves can be seen and the engine request
     # closed at once (vLLM aborts a request whose connection closes).  Streams ask for usage on
@@ -436,6 +440,7 @@ def _accepted(cap: record.Capture, t_accepted: float | None) -> None:
     recorded instead)."""
     cap.t_accepted = t_accepted
     cap.normalized_request.pop("prompt_token_ids", None)
+    cap.normalized_request.pop("kv_transfer_params", None)
 
 
 def _hold_while_reloading(engine, cap: record.Capture) -> None:
