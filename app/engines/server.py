@@ -134,8 +134,8 @@ def _render(engine: Engine, body: dict, default_generation_prompt: bool = True) 
 
 
 def _given_prompt(engine: Engine, body: dict) -> list[int] | None:
-    """``prompt_token_ids`` of a chat request (tokens in: the gateway's spliced prompt, the field
-    of vLLM's pre-tokenized chat prompt, vllm-project/vllm#55771): used verbatim instead of
+    """``prompt_token_ids`` of a chat request (tokens in: the gateway's spliced prompt; vLLM 0.32
+    reads the same ids from ``kv_transfer_params.prompt_token_ids``): used verbatim instead of
     rendering ``messages``, which still name the tools the answer is parsed for.  None when absent.
 
     Raises:

@@ -18,7 +18,8 @@ the same way), `C.sampled_ids` exactly what it sampled, `glue` the template's en
 assistant turn minus the stop token the model already sampled, and `tail` the template's
 rendering of the messages after that turn plus the generation prompt.  The engine gets
 the ids in the chat request's `prompt_token_ids` field (the embedded and scripted engines
-read it; vLLM's pre-tokenized chat prompt, vllm-project/vllm#55771) and still parses tool
+read it) and in `kv_transfer_params.prompt_token_ids` (vLLM 0.32's pre-tokenized chat
+prompt, ignored by vLLM when a message holds images), and still parses tool
 calls and reasoning from its own output.
 
 Recognition is by content, in the API's own terms: the recorded answer is read back by
