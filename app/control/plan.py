@@ -17,6 +17,8 @@ class Plan:
     train: (run_id, step) training steps for the gpu queue.
     tick: run ids whose tick should run in a `control` worker (used where the caller is not
     itself a control-loop process, e.g. the watchdog ticking every running run).
+    start: run ids whose `control.start_run` is (re-)sent (the watchdog, for a run still queued
+    long after its creation: its start message was lost; starting is idempotent).
     """
 
     prepare: list[int] = field(default_factory=list)
@@ -24,10 +26,11 @@ class Plan:
     grade: list[int] = field(default_factory=list)
     train: list[tuple[int, int]] = field(default_factory=list)
     tick: list[int] = field(default_factory=list)
+    start: list[int] = field(default_factory=list)
     priority: int = 9
 
     def __bool__(self) -> bool:
-        return bool(self.prepare or self.rollout or self.grade or self.train or self.tick)
+        return bool(self.prepare or self.rollout or self.grade or self.train or self.tick or self.start)
 
     def __iadd__(self, other: "Plan | None") -> "Plan":
         if other is not None:
@@ -36,6 +39,7 @@ class Plan:
             self.grade += other.grade
             self.train += [t for t in other.train if t not in self.train]
             self.tick += [r for r in other.tick if r not in self.tick]
+            self.start += [r for r in other.start if r not in self.start]
             if other:
                 self.priority = min(self.priority, other.priority)
         return self

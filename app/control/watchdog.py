@@ -122,13 +122,21 @@ def resync_engines() -> dict[str, str]:
 
 
 def watchdog(in_workers: set[tuple[int, int]], queue_depth: int) -> Plan:
-    """One pass: the orphaned steps to re-send and every running (or cancelling) run to tick."""
+    """One pass: the orphaned steps to re-send, every running (or cancelling) run to tick, and
+    the runs still `queued` one lease period plus one watchdog period after their creation,
+    whose start message was lost (e.g. with a Redis restart) and is sent again: a control
+    worker starts a run within seconds, and starting is idempotent (`runs.start_run`)."""
     orphans = find_orphaned_steps(utcnow(), in_workers, queue_depth)
     for run_id, step in orphans:
         log.warning("run=%s step=%s event=resend reason=no worker holds the step", run_id, step)
+    settings = get_settings()
+    stuck_before = utcnow() - dt.timedelta(seconds=settings.lease_ttl_s + settings.watchdog_interval_s)
     with session_scope() as s:
         running = list(s.scalars(select(Run.id).where(Run.status.in_(("running", "cancelling")))))
-    return Plan(train=orphans, tick=running)
+        unstarted = list(s.scalars(select(Run.id).where(Run.status == "queued", Run.created_at < stuck_before)))
+    for run_id in unstarted:
+        log.warning("run=%s event=restart reason=still queued; its start message was lost", run_id)
+    return Plan(train=orphans, tick=running, start=unstarted)
 
 
 def recover_episodes(queued: set[tuple[str, int]] | None) -> tuple[list[Plan], dict]:

@@ -44,7 +44,7 @@ def watchdog() -> dict:
         send(plan)
     plan = control_watchdog.watchdog(_steps(in_workers), _gpu_queue_depth())
     send(plan)
-    return {"resent": plan.train, "ticked": plan.tick, "episodes": report,
+    return {"resent": plan.train, "ticked": plan.tick, "restarted": plan.start, "episodes": report,
             "runtimes_removed": control_watchdog.sweep_runtimes(),
             "engines_resynced": control_watchdog.resync_engines()}
 

@@ -23,6 +23,8 @@ def send(plan: Plan | None) -> None:
         send_train_step(run_id, step)
     for run_id in plan.tick:
         celery_app.send_task("control.tick", args=[run_id])
+    for run_id in plan.start:
+        celery_app.send_task("control.start_run", args=[run_id])
 
 
 def send_train_step(run_id: int, step: int) -> None:

@@ -107,3 +107,26 @@ def test_a_restarted_engine_is_put_back_on_the_runs_newest_weights(database, tmp
     assert client.policy_version() == 1
     assert watchdog.resync_engines() == {}  # nothing to do any more
     client.close()
+
+
+def test_a_run_whose_start_message_was_lost_is_started_again(database, monkeypatch):
+    """A run still `queued` a lease period plus a watchdog period after creation lost its start
+    message (e.g. Redis restarted before a control worker took it): the watchdog sends it again;
+    a just-created run and a running one are left alone."""
+    from app import config
+
+    monkeypatch.setenv("TURNSTILE_LEASE_TTL_S", "10")
+    monkeypatch.setenv("TURNSTILE_WATCHDOG_INTERVAL_S", "5")
+    config.reset_settings()
+    now = dt.datetime.now(dt.timezone.utc)
+    with session_scope() as s:
+        lost = Run(kind="eval", status="queued", config={}, created_at=now - dt.timedelta(seconds=16))
+        fresh = Run(kind="eval", status="queued", config={}, created_at=now - dt.timedelta(seconds=14))
+        running = Run(kind="eval", status="running", config={}, created_at=now - dt.timedelta(seconds=600))
+        s.add_all([lost, fresh, running])
+        s.flush()
+        ids = lost.id, fresh.id, running.id
+    plan = watchdog.watchdog(set(), 0)
+    assert plan.start == [ids[0]]
+    assert ids[2] in plan.tick and ids[0] not in plan.tick
+    config.reset_settings()
