@@ -98,7 +98,7 @@ def _ids(spec: str | Sequence[str]) -> list[str]:
         return list(spec)
     name, _, split = spec.partition(":")
     from app.tasksets import load_task_set
-    from app.tasksets.starter import split_ids
+    from app.cli.starter import split_ids
 
     ids = split_ids(load_task_set(name).raw, split)
     if not ids:

@@ -14,7 +14,7 @@ from app import config
 from app.config import get_settings
 from app.runtimes import RuntimePaths, materialize_base
 from app.tasksets import InstanceRecord, load_task_set
-from app.tasksets import starter
+from app.cli import starter
 
 
 @pytest.fixture
