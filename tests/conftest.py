@@ -120,3 +120,34 @@ def spawn(tmp_path):
     yield _spawn
     for proc in procs:
         proc.kill(signal.SIGTERM)
+
+
+# --- vLLM under pytest-xdist ------------------------------------------------------------------
+# tests/vllm needs one vLLM server (about two minutes to start).  Every xdist worker collects the
+# whole suite, so the folder's own conftest would start one server per worker; instead the
+# controller starts it here, before the workers exist, and they inherit its address.
+_controller_vllm = None
+
+
+def _selects_vllm_tests(config) -> bool:
+    vllm_dir = Path(__file__).parent / "vllm"
+    args = [Path(a.split("::")[0]).resolve() for a in config.args] or [Path(__file__).parent]
+    return any(vllm_dir == a or vllm_dir.is_relative_to(a) or a.is_relative_to(vllm_dir) for a in args)
+
+
+def pytest_configure(config):
+    global _controller_vllm
+    is_controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+    if (is_controller and not config.option.collectonly and not os.environ.get("TURNSTILE_TEST_VLLM_URL")
+            and _selects_vllm_tests(config)):
+        from vllm_server import VLLMServer
+
+        _controller_vllm = VLLMServer()
+        if _controller_vllm.error is None:
+            os.environ["TURNSTILE_TEST_VLLM_URL"] = _controller_vllm.url
+            os.environ["TURNSTILE_TEST_VLLM_LOG"] = str(_controller_vllm.log_path)
+
+
+def pytest_unconfigure(config):
+    if _controller_vllm is not None:
+        _controller_vllm.stop()

