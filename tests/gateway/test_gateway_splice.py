@@ -65,6 +65,11 @@ def test_reserialized_tool_call_arguments_merge(gw):
     assert second.raw_request["splice"]["prompt_tokens"] == len(second.prompt_ids)  # the engine took the ids
     assert second.prompt_ids[:len(first.prompt_ids) + len(first.sampled_ids)] == first.prompt_ids + first.sampled_ids
     assert "prompt_token_ids" not in second.normalized_request  # the engine's own ids are the record
+    # The ids go in both fields engines read: top-level (embedded engine) and vLLM's
+    # `kv_transfer_params.prompt_token_ids` (tests/vllm shows vLLM serves that prompt).
+    sent_body = gw.engine_requests()[-1]["body"]
+    assert sent_body["prompt_token_ids"] == sent_body["kv_transfer_params"]["prompt_token_ids"] == second.prompt_ids
+    assert "kv_transfer_params" not in second.normalized_request
     report = _merge(ep)
     assert (report["chains"], report["completions_merged"], report["chains_cut"]) == (1, 1, 0)
 
