@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
 from app.engines.batching import TokenEvent
@@ -98,12 +99,16 @@ class ChoiceAssembler:
         self.options = options
         self.token_ids: list[int] = []
         self._text = ""
-        # Incremental detokenization: ids before _stable_at decode to _stable_text and end on a
-        # character boundary, so only the tail is decoded per token (byte-level BPE decoding is
-        # concatenative when clean_up_tokenization_spaces is off, as for SmolLM2 and Qwen).
-        self._stable_at = 0
-        self._stable_text = ""
-        self._windowed = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        # Incremental detokenization with the tokenizers library's streaming decoder
+        # (`tokenizers.decoders.DecodeStream`, as vLLM's fast detokenizer): it returns the text a
+        # token adds, None while the bytes so far end inside a UTF-8 character, and keeps the
+        # word-boundary spaces of SentencePiece-style (Metaspace) vocabularies, which decoding a
+        # token on its own drops ("▁world" alone decodes to "world").  A tokenizer that cleans up
+        # spaces after decoding (clean_up_tokenization_spaces), or has no fast backend, is
+        # decoded whole per token instead.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", False) else backend
+        self._stream = DecodeStream(skip_special_tokens=options.skip_special_tokens) if self._backend else None
         self._emitted = 0
         self._parser = ToolCallParser() if options.parse_tools else None
         self.finished = False
@@ -124,13 +129,7 @@ class ChoiceAssembler:
         if self.options.logprobs:
             delta.logprobs.append(self._logprob_entry(event))
         done = event.finish_reason is not None
-        start = self._stable_at if self._windowed else 0
-        with self.texts.lock:  # HF fast tokenizers are not safe for concurrent use
-            tail = self.tokenizer.decode(self.token_ids[start:], skip_special_tokens=self.options.skip_special_tokens)
-        full = (self._stable_text if self._windowed else "") + tail
-        if not full.endswith("\ufffd") or done:  # hold back an incomplete UTF-8 character
-            self._text = full
-            self._stable_at, self._stable_text = len(self.token_ids), full
+        self._detokenize(event.sample.token_id, done)
         text_end, stop_hit = self._visible_end(done)
         piece = self._text[self._emitted:text_end]
         self._emitted = text_end
@@ -144,6 +143,24 @@ class ChoiceAssembler:
             if delta.finish_reason == "stop" and self._parser is not None and self._parser.calls:
                 delta.finish_reason = "tool_calls"
         return delta
+
+    def _detokenize(self, token_id: int, done: bool) -> None:
+        """Extend `_text` by what `token_id` adds; an incomplete UTF-8 character is held back
+        until it completes, or shown as U+FFFD when the choice ends on it."""
+        skip = self.options.skip_special_tokens
+        with self.texts.lock:  # HF fast tokenizers are not safe for concurrent use
+            if self._stream is not None:
+                piece = self._stream.step(self._backend, token_id)
+                if piece is not None:
+                    self._text += piece
+                if done and piece is None:  # flush the held-back bytes, as a whole decode shows them
+                    full = self.tokenizer.decode(self.token_ids, skip_special_tokens=skip)
+                    if full.startswith(self._text):
+                        self._text = full
+                return
+            full = self.tokenizer.decode(self.token_ids, skip_special_tokens=skip)
+        if not full.endswith("\ufffd") or done:
+            self._text = full
 
     def _visible_end(self, done: bool) -> tuple[int, str | None]:
         """End of the text that may be shown now, and the stop string that matched (if any)."""

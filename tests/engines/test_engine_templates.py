@@ -146,6 +146,52 @@ def test_incremental_detokenization_of_multibyte_text(tokenizer, stop):
     assert delta.finish_reason == ("stop" if stop else "length")
 
 
+def _metaspace_tokenizer():
+    """A small SentencePiece-style tokenizer (Metaspace pre-tokenizer and decoder, BPE with byte
+    fallback, like Llama 2 and Mistral), trained here in memory: words carry their leading space as
+    "▁", which a lone token's decode drops, and characters outside the vocabulary become byte
+    tokens <0xNN> (ordinary tokens, not special ones)."""
+    import json as _json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    trained.train_from_iterator(["hello world foobar world", "the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    spec = _json.loads(trained.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec["model"]["merges"]]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE", "Metaspace"])
+def test_streamed_text_keeps_word_spaces_and_multibyte_characters(tokenizer, kind):
+    """Streaming keeps the spaces of both vocabulary kinds and holds back a character split over
+    several tokens: the streamed text equals the whole decode, for a stop string too."""
+    tok = tokenizer if kind == "byte-level BPE" else _metaspace_tokenizer()
+    text = "hello world foobar world ü 🙂 done"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    for stop in ([], ["r world"]):
+        assembler = ChoiceAssembler(tok, TokenTexts(tok), ChatOptions(model="m", stop=stop))
+        pieces = []
+        for i, token in enumerate(ids):
+            delta = assembler.add(TokenEvent(TokenSample(token, 0.0, ()), "length" if i == len(ids) - 1 else None))
+            assert "\ufffd" not in delta.content
+            pieces.append(delta.content)
+            if delta.finish_reason:
+                break
+        assert "".join(pieces) == (text[: text.find(stop[0])] if stop else text)
+
+
 def test_continue_final_message_ends_the_prompt_inside_the_prefill(tokenizer):
     """An assistant prefill ("1,") is continued: the prompt ends with it, with no end-of-turn
     and no new assistant header after it (vLLM's `continue_final_message`)."""
