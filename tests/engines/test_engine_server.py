@@ -232,3 +232,32 @@ def test_second_turn_reuses_the_prefix_cache_exactly(engine):
             - torch.tensor([e["logprob"] for e in choice["logprobs"]["content"]])).abs().max().item()
     print(f"prefix-cache hit of {reused} tokens; logprob max abs diff {diff:.2e}")
     assert diff < 1e-4
+
+
+def test_procfile_engine_runs_under_gunicorn(spawn):
+    """The Procfile's `engine` line (gunicorn, workers/engine_conf.py, through the launcher) serves
+    the engine contract: a chat answer with token ids, and the stable engine id host-port."""
+    import shlex
+    import socket
+
+    from support import ROOT, free_port, wait_for
+
+    line = next(l for l in (ROOT / "Procfile").read_text().splitlines() if l.startswith("engine:"))
+    argv = shlex.split(line.split(":", 1)[1])
+    assert "gunicorn" in argv[argv.index("workers.launch") + 1]
+    port = free_port()
+    proc = spawn(argv, {"TURNSTILE_ENGINE_PORT": str(port), "TURNSTILE_ENGINE_MODEL": "tiny"}, name="engine")
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, 120, what=f"the Procfile engine to answer\n{proc.output()[-2000:]}")
+    answer = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "return_token_ids": True}).json()
+    assert len(answer["choices"][0]["token_ids"]) == 4 and answer["prompt_token_ids"]
+    assert answer["engine_id"] == f"embedded-{socket.gethostname()}-{port}"
+    assert "gunicorn" in proc.output()
