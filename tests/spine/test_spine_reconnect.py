@@ -36,7 +36,9 @@ def test_worker_reconnects_after_redis_restarts_and_keeps_consuming(tmp_path):
     worker = Proc([sys.executable, "-m", "celery", "-A", "app", "worker", "-Q", "control", "-c", "1",
                    "-n", f"reconnect-{uuid.uuid4().hex[:6]}@%h", "-O", "fair", "--without-gossip",
                    "--without-mingle", "--loglevel", "INFO"], env, tmp_path / "worker.log")
-    producer = Celery(broker=url)
+    # Not the current app: Turnstile's shared tasks resolve the current app when they are sent, and
+    # later tests in this process would route them through this unconfigured one (queue "celery").
+    producer = Celery(broker=url, set_as_current=False)
     producer.conf.update(broker_connection_retry_on_startup=True, broker_transport_options={"sep": ":"})
 
     def consumed(task_id: str, timeout: float) -> None:
