@@ -13,7 +13,7 @@ import time
 from sqlalchemy import select
 
 from app.config import get_settings
-from app.control import scheduler
+from app.control import scheduler, state
 from app.control.plan import Plan
 from app.control.real_stages import RealStages
 from app.control.simulated_stages import SimulatedStages
@@ -56,6 +56,8 @@ def start_run(run_id: int) -> Plan:
         cfg = run.run_config()
         created_at = run.created_at.isoformat()
         has_plan = bool((run.summary or {}).get("instance_ids"))
+    if won:
+        state.forget_run(run_id)  # a first start: no key of an earlier database's run of this id survives
     claim_run_dir(run_id, created_at)
     if not has_plan:
         stages = stages_for(cfg)

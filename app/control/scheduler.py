@@ -114,9 +114,11 @@ def _too_many_failures(s, run: Run, cfg: RunConfig) -> bool:
 def _new_group(s, run: Run, instance_ids: list[int], group_index: int, group_size: int, step: int) -> None:
     instance_id = instance_ids[group_index % len(instance_ids)]
     s.add(Group(run_id=run.id, group_index=group_index, instance_id=instance_id, policy_version=run.policy_version))
-    for k in range(group_size):
-        s.add(Episode(run_id=run.id, instance_id=instance_id, step=step, group_index=group_index, sample_index=k))
+    episodes = [Episode(run_id=run.id, instance_id=instance_id, step=step, group_index=group_index, sample_index=k)
+                for k in range(group_size)]
+    s.add_all(episodes)
     s.flush()
+    state.forget_episodes([e.id for e in episodes])
 
 
 def _group_counts(s, run_id: int) -> dict[str, int]:

@@ -199,6 +199,22 @@ def missing_cancel_flags(episode_ids: list[int]) -> list[int]:
     return [e for e, present in zip(episode_ids, pipe.execute()) if not present]
 
 
+def forget_episodes(episode_ids: list[int]) -> None:
+    """Delete the Redis state of episodes whose rows were just created.  Row ids restart when
+    the SQL database is replaced (a fresh SQLite file, a new checkout) while Redis keeps its
+    keys, so a new episode must never inherit an old one's cancel flag."""
+    if episode_ids:
+        get_redis().delete(*(cancel_key(e) for e in episode_ids))
+
+
+def forget_run(run_id: int) -> None:
+    """Delete the Redis state of a run that is starting for the first time (READY buffer, slots,
+    waits, dirty mark): stale keys of an earlier database's run with the same id would give it
+    phantom READY episodes or slots."""
+    get_redis().delete(ready_key(run_id), slot_free_key(run_id), slot_wait_key(run_id), ready_waits_key(run_id),
+                       dirty_key(run_id))
+
+
 def is_cancelled(episode_id: int) -> bool:
     """True once the scheduler cancelled the episode (straggler cut or run cancel)."""
     return bool(get_redis().exists(cancel_key(episode_id)))

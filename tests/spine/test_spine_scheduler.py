@@ -176,3 +176,26 @@ def test_eval_run_jumps_the_rollout_queue(database, spawn):
                                                                           Episode.started_at.is_not(None))))
     # With one rollout process, at most the train message already reserved ran before the eval ones.
     assert sum(1 for t in train_starts if t < eval_start) <= 1, (eval_start, train_starts)
+
+
+def test_a_fresh_database_does_not_inherit_redis_state_of_reused_ids(database, redis_db):
+    """Row ids restart with a new SQL database while Redis keeps its keys: an earlier database's
+    cancel flags and READY/slot keys under the same ids must not reach the new run's episodes."""
+    from app.control import runs
+
+    for episode_id in range(1, 9):  # left by an earlier database's cancelled episodes
+        redis_db.set(state.cancel_key(episode_id), 1)
+    with session_scope() as s:
+        cfg = RunConfig.model_validate({"kind": "eval", "group_size": 2, "simulate": {"episode_median_s": 0.1}})
+        run = Run(kind="eval", config=cfg.model_dump(mode="json"), status="queued")
+        s.add(run)
+        s.flush()
+        run_id = run.id
+    redis_db.rpush(state.ready_key(run_id), 99, 98)
+    redis_db.rpush(state.slot_free_key(run_id), *["x"] * 50)
+    runs.start_run(run_id)
+    with session_scope() as s:
+        ids = list(s.scalars(select(Episode.id).where(Episode.run_id == run_id)))
+    assert ids and not any(state.is_cancelled(e) for e in ids)
+    assert not {99, 98} & set(state.ready_ids(run_id))
+    assert state.slots_free(run_id) < 50
