@@ -5,23 +5,4 @@
 # TURNSTILE_LEARN_CONFIG names another config (default demo/learn.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CONFIG="${TURNSTILE_LEARN_CONFIG:-demo/learn.json}"
-mkdir -p var/log
-LOG="var/log/learn-$(date +%Y%m%d-%H%M%S).log"
-SETTINGS="$(.venv/bin/python -m app.config api_url gateway_url engine_port)"
-{ read -r API_URL; read -r GATEWAY_URL; read -r ENGINE_PORT; } <<<"$SETTINGS"
-
-.venv/bin/honcho start -e /dev/null -f Procfile >"$LOG" 2>&1 &
-HONCHO=$!
-stop() {
-  kill -TERM "$HONCHO" 2>/dev/null || true
-  for _ in $(seq 30); do kill -0 "$HONCHO" 2>/dev/null || break; sleep 1; done
-  kill -KILL "$HONCHO" 2>/dev/null || true
-  echo "processes stopped (logs: $LOG)"
-}
-trap stop EXIT
-echo "processes starting (logs: $LOG)"
-.venv/bin/python -m app.cli.wait --timeout 300 \
-  api="$API_URL/api/health" gateway="$GATEWAY_URL/health" engine="http://127.0.0.1:$ENGINE_PORT/health" \
-  || { tail -50 "$LOG"; exit 1; }
-.venv/bin/python -m app learn --config "$CONFIG"
+exec bash scripts/with_stack.sh learn .venv/bin/python -m app learn --config "${TURNSTILE_LEARN_CONFIG:-demo/learn.json}"
