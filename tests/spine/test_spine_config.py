@@ -175,7 +175,7 @@ def test_only_app_config_parses_dotenv():
     assert not hasattr(app.cli, "load_dotenv")
     makefile = (ROOT / "Makefile").read_text()
     assert "include .env" not in makefile and "scripts/up.sh" in makefile
-    for script in ("demo.sh", "up.sh"):
+    for script in ("with_stack.sh", "up.sh"):  # demo.sh and learn.sh start honcho through with_stack.sh
         assert "honcho start -e /dev/null" in (ROOT / "scripts" / script).read_text(), script
     assert "$" not in (ROOT / "Procfile").read_text()
 
