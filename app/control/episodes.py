@@ -150,7 +150,7 @@ def rollout(episode_id: int) -> Plan:
             if claim.attempt > 1 and claim.runtime is not None:
                 claim = _fresh_runtime(claim, owner)
             outcome = stages_for(claim.cfg).rollout(
-                claim, token, cancelled=lambda: beat.lost or state.is_cancelled(episode_id))
+                claim, token, cancelled=lambda: beat.lost or state.cancel_polled(episode_id))
     except Exception as exc:
         state.free_slot(claim.run_id)
         return fail(episode_id, f"rollout failed: {type(exc).__name__}: {exc}", owner)

@@ -19,10 +19,15 @@ rewritten on any pass:
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Iterator
 
+from redis.exceptions import RedisError
+
 from app.redis_client import get_redis, held_lock
+
+log = logging.getLogger(__name__)
 
 CANCEL_TTL_S = 24 * 3600
 DIRTY_TTL_MS = 600_000
@@ -218,3 +223,15 @@ def forget_run(run_id: int) -> None:
 def is_cancelled(episode_id: int) -> bool:
     """True once the scheduler cancelled the episode (straggler cut or run cancel)."""
     return bool(get_redis().exists(cancel_key(episode_id)))
+
+
+def cancel_polled(episode_id: int) -> bool:
+    """`is_cancelled` for a poll that asks again within seconds: a Redis error (timeout, lost
+    connection) reads as "not cancelled" and is logged, so a stall of Redis does not end the
+    rollout that polls; the next poll asks again.  (A box short of memory stalled Redis replies
+    past the client's socket timeout and every polling rollout failed at once.)"""
+    try:
+        return is_cancelled(episode_id)
+    except RedisError as exc:
+        log.warning("episode=%s event=cancel_poll_failed error=%s: %s", episode_id, type(exc).__name__, exc)
+        return False

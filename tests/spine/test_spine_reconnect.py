@@ -96,3 +96,28 @@ def test_launcher_restarts_a_killed_child_and_stops_it_on_sigterm(tmp_path):
         assert len(started()) == 2  # not restarted after the stop signal
     finally:
         launcher.kill(signal.SIGKILL)
+
+
+def test_a_stalled_redis_reads_as_not_cancelled_in_the_rollout_poll_and_a_cancel_is_seen_after(monkeypatch, redis_db):
+    """A server that accepts connections and never replies (what a stalled Redis looks like to a
+    client: its socket timeout fires) must not end a rollout's cancel poll; the next poll reads
+    the real flag."""
+    import socket
+    import threading
+
+    import redis as redis_lib
+
+    from app.control import state
+
+    stalled = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: held.append(stalled.accept()[0]), daemon=True).start()
+    silent = redis_lib.Redis(host="127.0.0.1", port=stalled.getsockname()[1], socket_timeout=0.3)
+    monkeypatch.setattr(state, "get_redis", lambda: silent)
+    with pytest.raises(redis_lib.exceptions.TimeoutError):
+        state.is_cancelled(7)  # the plain read still says what happened
+    assert state.cancel_polled(7) is False
+    monkeypatch.setattr(state, "get_redis", lambda: redis_db)
+    redis_db.set(state.cancel_key(7), 1)
+    assert state.cancel_polled(7) is True
+    stalled.close()
