@@ -43,8 +43,9 @@ class ModelChoice(BaseModel):
     engine_urls: list[Annotated[str, Field(max_length=2048)]] = Field(
         default_factory=list, max_length=256, description="override TURNSTILE_ENGINE_URLS")
     checkpoint: str | None = Field(
-        None, description="eval/collect only: weights loaded into the engines before the run starts; "
-                          "a checkpoint model folder or 'run:<id>' (that train run's newest checkpoint)")
+        None, description="weights loaded into the engines before the run starts (and, for a train run, the "
+                          "weights it trains from: its policy version 0); a checkpoint model folder or, for eval and "
+                          "collect runs, 'run:<id>' (that train run's newest checkpoint)")
 
 
 class Budget(BaseModel):
@@ -201,9 +202,11 @@ class RunConfig(BaseModel):
             raise ValueError("steps: a train run needs at least one step")
         if self.kind == "train" and self.group_size < 2:
             raise ValueError("group_size: GRPO needs at least 2 episodes per group for a train run")
-        if self.model.checkpoint is not None and self.kind == "train":
-            raise ValueError("model.checkpoint: only eval and collect runs load a checkpoint; "
-                             "a train run starts from model.name")
+        if self.kind == "train" and (self.model.checkpoint or "").startswith("run:"):
+            # 'run:<id>' means that run's newest checkpoint, which moves while it trains; the trainer
+            # (re)loads its start weights at every restore, so they must not change under it.
+            raise ValueError("model.checkpoint: a train run starts from a fixed checkpoint folder "
+                             "(var/runs/<id>/checkpoints/step_<k>/model), not 'run:<id>'")
         if self.model.engine == "vllm" and not self.model.engine_urls:
             raise ValueError("model.engine_urls: a vllm model needs at least one engine URL")
         return self

@@ -128,6 +128,8 @@ class RealStages:
         from app.training.weight_sync import push_weights
 
         folder, version = resolve_checkpoint(cfg.model.checkpoint)
+        if cfg.kind == "train":
+            version = 0  # a train run numbers its own policy versions: the weights it starts from are 0
         urls = cfg.model.engine_urls or get_settings().engine_urls
         results = push_weights(urls, folder, version, engine_kind=cfg.model.engine)
         failed = {u: r for u, r in results.items() if r != "ok"}

@@ -159,6 +159,8 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
         transition(s, TrainingStep, row.id, "training", expect=("pending", "training"), started_at=utcnow(), error=None)
         run_cfg = run.run_config()
         spec, config = run_cfg.model.name, run_cfg.training
+        if run_cfg.model.checkpoint:  # a train run that starts from a checkpoint trains those weights
+            spec = str(checkpoints.resolve_checkpoint(run_cfg.model.checkpoint)[0])
         engine_urls = run_cfg.model.engine_urls or get_settings().engine_urls
         engine_kind = run_cfg.model.engine
         completed_before = s.scalar(select(TrainingStep.id).where(
