@@ -46,11 +46,9 @@ def mini_config(name: str) -> dict:
 
 
 def with_command_hint(record) -> str:
-    module = re.search(r"in `([^`]+\.py)`", record.problem_statement).group(1)
-    bad = re.findall(r"^-    (.*)$", record.patch, re.M)[0]
-    good = re.findall(r"^\+    (.*)$", record.patch, re.M)[0]
-    esc = lambda s: re.sub(r"([\[\]/.*^$\\])", r"\\\1", s)  # noqa: E731 - sed pattern escaping
-    return record.problem_statement + f"\nThis command fixes it for me:\n\n```bash\nsed -i 's/{esc(bad)}/{good.replace('/', chr(92) + '/')}/' {module}\n```\n"
+    from app.training.warmstart import fix_command
+
+    return record.problem_statement + f"\nThis command fixes it for me:\n\n```bash\n{fix_command(record.patch)}\n```\n"
 
 
 def messages(kind: str, task: str) -> tuple[list[dict], list | None]:

@@ -1,15 +1,19 @@
 """`python -m app learn`: evaluate, train, evaluate again, compare, draw `var/runs/<id>/learning.png`.
 
     python -m app learn --config demo/learn.json       # what `make learn` runs (the stack must be up)
+    python -m app warm-start --config demo/learn.json  # only the warm start (prints its model folder)
     python -m app learn-plot TRAIN_ID --compare FILE   # redraw the figure of a finished train run
 
 The config file holds one train run config (`RunConfig`) plus a `learn` section:
 `heldout` / `train` (instance ids, or the name of a split of the starter set: "starter:heldout",
 "starter:train"), `eval_samples` (k samples per held-out instance), `eval_budget` (optional
-budget for the eval runs, default the train run's).  Steps, in order:
+budget for the eval runs, default the train run's), `warm_start` (optional: hyperparameters of
+`app.training.warmstart.WarmStartConfig`).  Steps, in order:
 
-1. eval run on the held-out instances with the base model (pass@1 over k samples each);
-2. the train run on the train instances;
+0. with `warm_start`: supervised warm start on the train instances' fixes (cached by its
+   inputs), which becomes `model.checkpoint` of every run below except the last;
+1. eval run on the held-out instances with the starting policy (pass@1 over k samples each);
+2. the train run on the train instances, from the same policy;
 3. eval run on the held-out instances with the train run's newest checkpoint (`run:<id>`);
 4. `compare` of 1 and 3 (95% bootstrap intervals, `app/cli/compare.py`), saved as
    `var/runs/<train id>/compare.json`, and the figure `var/runs/<train id>/learning.png`:
@@ -19,6 +23,8 @@ budget for the eval runs, default the train run's).  Steps, in order:
 from __future__ import annotations
 
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -119,6 +125,29 @@ def _run(config: dict, console: Console, timeout_s: float | None) -> dict:
     return final
 
 
+def warm_start_folder(config: dict, section: Mapping, default_instances: str | Sequence[str]) -> Path:
+    """Run (or reuse) the supervised warm start described by `section`; its model folder.
+
+    `section` holds `app.training.warmstart.WarmStartConfig` fields and optionally `instances`
+    (ids or a starter split such as "starter:train"; default `default_instances`), the task set's
+    instances whose fixes are demonstrated.  The base model and harness are the run config's.
+    """
+    from app.harnesses import get_preset
+    from app.tasksets import load_task_set
+    from app.training.warmstart import WarmStartConfig, warm_start
+
+    settings = dict(section)
+    names = _ids(settings.pop("instances", default_instances))
+    task_set = load_task_set(config["task_set"])
+    records = [task_set.get(name) for name in names]
+    base = (config.get("model") or {}).get("name", "smollm2")
+    args = (base, get_preset(config["harness"]), records, WarmStartConfig.from_dict(settings), get_settings().var_dir / "models")
+    # In a child process: the model, its gradients and AdamW state (~4 GB for SmolLM2) go back to the
+    # OS when it exits, instead of staying in this process for the hour it then follows the runs.
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(warm_start, *args).result()
+
+
 def cmd_learn(args) -> int:
     from app.cli.compare import compare_samples, comparison_table, samples_of, write_json
     from app.cli.runs import _client, read_config_file
@@ -128,10 +157,13 @@ def cmd_learn(args) -> int:
     heldout, train_ids = _ids(learn.get("heldout", "starter:heldout")), _ids(learn.get("train", "starter:train"))
     k = int(learn.get("eval_samples", 4))
     console = Console()
+    config["model"] = dict(config.get("model") or {})
+    if learn.get("warm_start") is not None:
+        # The policy GRPO starts from, and the "before" of the comparison, is the warm-started one.
+        config["model"]["checkpoint"] = str(warm_start_folder(config, learn["warm_start"], train_ids))
     eval_base = {key: config[key] for key in ("task_set", "harness", "timeouts") if key in config}
     eval_base.update(kind="eval", instances=heldout, group_size=k, tasks_per_step=len(heldout), steps=1,
-                     budget=learn.get("eval_budget") or config.get("budget") or {},
-                     model={k2: v for k2, v in (config.get("model") or {}).items() if k2 != "checkpoint"})
+                     budget=learn.get("eval_budget") or config.get("budget") or {}, model=dict(config["model"]))
     if "scheduling" in config:
         eval_base["scheduling"] = {s: v for s, v in config["scheduling"].items() if s in ("rollout_slots", "ready_depth")}
     before = _run(eval_base, console, args.timeout)
@@ -168,11 +200,25 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_warm_start(args) -> int:
+    from app.cli.runs import read_config_file
+
+    config = read_config_file(args.config)
+    learn = config.pop("learn", None) or {}
+    if learn.get("warm_start") is None:
+        raise SystemExit(f"{args.config}: no learn.warm_start section")
+    print(warm_start_folder(config, learn["warm_start"], learn.get("train", "starter:train")))
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("learn", help="eval held-out, train, eval again, compare, draw learning.png (make learn)")
     p.add_argument("--config", default="demo/learn.json", help="train run config with a `learn` section")
     p.add_argument("--timeout", type=float, default=None, help="give up following one run after this many seconds")
     p.set_defaults(handler=cmd_learn)
+    p = sub.add_parser("warm-start", help="the supervised warm start of a learn config (cached model folder)")
+    p.add_argument("--config", default="demo/learn.json", help="train run config with a learn.warm_start section")
+    p.set_defaults(handler=cmd_warm_start)
     p = sub.add_parser("learn-plot", help="draw learning.png of a finished train run")
     p.add_argument("train_run", type=int)
     p.add_argument("--compare", help="comparison JSON written by `compare --json` or `learn`")

@@ -300,10 +300,20 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """Submit the demo run, follow it, export its trajectories, print the summary."""
+    """Submit the demo run, follow it, export its trajectories, print the summary.
+
+    A `warm_start` section in the config (see `app.cli.learning.warm_start_folder`) first runs or
+    reuses the supervised warm start, which the run then starts from (`model.checkpoint`).
+    """
     config = read_config_file(args.config)
-    run = submit_run(config)
     console = Console()
+    section = config.pop("warm_start", None)
+    if section is not None:
+        from app.cli.learning import warm_start_folder
+
+        folder = warm_start_folder(config, section, "starter:train")
+        config["model"] = {**(config.get("model") or {}), "checkpoint": str(folder)}
+    run = submit_run(config)
     console.print(f"run {run['id']} submitted: {config.get('kind')} {config.get('harness')} on "
                   f"{', '.join(config.get('instances') or [config.get('task_set')])}, "
                   f"group {config.get('group_size')} x {config.get('tasks_per_step')} tasks x {config.get('steps')} steps")

@@ -21,6 +21,7 @@ Budget: `agent.step_limit` = `max_turns`; `model.model_kwargs.max_tokens` = `max
 """
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import yaml
@@ -31,6 +32,11 @@ from app.runconfig import Budget
 CONFIG_DIR = Path(".config") / "mini-swe-agent"
 CONFIG_NAME = "turnstile.yaml"
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+# The one tool mini-swe-agent 2.4.6 declares in tool-call mode (minisweagent/models/utils/actions_toolcall.py).
+BASH_TOOL = {"type": "function", "function": {
+    "name": "bash", "description": "Execute a bash command",
+    "parameters": {"type": "object", "required": ["command"],
+                   "properties": {"command": {"type": "string", "description": "The bash command to execute"}}}}}
 
 
 class MiniSweAgent(HarnessPreset):
@@ -45,6 +51,7 @@ class MiniSweAgent(HarnessPreset):
     # with `python -m app harness check mini-swe-agent --json` (first_prompt_tokens) at the
     # pinned version, rounded down; re-measure when `version` changes (tests/harnesses checks it).
     min_prompt_tokens = 1000
+    submit_command = SUBMIT
 
     def builtin_config(self) -> Path:
         """Absolute path of the package's own `mini.yaml` (never a same-named file in the workspace)."""
@@ -54,11 +61,15 @@ class MiniSweAgent(HarnessPreset):
             raise FileNotFoundError(f"mini.yaml not found under {self.root / 'venv'}")
         return found[0]
 
+    def builtin_settings(self) -> dict:
+        """The package's own `mini.yaml`, parsed (an empty file reads as `{}`)."""
+        return yaml.safe_load(self.builtin_config().read_text(encoding="utf-8")) or {}
+
     def write_config(self, home: Path, gateway_url: str, api_key: str, model: str, budget: Budget) -> None:
         # One complete config (the built-in mini.yaml with our overrides merged in), found through
         # MSWEA_MINI_CONFIG_PATH: no `-c` on the command line, so no relative config name can be
         # resolved against the agent-controlled workspace.
-        config = yaml.safe_load(self.builtin_config().read_text(encoding="utf-8")) or {}
+        config = self.builtin_settings()
         model_cfg = config.setdefault("model", {})
         model_cfg.update(model_name="openai/" + model, cost_tracking="ignore_errors")
         model_cfg.setdefault("model_kwargs", {}).update(api_base=gateway_base(gateway_url, "/v1"),
@@ -78,6 +89,29 @@ class MiniSweAgent(HarnessPreset):
                 "MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_SILENT_STARTUP": "1",
                 "MSWEA_GLOBAL_CONFIG_DIR": str(config_dir), "MSWEA_MINI_CONFIG_PATH": str(config_dir / CONFIG_NAME),
                 "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "PYTHONUNBUFFERED": "1"}
+
+    def first_messages(self, problem_statement: str) -> tuple[list[dict], list[dict]]:
+        """The Chat Completions `(messages, tools)` of the agent's first call for `problem_statement`.
+
+        Rendered like the agent does (`DefaultAgent`): its installed `mini.yaml` system and instance
+        templates (jinja2) with the task and `platform.uname()` fields, and the `bash` tool.  Used to
+        build warm-start demonstrations on exactly the prompt the agent sends.
+        Raises FileNotFoundError when the harness is not installed.
+        """
+        import jinja2
+
+        agent = self.builtin_settings()["agent"]
+        values = {**platform.uname()._asdict(), "task": problem_statement}
+        render = lambda name: jinja2.Template(agent[name], undefined=jinja2.StrictUndefined).render(**values)  # noqa: E731
+        return [{"role": "system", "content": render("system_template")},
+                {"role": "user", "content": render("instance_template")}], [BASH_TOOL]
+
+    def observation(self, returncode: int, output: str) -> str:
+        """The tool-result text the agent sends after a command (its `model.observation_template`)."""
+        import jinja2
+
+        template = self.builtin_settings()["model"]["observation_template"]
+        return jinja2.Template(template).render(output={"returncode": returncode, "output": output, "exception_info": ""})
 
     def check_script(self) -> list[ScriptedTurn]:
         return [*check_tool_calls("bash"),
