@@ -101,6 +101,7 @@ GROUP_STATES = (
     "trained",   # consumed by training step `step`
     "rejected",  # too few usable episodes (reason says why)
     "dropped",   # too stale for the current policy (reason says why)
+    "filtered",  # equal rewards, so no advantage: set aside by dynamic sampling for step `step`
     "done",      # eval/collect group finished
 )
 

@@ -89,6 +89,13 @@ class Scheduling(BaseModel):
     min_accept_fraction: float = Field(0.5, ge=0, le=1)
     rollout_slots: int = Field(4, ge=1, le=1024, description="episodes running at once for this run")
     ready_depth: int = Field(2, ge=0, le=1024, description="prepared runtimes kept waiting in the READY buffer")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling (Yu et al. 2025, arXiv:2503.14476 §3.2): a train group whose usable "
+                           "rewards are all equal has zero advantage, so it is set aside ('filtered', not trained) and "
+                           "another group is drawn in its place, up to max_filtered_groups per step")
+    max_filtered_groups: int = Field(
+        6, ge=0, le=1024, description="with dynamic_sampling: groups set aside per step before uniform groups are "
+                                      "trained anyway (a policy that solves all or none never blocks the run)")
     max_failed_episodes: int | None = Field(
         None, ge=1, description="fail the run once this many episodes failed (default: 2 x group_size x tasks_per_step)")
 

@@ -1,7 +1,8 @@
 """How often does SmolLM2 fix a starter instance in its first turn?  Offline, no stack needed.
 
     .venv/bin/python bench/starter_probe.py --samples 4 --temperature 1.0 --max-tokens 160 \
-        --instances starter__mathkit-1,starter__textkit-2 [--prompt toolcall|textbased|short] [--hint-command]
+        --instances starter__mathkit-1,starter__textkit-2 [--prompt toolcall|textbased|short] [--hint-command] \
+        [--model var/models/warmstart-<key>]
 
 For each instance: render mini-swe-agent's first request (its own `mini.yaml` system and
 instance templates with the `bash` tool, or `mini_textbased.yaml`, or a ~190-token prompt),
@@ -104,6 +105,7 @@ def main() -> int:
     parser.add_argument("--instances", default="all", help="comma-separated ids (default: all 18)")
     parser.add_argument("--prompt", choices=("toolcall", "textbased", "short"), default="toolcall")
     parser.add_argument("--hint-command", action="store_true")
+    parser.add_argument("--model", default="smollm2", help="model spec or folder (a warm start, a checkpoint's model/)")
     args = parser.parse_args()
 
     import torch
@@ -113,7 +115,7 @@ def main() -> int:
     from app.tasksets import load_task_set
 
     torch.set_num_threads(1)
-    model, tok = load_model("smollm2")
+    model, tok = load_model(args.model)
     records = load_task_set("starter").instances
     if args.instances != "all":
         wanted = set(args.instances.split(","))

@@ -57,10 +57,16 @@ def slope(values: Sequence[float]) -> float | None:
 
 
 def step_series(train_run: Mapping) -> tuple[list[int], list[float], list[float | None]]:
-    """(steps, reward_mean per step, loss per step) of a train run as the API returns it (`summary.steps`)."""
+    """(steps, reward per step, loss per step) of a train run as the API returns it (`summary.steps`).
+
+    The reward of a step is the mean over every episode drawn for it (`sampled_reward_mean`): with
+    dynamic sampling the trained groups alone are the mixed ones, whose mean says nothing of progress.
+    Runs summarised before that field existed fall back to `reward_mean` (the trained episodes).
+    """
     rows = [st for st in (train_run.get("summary") or {}).get("steps") or [] if st.get("reward_mean") is not None]
-    return ([int(st["step"]) for st in rows], [float(st["reward_mean"]) for st in rows],
-            [(st.get("metrics") or {}).get("loss") for st in rows])
+    rewards = [float(st["reward_mean"] if st.get("sampled_reward_mean") is None else st["sampled_reward_mean"])
+               for st in rows]
+    return [int(st["step"]) for st in rows], rewards, [(st.get("metrics") or {}).get("loss") for st in rows]
 
 
 def draw(path: Path, train_run: Mapping, comparison: Mapping | None) -> Path:
@@ -72,7 +78,7 @@ def draw(path: Path, train_run: Mapping, comparison: Mapping | None) -> Path:
 
     steps, rewards, _ = step_series(train_run)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [2, 1]})
-    left.plot(steps, rewards, "o", color="#999999", label="reward mean of the step's episodes")
+    left.plot(steps, rewards, "o", color="#999999", label="reward mean of the episodes drawn for the step")
     left.plot(steps, moving_average(rewards), "-", color="#1f77b4", label=f"moving average ({MOVING_AVERAGE} steps)")
     left.set_xlabel("training step")
     left.set_ylabel("training reward")

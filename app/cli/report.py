@@ -21,12 +21,17 @@ def render_summary(run: dict, console: Console) -> None:
         console.print(f"error: {run['error']}")
     if summary.get("steps"):
         table = Table(title="training steps")
-        for col in ("step", "ver", "eps", "reward", "resolved", "loss", "lp gap", "tokens", "train s"):
+        # With dynamic sampling, groups of equal rewards were set aside: show how many, and the
+        # reward over every drawn episode beside the trained ones' (which are mixed by construction).
+        filtering = any(st.get("groups_filtered") for st in summary["steps"])
+        for col in ("step", "ver", "eps", "reward", *(("filtered", "drawn reward") if filtering else ()),
+                    "resolved", "loss", "lp gap", "tokens", "train s"):
             table.add_column(col)
         for st in summary["steps"]:
             m = st.get("metrics") or {}
+            drawn = (_fmt(st.get("groups_filtered")), _fmt(st.get("sampled_reward_mean"))) if filtering else ()
             table.add_row(str(st["step"]), _fmt(st.get("policy_version")), _fmt(st.get("episodes")),
-                          _fmt(st.get("reward_mean")), _fmt(st.get("resolved_rate")), _fmt(m.get("loss"), ".4f"),
+                          _fmt(st.get("reward_mean")), *drawn, _fmt(st.get("resolved_rate")), _fmt(m.get("loss"), ".4f"),
                           _fmt(m.get("logprob_gap_max_abs"), ".1e"), _fmt(m.get("tokens_trained")), _fmt(st.get("train_s"), ".1f"))
         console.print(table)
     if summary.get("pass_at_k") and run["kind"] != "train":

@@ -18,6 +18,10 @@ Scheduling rules:
 * Judging a complete group: fewer than `min_accept_fraction` usable episodes →
   rejected; started more than `max_staleness` versions before the current policy →
   dropped (or down-weighted).  Accepted groups train in completion order.
+* Dynamic sampling (`scheduling.dynamic_sampling`, DAPO §3.2): an accepted group whose usable
+  rewards are all equal is `filtered` for the next step instead of trained, and the open-group
+  count drops, so another group is drawn; after `max_filtered_groups` in one step, uniform
+  groups are trained again.
 * Stragglers: with `cancel_stragglers`, a group with `min_usable` graded episodes
   has its unfinished episodes cancelled, freeing their slots at once.
 """
@@ -192,6 +196,7 @@ def _close_complete_groups(s, run: Run, cfg: RunConfig) -> None:
     """Mark groups whose episodes are all terminal, judge them, and cut stragglers."""
     sched = cfg.scheduling
     open_groups = s.scalars(select(Group).where(Group.run_id == run.id, Group.status == "open")).all()
+    next_step = s.scalar(select(func.count()).select_from(TrainingStep).where(TrainingStep.run_id == run.id))
     for group in open_groups:
         eps = s.scalars(
             select(Episode).where(Episode.run_id == run.id, Episode.group_index == group.group_index)
@@ -215,8 +220,25 @@ def _close_complete_groups(s, run: Run, cfg: RunConfig) -> None:
             group.status, group.reason = "rejected", f"{len(usable)}/{len(eps)} usable episodes"
             continue
         group.status = "accepted"
-        _judge_staleness(s, run, cfg, group)
+        if _judge_staleness(s, run, cfg, group) and sched.dynamic_sampling:
+            _filter_uniform(s, run.id, sched.max_filtered_groups, group, usable, next_step)
     s.flush()
+
+
+def _filter_uniform(s, run_id: int, cap: int, group: Group, usable: list[Episode], step: int) -> None:
+    """Set `group` aside for `step` when its rewards are all equal and the step's cap allows.
+
+    Equal rewards give every episode advantage 0 under any group baseline (GRPO, Shao et al.
+    2024, arXiv:2402.03300 §4.1.2), so training on the group moves nothing; DAPO (Yu et al. 2025,
+    arXiv:2503.14476 §3.2) over-samples and keeps only groups with accuracy strictly between 0 and 1.
+    """
+    if len({e.reward for e in usable}) != 1:
+        return
+    filtered = s.scalar(select(func.count()).where(Group.run_id == run_id, Group.status == "filtered", Group.step == step))
+    if filtered >= cap:
+        return
+    group.status, group.step = "filtered", step
+    group.reason = f"all {len(usable)} usable rewards are {usable[0].reward:g}: no advantage (dynamic sampling)"
 
 
 def _oldest_version(s, run_id: int, group_index: int) -> int | None:

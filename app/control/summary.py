@@ -72,12 +72,17 @@ def summarize_run(s: Session, run_id: int) -> dict:
     for st in steps:
         ids = set(st.episode_ids or [])
         rewards = [e.reward for e in graded if e.id in ids and e.reward is not None]
+        # Every group drawn for the step: the trained ones and those dynamic sampling set aside.
+        drawn = {g.group_index for g in groups if g.step == st.step and g.status in ("trained", "filtered")}
+        sampled = [e.reward for e in graded if e.group_index in drawn and e.reward is not None]
         per_step.append({
             "step": st.step,
             "status": st.status,
             "policy_version": st.policy_version,
             "episodes": len(ids),
             "reward_mean": statistics.fmean(rewards) if rewards else None,
+            "sampled_reward_mean": statistics.fmean(sampled) if sampled else None,
+            "groups_filtered": sum(1 for g in groups if g.step == st.step and g.status == "filtered"),
             "resolved_rate": (sum(1 for e in graded if e.id in ids and e.resolved) / len(ids)) if ids else None,
             "train_s": _duration(st.started_at, st.finished_at),
             "metrics": st.metrics,
@@ -176,6 +181,7 @@ def scheduling_metrics(s: Session, run_id: int, slots: int, lags: list[int], rea
         "staleness_hist": {str(k): lags.count(k) for k in sorted(set(lags))},
         "groups_dropped": groups.count("dropped"),
         "groups_rejected": groups.count("rejected"),
+        "groups_filtered": groups.count("filtered"),
         "episodes_cancelled": s.scalar(select(func.count()).where(Episode.run_id == run_id, Episode.status == "cancelled")),
         "episodes_harness_failed": harness_failed_count(s, run_id),
     }

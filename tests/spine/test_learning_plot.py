@@ -30,3 +30,12 @@ def test_learning_png_is_drawn_from_a_train_run_and_a_comparison(tmp_path):
     png = draw(tmp_path / "runs" / "7" / "learning.png", run, comparison)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert draw(tmp_path / "no-compare.png", run, None).exists()
+
+
+def test_the_step_reward_counts_every_group_drawn_for_the_step_when_dynamic_sampling_set_some_aside():
+    """Trained groups alone are the mixed ones (mean near 0.5 whatever the policy does): the curve
+    uses the mean over every drawn episode, and falls back to the trained mean without it."""
+    run = {"summary": {"steps": [
+        {"step": 0, "reward_mean": 0.5, "sampled_reward_mean": 0.125, "metrics": {"loss": -0.01}},
+        {"step": 1, "reward_mean": 0.5, "sampled_reward_mean": None, "metrics": {"loss": 0.02}}]}}
+    assert step_series(run) == ([0, 1], [0.125, 0.5], [-0.01, 0.02])

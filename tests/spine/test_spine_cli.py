@@ -162,3 +162,21 @@ def test_make_up_refuses_to_start_twice_with_one_line(monkeypatch):
                           env={**env, "TURNSTILE_ENGINE_PORT": "1", "TURNSTILE_FLOWER_PORT": "2",
                                "TURNSTILE_TENSORBOARD_PORT": "3", "TURNSTILE_GATEWAY_BIND": "127.0.0.1:4"})
     assert free.returncode == 0, free.stderr
+
+
+def test_the_run_summary_shows_filtered_groups_and_the_drawn_reward_only_when_dynamic_sampling_acted():
+    from rich.console import Console
+
+    from app.cli.report import render_summary
+
+    step = {"step": 0, "policy_version": 1, "episodes": 4, "reward_mean": 0.5, "resolved_rate": 0.5,
+            "groups_filtered": 3, "sampled_reward_mean": 0.125, "metrics": {"loss": -0.0123}}
+    run = {"id": 1, "kind": "train", "status": "completed", "config": {"harness": "h", "model": {"name": "m"}},
+           "summary": {"steps": [step]}}
+    console = Console(record=True, width=200)
+    render_summary(run, console)
+    text = console.export_text()
+    assert "drawn reward" in text and "0.125" in text and "-0.0123" in text
+    console = Console(record=True, width=200)
+    render_summary({**run, "summary": {"steps": [{**step, "groups_filtered": 0}]}}, console)
+    assert "drawn reward" not in console.export_text()

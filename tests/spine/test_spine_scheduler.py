@@ -199,3 +199,53 @@ def test_a_fresh_database_does_not_inherit_redis_state_of_reused_ids(database, r
     assert ids and not any(state.is_cancelled(e) for e in ids)
     assert not {99, 98} & set(state.ready_ids(run_id))
     assert state.slots_free(run_id) < 50
+
+
+def _uniform(s, run: Run, index: int, reward: float) -> Group:
+    g = _group(s, run, index, ["completed"] * 4)
+    s.execute(update(Episode).where(Episode.run_id == run.id, Episode.group_index == index).values(reward=reward))
+    s.flush()
+    return g
+
+
+def test_dynamic_sampling_sets_uniform_groups_aside_draws_others_and_trains_only_mixed_ones(database):
+    from app.control.summary import summarize_run
+
+    with session_scope() as s:
+        run = _train_run(s, dynamic_sampling=True, max_filtered_groups=5, max_async_level=0)
+        none_solved, all_solved = _uniform(s, run, 0, 0.0), _uniform(s, run, 1, 1.0)
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        assert (none_solved.status, none_solved.step) == ("filtered", 0) and "all 4 usable rewards are 0" in none_solved.reason
+        assert (all_solved.status, all_solved.step) == ("filtered", 0)
+        assert scheduler._maybe_create_step(s, run, _cfg(run)) is None  # nothing trainable yet
+        scheduler._plan_train(s, run, _cfg(run))  # filtered groups do not count as live: a new one is drawn
+        assert s.scalar(select(Group.group_index).where(Group.run_id == run.id, Group.status == "open")) == 2
+        drawn = s.scalars(select(Episode).where(Episode.run_id == run.id, Episode.group_index == 2)).all()
+        for e in drawn:  # the drawn group's rollouts finish with rewards 0, 1, 0, 1
+            e.status, e.reward = "completed", float(e.sample_index % 2)
+        mixed = s.scalars(select(Group).where(Group.run_id == run.id, Group.group_index == 2)).one()
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        assert mixed.status == "accepted"
+        assert scheduler._maybe_create_step(s, run, _cfg(run)) == 0 and mixed.status == "trained"
+        row = s.scalars(select(TrainingStep).where(TrainingStep.run_id == run.id)).one()
+        assert set(row.episode_ids) == {e.id for e in drawn}
+        summary = summarize_run(s, run.id)
+        first = summary["steps"][0]
+        assert first["reward_mean"] == 0.5 and first["groups_filtered"] == 2
+        assert first["sampled_reward_mean"] == pytest.approx((0 + 4 + 2) / 12)  # drawn: 0000, 1111, 0101
+
+
+def test_dynamic_sampling_trains_uniform_groups_once_the_step_cap_is_reached(database):
+    with session_scope() as s:
+        run = _train_run(s, dynamic_sampling=True, max_filtered_groups=1)
+        first, second = _uniform(s, run, 0, 0.0), _uniform(s, run, 1, 0.0)
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        assert first.status == "filtered" and second.status == "accepted"
+
+
+def test_without_dynamic_sampling_uniform_groups_are_trained(database):
+    with session_scope() as s:
+        run = _train_run(s)
+        g = _uniform(s, run, 0, 0.0)
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        assert g.status == "accepted"
