@@ -29,9 +29,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BASH_TOOL = {"type": "function", "function": {"name": "bash", "description": "Execute a bash command", "parameters": {
-    "type": "object", "properties": {"command": {"type": "string", "description": "The bash command to execute"}},
-    "required": ["command"]}}}
 SHORT_SYSTEM = ("You fix bugs in a Python repository by running bash commands. "
                 "Answer with exactly one bash command in a ```bash code block.")
 FENCE = re.compile(r"```(?:mswea_bash_command|bash|sh|shell)?[ \t]*\n(.*?)\n```", re.DOTALL)
@@ -59,11 +56,14 @@ def messages(kind: str, task: str) -> tuple[list[dict], list | None]:
         return [{"role": "system", "content": SHORT_SYSTEM},
                 {"role": "user", "content": task + "\nReply with one bash command (in a ```bash code block) that fixes "
                                                    "this issue in the repository."}], None
-    cfg = mini_config("mini.yaml" if kind == "toolcall" else "mini_textbased.yaml")
+    if kind == "toolcall":  # exactly the agent's first request (its templates rendered with this machine's uname)
+        from app.harnesses import get_preset
+
+        return get_preset("mini-swe-agent").first_messages(task)
+    cfg = mini_config("mini_textbased.yaml")
     inst = jinja2.Template(cfg["agent"]["instance_template"]).render(task=task, system="Linux", release="6", version="1",
                                                                      machine="x86_64")
-    msgs = [{"role": "system", "content": cfg["agent"]["system_template"]}, {"role": "user", "content": inst}]
-    return msgs, [BASH_TOOL] if kind == "toolcall" else None
+    return [{"role": "system", "content": cfg["agent"]["system_template"]}, {"role": "user", "content": inst}], None
 
 
 def commands_of(kind: str, text: str) -> list[str]:
