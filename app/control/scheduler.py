@@ -221,24 +221,33 @@ def _close_complete_groups(s, run: Run, cfg: RunConfig) -> None:
             continue
         group.status = "accepted"
         if _judge_staleness(s, run, cfg, group) and sched.dynamic_sampling:
-            _filter_uniform(s, run.id, sched.max_filtered_groups, group, usable, next_step)
+            _filter_uniform(s, run.id, sched.max_filtered_groups, group, next_step)
     s.flush()
 
 
-def _filter_uniform(s, run_id: int, cap: int, group: Group, usable: list[Episode], step: int) -> None:
-    """Set `group` aside for `step` when its rewards are all equal and the step's cap allows.
+def _usable_rewards(s, run_id: int, group: Group) -> list[float]:
+    return list(s.scalars(select(Episode.reward).where(
+        Episode.run_id == run_id, Episode.group_index == group.group_index, Episode.status == "completed",
+        Episode.reward.is_not(None))))
+
+
+def _filter_uniform(s, run_id: int, cap: int, group: Group, step: int) -> bool:
+    """Set `group` aside for `step` when its usable rewards are all equal and the step's cap
+    allows; True if it was set aside.
 
     Equal rewards give every episode advantage 0 under any group baseline (GRPO, Shao et al.
     2024, arXiv:2402.03300 §4.1.2), so training on the group moves nothing; DAPO (Yu et al. 2025,
     arXiv:2503.14476 §3.2) over-samples and keeps only groups with accuracy strictly between 0 and 1.
     """
-    if len({e.reward for e in usable}) != 1:
-        return
+    rewards = _usable_rewards(s, run_id, group)
+    if len(set(rewards)) != 1:
+        return False
     filtered = s.scalar(select(func.count()).where(Group.run_id == run_id, Group.status == "filtered", Group.step == step))
     if filtered >= cap:
-        return
+        return False
     group.status, group.step = "filtered", step
-    group.reason = f"all {len(usable)} usable rewards are {usable[0].reward:g}: no advantage (dynamic sampling)"
+    group.reason = f"all {len(rewards)} usable rewards are {rewards[0]:g}: no advantage (dynamic sampling)"
+    return True
 
 
 def _oldest_version(s, run_id: int, group_index: int) -> int | None:
@@ -289,10 +298,17 @@ def _maybe_create_step(s, run: Run, cfg: RunConfig) -> int | None:
         .where(Group.run_id == run.id, Group.status == "accepted")
         .order_by(Group.completed_at, Group.group_index)
     ).all()
-    accepted = [g for g in candidates if _judge_staleness(s, run, cfg, g)][: cfg.tasks_per_step]
+    step = len(steps)
+    accepted = [g for g in candidates if _judge_staleness(s, run, cfg, g)]
+    if cfg.scheduling.dynamic_sampling:
+        # A uniform group accepted after an earlier step's cap was reached is judged again against
+        # this step's cap, so it does not take the place of a group with signal here.
+        accepted = [g for g in accepted if not _filter_uniform(s, run.id, cfg.scheduling.max_filtered_groups, g, step)]
+        # Past the cap, groups with signal still go first (stable: completion order within each kind).
+        accepted.sort(key=lambda g: len(set(_usable_rewards(s, run.id, g))) == 1)
+    accepted = accepted[: cfg.tasks_per_step]
     if len(accepted) < cfg.tasks_per_step:
         return None
-    step = len(steps)
     indexes = [g.group_index for g in accepted]
     episode_ids = s.scalars(
         select(Episode.id).where(Episode.run_id == run.id, Episode.group_index.in_(indexes), Episode.status == "completed")

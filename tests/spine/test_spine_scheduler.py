@@ -249,3 +249,25 @@ def test_without_dynamic_sampling_uniform_groups_are_trained(database):
         g = _uniform(s, run, 0, 0.0)
         scheduler._close_complete_groups(s, run, _cfg(run))
         assert g.status == "accepted"
+
+
+def test_a_uniform_group_accepted_past_one_steps_cap_is_set_aside_for_the_next_step_not_trained(database):
+    """Seen in a real run: step 1's cap was reached, so `1111` and `0000` groups were accepted while
+    step 1 was being formed from earlier mixed groups; they must not become step 2's groups."""
+    now = dt.datetime.now(dt.timezone.utc)
+    with session_scope() as s:
+        run = _train_run(s, dynamic_sampling=True, max_filtered_groups=1)
+        first = _uniform(s, run, 0, 0.0)
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        late_uniform = _uniform(s, run, 1, 1.0)
+        mixed = _group(s, run, 2, ["completed"] * 4)
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        late_uniform.completed_at, mixed.completed_at = now - dt.timedelta(seconds=5), now
+        assert first.status == "filtered" and late_uniform.status == "accepted"  # step 0's cap of 1 is reached
+        assert scheduler._maybe_create_step(s, run, _cfg(run)) == 0
+        assert mixed.status == "trained"  # signal first, although the uniform group completed earlier
+        s.scalars(select(TrainingStep).where(TrainingStep.run_id == run.id)).one().status = "completed"
+        another = _group(s, run, 3, ["completed"] * 4)
+        scheduler._close_complete_groups(s, run, _cfg(run))
+        assert scheduler._maybe_create_step(s, run, _cfg(run)) == 1
+        assert (late_uniform.status, late_uniform.step) == ("filtered", 1) and another.status == "trained"
