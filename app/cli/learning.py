@@ -30,6 +30,7 @@ from typing import Mapping, Sequence
 
 from rich.console import Console
 
+from app.cli.report import make_console
 from app.config import get_settings
 
 MOVING_AVERAGE = 3  # steps in the trailing moving average of the training reward
@@ -162,7 +163,7 @@ def cmd_learn(args) -> int:
     learn = config.pop("learn", None) or {}
     heldout, train_ids = _ids(learn.get("heldout", "starter:heldout")), _ids(learn.get("train", "starter:train"))
     k = int(learn.get("eval_samples", 4))
-    console = Console()
+    console = make_console()
     config["model"] = dict(config.get("model") or {})
     if learn.get("warm_start") is not None:
         # The policy GRPO starts from, and the "before" of the comparison, is the warm-started one.

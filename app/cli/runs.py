@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from app.cli.report import make_console
 from app.config import get_settings
 
 TERMINAL = ("completed", "failed", "cancelled")
@@ -170,7 +171,7 @@ def follow_run(run_id: int, poll_s: float = 1.0, timeout_s: float | None = None,
     printed whenever the progress changes.  Ctrl-C stops following, not the run: it raises
     `FollowInterrupted`, whose message says how to follow again or cancel.
     """
-    console = console or Console()
+    console = console or make_console()
     started = time.monotonic()
     try:
         with _client() as client:
@@ -212,7 +213,7 @@ def _poll(client, run_id: int, poll_s: float, timeout_s: float | None, started: 
 def print_summary(run: dict, console: Console | None = None) -> None:
     from app.cli.report import render_summary
 
-    render_summary(run, console or Console())
+    render_summary(run, console or make_console())
 
 
 def cmd_submit(args) -> int:
@@ -257,14 +258,8 @@ def cmd_runs(args) -> int:
         resolved = "-" if live.get("resolved_rate") is None else f"{live['resolved_rate']:.0%}"
         table.add_row(str(r["id"]), r["kind"], r["status"], r["config"].get("harness", ""), r["config"].get("task_set", ""),
                       str(r["policy_version"]), eps, reward, resolved, (r["created_at"] or "")[:19])
-    _wide_console().print(table)
+    make_console().print(table)
     return 0
-
-
-def _wide_console() -> Console:
-    """A terminal's own width; when piped or redirected, wide enough that no cell is cut."""
-    console = Console()
-    return console if console.is_terminal else Console(width=400)
 
 
 def cmd_export(args) -> int:
@@ -306,7 +301,7 @@ def cmd_demo(args) -> int:
     reuses the supervised warm start, which the run then starts from (`model.checkpoint`).
     """
     config = read_config_file(args.config)
-    console = Console()
+    console = make_console()
     section = config.pop("warm_start", None)
     if section is not None:
         from app.cli.learning import warm_start_folder
@@ -396,7 +391,7 @@ def cmd_compare(args) -> int:
         runs = [client.get(f"/api/runs/{rid}").raise_for_status().json() for rid in (args.before, args.after)]
         samples = [samples_of(client.get(f"/api/runs/{rid}/episodes").raise_for_status().json()["episodes"])
                    for rid in (args.before, args.after)]
-    console = Console()
+    console = make_console()
     console.print(compare_table(*runs))
     result = compare_samples(*samples, replicates=args.replicates, seed=args.seed)
     console.print(comparison_table(*runs, *samples, result))
