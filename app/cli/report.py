@@ -1,8 +1,6 @@
 """The end-of-run summary printed by `submit --follow`, `follow` and the demo."""
 from __future__ import annotations
 
-import os
-
 from rich.console import Console
 from rich.table import Table
 
@@ -10,9 +8,9 @@ from rich.table import Table
 def make_console() -> Console:
     """The CLI's rich Console: a terminal's own width.  Written to a pipe or a log (`make learn >
     log`, CI) rich assumes 80 columns and cuts table cells to "0.5…"; there it is wide enough that
-    no cell is cut (tables still size to their content), unless COLUMNS says otherwise."""
+    no cell is cut (tables still size to their content)."""
     console = Console()
-    if not console.is_terminal and "COLUMNS" not in os.environ:
+    if not console.is_terminal:
         console = Console(width=400)
     return console
 
