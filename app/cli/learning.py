@@ -17,7 +17,7 @@ budget for the eval runs, default the train run's), `warm_start` (optional: hype
 3. eval run on the held-out instances with the train run's newest checkpoint (`run:<id>`);
 4. `compare` of 1 and 3 (95% bootstrap intervals, `app/cli/compare.py`), saved as
    `var/runs/<train id>/compare.json`, and the figure `var/runs/<train id>/learning.png`:
-   the training reward per step with its moving average, and held-out pass@1 before and
+   the training reward per step (every episode drawn for it) with its moving average, and held-out pass@1 before and
    after with their 95% intervals.
 """
 from __future__ import annotations
