@@ -21,7 +21,7 @@ Scheduling rules:
 * Dynamic sampling (`scheduling.dynamic_sampling`, DAPO §3.2): an accepted group whose usable
   rewards are all equal is `filtered` for the next step instead of trained, and the open-group
   count drops, so another group is drawn; after `max_filtered_groups` in one step, uniform
-  groups are trained again.
+  groups are trained again, after the groups with signal.
 * Stragglers: with `cancel_stragglers`, a group with `min_usable` graded episodes
   has its unfinished episodes cancelled, freeing their slots at once.
 """
