@@ -7,6 +7,8 @@ sessions (TURNSTILE_GATEWAY_THREADS per worker).  Settings (app.config):
 TURNSTILE_GATEWAY_BIND, TURNSTILE_GATEWAY_WORKERS, TURNSTILE_GATEWAY_THREADS,
 TURNSTILE_GATEWAY_WORKER_TIMEOUT, TURNSTILE_GATEWAY_ACCESS_LOG, TURNSTILE_LOG_LEVEL.
 """
+import os
+
 from app.config import get_settings
 
 _settings = get_settings()  # a bad value stops gunicorn here, with the variable's name
@@ -20,6 +22,10 @@ timeout = _settings.gateway_worker_timeout
 graceful_timeout = 30
 keepalive = 75
 backlog = 2048
+# The worker heartbeat touches a file in worker_tmp_dir on every turn of the worker's event loop
+# (about twice per request); on a disk-backed /tmp that cost 0.4 ms per request here. gunicorn's
+# docs advise a memory filesystem: https://docs.gunicorn.org/en/stable/settings.html#worker-tmp-dir
+worker_tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
 accesslog = _settings.gateway_access_log
 logger_class = "workers.redacting_logger.RedactingLogger"  # session keys never reach the access log
 errorlog = "-"
