@@ -183,101 +183,6 @@ class _WatchedBackend(httpcore.SyncBackend):
         return _WatchedStream(super().connect_tcp(*args, **kwargs))
 
 
-class InlineChatStream:
-    """A streamed ``POST /v1/chat/completions`` read on the calling thread (no reader thread,
-    no hand-over between threads: the lowest latency per call).
-
-    ``idle()`` is called every ``idle_s`` seconds while the engine is silent, before the response
-    head and between chunks; an exception it raises ends the call and closes the connection (the
-    engine aborts the request) and propagates to the caller.  Construction sends the request and
-    waits for the head: it raises ``EngineHTTPError`` when the engine refuses and
-    ``EngineConnectionError`` on transport failures.  Iterate ``batches()``, then ``close()``
-    (a context manager does).  ``t_head``: ``time.perf_counter()`` when the head arrived.
-    """
-
-    def __init__(self, client: "EngineClient", body: dict, headers: dict | None,
-                 idle: Callable[[], None] | None = None, idle_s: float = 0.25) -> None:
-        self.base_url = client.base_url
-        self._idle, self._idle_s = idle, idle_s
-        self._ended = False
-        request = client._http.build_request("POST", "/v1/chat/completions", content=_dumps(body).encode("utf-8"),
-                                             headers={"Content-Type": "application/json", "Accept-Encoding": "identity",
-                                                      **(headers or {})})
-        try:
-            with watching(idle, idle_s):
-                self._response = client._http.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise _connection_error(exc, self.base_url) from exc
-        self.t_head = time.perf_counter()
-        self.status = self._response.status_code
-        if self.status >= 400:
-            try:
-                with watching(idle, idle_s):
-                    self._response.read()
-            except httpx.HTTPError as exc:
-                self._response.close()
-                raise _connection_error(exc, self.base_url) from exc
-            self._response.close()
-            raise EngineHTTPError(self.status, _parse_body(self._response))
-        self._chunks = self._response.iter_raw()
-
-    def batches(self) -> Iterator[list]:
-        """Lists of items as received (chunk dicts, then ``DONE``, ``EOF`` or an exception ending
-        the last list, as ``ChatStream.poll``)."""
-        decoder = SSEDecoder()
-        watch = (self._idle, self._idle_s) if self._idle is not None else None
-        while not self._ended:
-            previous = getattr(_watch, "current", None)
-            _watch.current = watch  # as `watching`, without a context manager per chunk
-            try:
-                data = next(self._chunks, None)
-            except httpx.HTTPError as exc:
-                data = exc
-            finally:
-                _watch.current = previous
-            if isinstance(data, httpx.HTTPError):
-                self._ended = True
-                yield [_connection_error(data, self.base_url)]
-                return
-            if data is None:
-                self._ended = True
-                items = stream_items(decoder.close())
-                if not items or items[-1] is not DONE:
-                    items.append(EOF)
-                yield items
-                return
-            items = stream_items(decoder.feed(data))
-            if items:
-                self._ended = items[-1] is DONE or isinstance(items[-1], Exception)
-                yield items
-
-    def close(self) -> None:
-        """Release the connection: after ``[DONE]`` the rest of the body (the terminating chunk,
-        normally already sent) is read so the connection is reused; an unfinished answer's
-        connection is closed, so the engine aborts it."""
-        response = self._response
-        if self._ended and not response.is_closed:
-            def give_up() -> None:
-                raise _Abandon()
-            try:
-                with watching(give_up, 0.05):
-                    for _ in self._chunks:
-                        pass
-            except (_Abandon, httpx.HTTPError):
-                pass
-        response.close()
-
-    def __enter__(self) -> "InlineChatStream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class _Abandon(Exception):
-    """The engine did not finish its response body promptly after ``[DONE]``."""
-
-
 class _Readers:
     """Daemon threads reused from stream to stream.  A new thread per stream costs a scheduler
     round trip on the request's path (``Thread.start`` waits until the thread runs), which on a
@@ -325,8 +230,6 @@ class ChatStream:
     httpx reads cannot time out and resume (a read timeout ends the response), hence the reader
     thread (one of ``_READERS``); it hands over everything received per network read as one
     list.  Use ``wait`` for the response head, then ``poll`` for items, and always ``close``.
-    (``InlineChatStream`` reads on the caller's thread instead, for callers that need no
-    keep-alives while the engine is silent.)
     """
 
     def __init__(self, client: "EngineClient", body: dict, headers: dict | None) -> None:
@@ -590,15 +493,20 @@ class EngineClient:
         with chat_stream:
             yield from chat_stream
 
-    def complete(self, body: dict, *, headers: dict | None = None) -> dict:
-        """Non-stream ``POST /v1/chat/completions`` with the full request ``body`` as given."""
-        return self.request("POST", "/v1/chat/completions", body, headers=headers)
+    def complete(self, body: dict, *, headers: dict | None = None, idle: Callable[[], None] | None = None,
+                 idle_s: float = 0.25) -> dict:
+        """Non-stream ``POST /v1/chat/completions`` with the full request ``body`` as given.
 
-    def read_stream(self, body: dict, *, headers: dict | None = None, idle: Callable[[], None] | None = None,
-                    idle_s: float = 0.25) -> InlineChatStream:
-        """Start a streamed ``POST /v1/chat/completions`` read on this thread (see
-        ``InlineChatStream``); returns once the engine sent its response head."""
-        return InlineChatStream(self, body, headers, idle, idle_s)
+        ``idle()``, when given, is called every ``idle_s`` seconds while the engine is silent (a
+        non-stream answer is silent until it is done); an exception it raises abandons the call,
+        closing the connection so the engine aborts the request, and propagates to the caller.
+
+        Raises:
+            EngineHTTPError: the engine answered 4xx/5xx.
+            EngineConnectionError: transport failure or timeout.
+        """
+        with watching(idle, idle_s):
+            return self.request("POST", "/v1/chat/completions", body, headers=headers)
 
     def open_stream(self, body: dict, *, headers: dict | None = None) -> ChatStream:
         """Start a streamed ``POST /v1/chat/completions`` with ``body`` as given (it should say

@@ -22,7 +22,7 @@ A reply is a JSON object: text, reasoning, reasoning_field ("reasoning" | "reaso
 tool_calls [{name, arguments, id?}], refusal, error {status, message}, prefill_delay (after the response
 headers, like vLLM), header_delay (before them), slow_first (delay only the first identical request), token_delay (s),
 abort_after (chunks, then close without [DONE]), error_after (chunks, then an error chunk),
-garbage_after (chunks, then one chunk whose `choices` is not a list),
+garbage_after (chunks, then one chunk whose `choices` is not a list; non-stream forms in `non_stream_fault`),
 quirk ("no_type" | "repeat_id" | "same_index" | "args_at_end" | "args_in_header"), split_bytes (send SSE bytes in 1-byte
 writes that split UTF-8 characters), policy_version, cached_tokens (reported as cached prompt tokens).
 Tool calls may carry their own `id` (an engine that numbers calls per answer, `call_0`, reuses ids);
@@ -372,6 +372,12 @@ class Handler(BaseHTTPRequestHandler):
             self._wait(float(reply["prefill_delay"]))
         if body.get("stream"):
             return self.stream(body, reply, steps, finish, stop_reason, prompt_ids, extra)
+        try:
+            if self.non_stream_fault(reply, steps):
+                return
+        except ConnectionError:  # the client left during the delay (listed as aborted)
+            self.close_connection = True
+            return
         ids, lps, content, reasoning, refusal, calls = [], [], "", "", "", {}
         for s in steps:
             for t in encode(s["text"]):
@@ -403,6 +409,26 @@ class Handler(BaseHTTPRequestHandler):
                                       "finish_reason": finish, "stop_reason": stop_reason,
                                       "token_ids": ids if body.get("return_token_ids") else None}],
                          "usage": usage})
+
+    def non_stream_fault(self, reply: dict, steps: list) -> bool:
+        """A non-stream answer takes `token_delay` per step (watching the connection), and the
+        stream faults have non-stream forms: `abort_after` closes the connection without an
+        answer, `garbage_after` answers `choices` that are not a list, `error_after` answers a
+        500.  True when the fault was sent (nothing more to send)."""
+        cut = [int(reply[k]) for k in ("abort_after", "garbage_after", "error_after") if reply.get(k) is not None]
+        n = min([len(steps), *cut])
+        if reply.get("token_delay"):
+            self._wait(float(reply["token_delay"]) * n)
+        if n == len(steps):  # no fault before the last step
+            return False
+        if reply.get("abort_after") is not None and int(reply["abort_after"]) == n:
+            self.close_connection = True  # no status line at all
+            return True
+        if reply.get("garbage_after") is not None and int(reply["garbage_after"]) == n:
+            self._json(200, {"id": "chatcmpl-scripted", "object": "chat.completion", "choices": "not a list"})
+            return True
+        self._json(500, {"error": {"message": "scripted failure", "type": "InternalServerError", "code": 500}})
+        return True
 
     def _wait(self, seconds: float) -> None:
         """Sleep `seconds`, watching the connection: EOF from the client aborts the request."""

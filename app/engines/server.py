@@ -45,6 +45,7 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from app.engines.batching import BatchScheduler, Failed, GenerationRequest, Started, TokenEvent
+from app.engines.disconnect import client_gone_probe
 from app.engines.modeling import load_model, read_metadata, read_state_dict
 from app.engines.outputs import (
     ChatOptions,
@@ -157,6 +158,33 @@ def _next_event(req: GenerationRequest):
         return Failed(f"engine produced nothing for {EVENT_TIMEOUT_S:.0f}s")
 
 
+WATCH_S = 0.25  # how often a non-stream request looks for a departed client
+
+
+def _watched_events(req: GenerationRequest) -> Iterator:
+    """`req`'s events for a non-stream answer, ending early (None) when the client has closed its
+    connection: checked every WATCH_S seconds whether or not tokens arrive, so a client that
+    gives up frees its batch slot instead of the engine generating to max_tokens for nobody."""
+    gone = client_gone_probe(request.environ)
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    checked = time.monotonic()
+    while True:
+        try:
+            event = req.events.get(timeout=WATCH_S)
+            deadline = time.monotonic() + EVENT_TIMEOUT_S
+        except queue.Empty:
+            event = None
+            if time.monotonic() >= deadline:
+                event = Failed(f"engine produced nothing for {EVENT_TIMEOUT_S:.0f}s")
+        if time.monotonic() - checked >= WATCH_S:
+            checked = time.monotonic()
+            if gone():
+                yield None
+                return
+        if event is not None:
+            yield event
+
+
 # ---------------------------------------------------------------- chat completions
 def _chat(engine: Engine) -> Response:
     body = json_body()
@@ -188,14 +216,18 @@ def _chat(engine: Engine) -> Response:
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         deltas, version = [], None
-        while not assembler.finished:
-            event = _next_event(req)
+        for event in _watched_events(req):
+            if event is None:  # the client left: nobody reads the answer
+                log.info("client closed its connection; non-stream request cancelled")
+                return Response(status=499)
             if isinstance(event, Started):
                 version = event.policy_version
             elif isinstance(event, Failed):
                 raise EngineError(event.message, status=500)
             elif isinstance(event, TokenEvent):
                 deltas.append(assembler.add(event))
+            if assembler.finished:
+                break
         return jsonify(build_response(options, prompt_ids, deltas, version, engine.engine_id))
     finally:
         req.cancel()

@@ -9,6 +9,9 @@ the finish reason, engine id, policy version and timings:
   first_token_ms  request arrival -> first generated token from the engine
   total_ms        request arrival -> end of the answer (or disconnect)
 
+(A non-stream call is answered by the engine in one piece, so its queue_ms and first_token_ms
+are None: only streamed calls tell when the engine accepted and when it sampled the first token.)
+
 One row per call, and one per try only when it is a true retry.  SDKs retry a call
 whose answer failed (openai-python and anthropic-sdk-python retry connection errors,
 timeouts, 408/409/429 and 5xx, twice by default:

@@ -9,10 +9,10 @@ PR #22587) so the record holds the engine's own ids.  Engine errors are mapped
 to `GatewayError`s; a context overflow caused only by a too-large completion limit
 is retried once with the limit clamped to the room left.  The HTTP hop is the
 project's engine client (`app.engines.client.EngineClient`, one per engine, keep-alive
-connections).  A non-stream answer is read on the request thread itself (`read_answer`), which
-checks for a departed client while the engine is silent; a client stream is read by the client's
-reader thread and polled here with a timeout, so the request thread sends keep-alives while the
-engine is silent.
+connections).  A non-stream answer is asked of the engine as a non-stream answer and read on
+the request thread itself (`complete`), which checks for a departed client while the engine is
+silent; a client stream is read by the client's reader thread and polled here with a timeout,
+so the request thread sends keep-alives while the engine is silent.
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 from app.config import get_settings
 from app.engines.client import (DONE, EOF, ChatStream, EngineCallError, EngineClient, EngineConnectionError,
-                                EngineHTTPError, InlineChatStream)
+                                EngineHTTPError)
 from app.proxy.common import gateway_settings
 from app.proxy.errors import GatewayError, context_error, parse_context_overflow
 
 log = logging.getLogger("turnstile.gateway")
-__all__ = ["DONE", "EOF", "Engine", "InlineChatStream", "PendingStream", "StreamHandle", "Upstream", "get_upstream",
+__all__ = ["DONE", "EOF", "Engine", "PendingStream", "StreamHandle", "Upstream", "get_upstream",
            "map_engine_error", "reset_upstream"]
 
 
@@ -179,17 +179,32 @@ class Upstream:
         if engine.max_model_len and body.get("max_tokens") and body["max_tokens"] > engine.max_model_len:
             body["max_tokens"] = engine.max_model_len
 
-    def complete(self, engine: Engine, body: dict, episode_id: int | None) -> dict:
-        """Non-stream chat completion -> the engine's JSON body (raises GatewayError)."""
+    def complete(self, engine: Engine, body: dict, episode_id: int | None, idle=None, idle_s: float = 0.25) -> dict:
+        """Non-stream chat completion -> the engine's JSON body.  ``idle()`` runs every ``idle_s``
+        seconds while the engine is silent; what it raises ends the call, closing the engine
+        request (`EngineClient.complete`).  An overflow caused by max_tokens alone is retried once
+        with the room left.
+
+        Raises:
+            GatewayError: the engine refused the request, could not be reached, or did not
+                answer a JSON object.
+        """
         self._clamp_to_context(engine, body)
-        try:
-            return self._json_call(engine, "/v1/chat/completions", body, episode_id)
-        except GatewayError as err:
-            room = self._room(engine, body, err)
-            if room is None:
-                raise
-            body["max_tokens"] = room
-            return self._json_call(engine, "/v1/chat/completions", body, episode_id)
+        client = self.clients[engine.url]
+        for attempt in (1, 2):
+            try:
+                answer = client.complete(body, headers=self._headers(episode_id), idle=idle, idle_s=idle_s)
+            except EngineCallError as exc:
+                err = gateway_error(exc, engine.url)
+                room = self._room(engine, body, err) if attempt == 1 else None
+                if room is None:
+                    raise err from exc
+                body["max_tokens"] = room
+                continue
+            if not isinstance(answer, dict):
+                raise GatewayError("upstream", "The engine returned invalid JSON")
+            return answer
+        raise AssertionError("unreachable")
 
     def _start(self, engine: Engine, body: dict, episode_id: int | None) -> PendingStream:
         return PendingStream(self.clients[engine.url].open_stream(body, headers=self._headers(episode_id)))
@@ -198,28 +213,6 @@ class Upstream:
         """Send a streamed chat completion without waiting for the engine's answer."""
         self._clamp_to_context(engine, body)
         return self._start(engine, body, episode_id)
-
-    def read_answer(self, engine: Engine, body: dict, episode_id: int | None, idle, idle_s: float) -> InlineChatStream:
-        """Send a streamed chat completion and read it on this thread (the non-stream path: no
-        reader thread, no hand-over); returns once the engine accepted it.  ``idle()`` runs every
-        ``idle_s`` seconds of engine silence; what it raises ends the call, closing the engine
-        request.  An overflow caused by max_tokens alone is retried once with the room left.
-
-        Raises:
-            GatewayError: the engine refused the request or could not be reached.
-        """
-        self._clamp_to_context(engine, body)
-        client = self.clients[engine.url]
-        for attempt in (1, 2):
-            try:
-                return client.read_stream(body, headers=self._headers(episode_id), idle=idle, idle_s=idle_s)
-            except EngineCallError as exc:
-                err = gateway_error(exc, engine.url)
-                room = self._room(engine, body, err) if attempt == 1 else None
-                if room is None:
-                    raise err from exc
-                body["max_tokens"] = room
-        raise AssertionError("unreachable")
 
     def room_after(self, engine: Engine, body: dict, outcome) -> int | None:
         """The max_tokens to retry with when `outcome` is an overflow caused by max_tokens alone."""

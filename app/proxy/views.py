@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import select
-import socket
 import time
 import zlib
 from typing import Iterator
@@ -21,8 +19,9 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from app import weight_gate
+from app.engines.disconnect import client_gone_probe
 from app.proxy import anthropic, chat, gemini, record, responses, splice
-from app.proxy.canonical import ChunkNormalizer, Result, new_id
+from app.proxy.canonical import ChunkNormalizer, Result, new_id, result_from_completion
 from app.proxy.common import Normalized, gateway_settings
 from app.proxy.detect import Route, api_from_headers, detect
 from app.proxy.errors import GatewayError, error_body
@@ -280,15 +279,15 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
         # prompt as ids from `kv_transfer_params.prompt_token_ids` (its disaggregated-prefill
         # field).  The embedded and scripted engines read the top-level field and ignore this one.
         upstream_body["kv_transfer_params"] = {"prompt_token_ids": spliced.prompt_ids}
-    # Non-stream answers are read from an engine stream too: the engine has sent its response
-    # head before it generates, so a client that leaves can be seen and the engine request
-    # closed at once (vLLM aborts a request whose connection closes).  Streams ask for usage on
-    # every chunk (vLLM `continuous_usage_stats`): the cached-token count is then known before
-    # the first token, for Anthropic's message_start.
-    upstream_body["stream"] = True
-    upstream_body["stream_options"] = {"include_usage": True}
     if norm.stream:
-        upstream_body["stream_options"]["continuous_usage_stats"] = True
+        # Usage on every chunk (vLLM `continuous_usage_stats`): the cached-token count is then
+        # known before the first token, for Anthropic's message_start.
+        upstream_body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    else:
+        # A non-stream client gets a non-stream engine answer: one JSON body instead of a chunk
+        # per sampled token (measured on the scripted engine: 1.5 ms vs 2.7 ms for 34 tokens).
+        # The engine request is still closed when the client leaves (`collect_answer`).
+        upstream_body.pop("stream_options", None)  # vLLM refuses stream_options without stream
     cap = record.Capture(
         episode_id=info.episode_id, attempt=info.attempt, api=route.api, model=norm.model, stream=norm.stream,
         request_key=record.request_key(info.episode_id, request.path, raw, request.headers.get("idempotency-key")),
@@ -300,7 +299,7 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     module = MODULES[route.api]
     if not norm.stream:
         _hold_while_reloading(engine, cap)
-        result = collect_answer(up, engine, upstream_body, info.episode_id, cap, module, norm, resp_id)
+        result = collect_answer(up, engine, upstream_body, info.episode_id, cap, norm)
         body_out = module.render(result, norm, resp_id)
         try:
             record.write_completion(cap, result, body_out, resp_id, partial=False)
@@ -352,74 +351,39 @@ class ClientGone(Exception):
     """The client closed its connection while its non-stream answer was being generated."""
 
 
-def _client_gone_probe():
-    """A function telling whether the client has closed its connection (EOF on the socket
-    gunicorn hands the app); always False where no socket is known."""
-    sock = request.environ.get("gunicorn.socket")
-    if sock is None:
-        return lambda: False
-    poller = select.poll()  # poll, not select: no FD_SETSIZE (1024) limit on busy workers
-    poller.register(sock, select.POLLIN | select.POLLPRI)
+def collect_answer(up, engine, body: dict, episode_id: int, cap: record.Capture, norm: Normalized) -> Result:
+    """A non-stream answer, asked of the engine as a non-stream answer and read on this thread
+    while watching the client every 0.25 s of engine silence: if the client leaves, the engine
+    connection is closed (vLLM, the embedded and the scripted engine abort the request) and
+    nothing is recorded, since no sampled token reached the gateway.
 
-    def gone() -> bool:
-        try:
-            if not poller.poll(0):
-                return False
-            return sock.recv(1, socket.MSG_PEEK) == b""
-        except BlockingIOError:
-            return False
-        except (OSError, ValueError):
-            return True
-    return gone
-
-
-def collect_answer(up, engine, body: dict, episode_id: int, cap: record.Capture, module, norm: Normalized,
-                   resp_id: str) -> Result:
-    """A non-stream answer, read from the engine's stream on this thread while watching the
-    client: if the client leaves, the engine request is closed within a poll interval and what
-    was sampled is recorded as partial (with the reason)."""
-    poll_s = 0.25
-    gone = _client_gone_probe()
-    reader = ChunkNormalizer(history_call_ids(norm))
-    r = reader.result
+    Raises:
+        GatewayError: the engine refused or failed (its own error), its answer is not a chat
+            completion, or the client left (status 499, nobody reads it).
+    """
+    gone = client_gone_probe(request.environ)
 
     def idle() -> None:
         if gone():
             raise ClientGone()
 
-    stream = None
     try:
-        stream = up.read_answer(engine, body, episode_id, idle, poll_s)
-        _accepted(cap, stream.t_head)
-        error, finished = None, False
-        checked = time.monotonic()
-        for items in stream.batches():
-            for item in items:
-                error, finished, _ = _consume(item, r, error, reader.feed, cap)
-                if finished:
-                    break
-            if finished:
-                break
-            if time.monotonic() - checked >= poll_s:  # a client may leave while tokens flow
-                idle()
-                checked = time.monotonic()
-        if error is not None:
-            raise error
-        reader.finish()
-        return r
+        answer = up.complete(engine, body, episode_id, idle=idle, idle_s=0.25)
     except ClientGone:
-        if stream is not None:
-            stream.close()
-        if reader.first_chunk_seen:
-            try:
-                record.write_completion(cap, r, module.render(r, norm, resp_id), resp_id, partial=True,
-                                        error="client disconnected before the answer was complete")
-            except Exception:  # noqa: BLE001
-                log.exception("could not record partial completion")
+        log.info("client left before its non-stream answer was ready; engine request closed")
         raise GatewayError("invalid_request", "client disconnected", status=499) from None
-    finally:
-        if stream is not None:
-            stream.close()
+    _accepted(cap, None)  # the engine's answer head came with the whole answer: no queue time
+    if isinstance(answer.get("error"), dict) or answer.get("object") == "error":
+        err = answer["error"] if isinstance(answer.get("error"), dict) else answer
+        raise GatewayError("upstream", f"The engine reported an error: {err.get('message')}")
+    choices = answer.get("choices")
+    if not (isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices)):
+        raise GatewayError("upstream", "The engine's answer holds no choices the gateway could read")
+    try:
+        return result_from_completion(answer, history_call_ids(norm))
+    except Exception:  # noqa: BLE001 - an answer that breaks the reader is the engine's fault
+        log.exception("unreadable engine answer")
+        raise GatewayError("upstream", "The engine sent an answer the gateway could not read") from None
 
 
 def _splice(info: SessionInfo, api: str, up, engine, body: dict) -> splice.Splice:

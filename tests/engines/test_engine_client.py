@@ -141,35 +141,32 @@ def test_close_during_a_silent_engine_ends_the_reader_at_once(scripted_engine):
         assert stream._finished.wait(2) and time.monotonic() - t0 < 2
 
 
-def test_read_stream_on_the_calling_thread_reuses_its_connection_and_reports_refusal(scripted_engine):
-    """`read_stream` reads on the caller's thread (no reader thread): items in order ending with
-    DONE, the connection goes back to the pool after [DONE] (the next call's engine socket is the
-    same), and a refusal is the engine's HTTP error at once."""
+def test_complete_reuses_its_connection_and_reports_refusal(scripted_engine):
+    """A non-stream call with an idle hook: the answer whole, the connection back in the pool (the
+    next call's engine socket is the same), no thread started, a refusal as the engine's HTTP error."""
     with EngineClient(scripted_engine, timeout=10) as client:
         model = client.models()[0]["id"]
         body = {"model": model, "messages": [{"role": "user", "content": scripted.directive({"text": "abc def"})}],
-                "stream": True}
+                "return_token_ids": True}
         threads = threading.active_count()
-        peers = []
         for _ in range(2):
-            with client.read_stream(body) as stream:
-                assert stream.status == 200 and stream.t_head > 0
-                items = [i for batch in stream.batches() for i in batch]
-                assert threading.active_count() == threads
-                peers.append(stream._response.extensions["network_stream"].get_extra_info("client_addr"))
-            assert items[-1] is DONE and "".join(i["choices"][0]["delta"].get("content") or ""
-                                                 for i in items[:-1] if i["choices"]) == "abc def"
-        assert peers[0] == peers[1]
+            answer = client.complete(body, idle=lambda: None, idle_s=0.05)
+            assert answer["choices"][0]["message"]["content"] == "abc def"
+            assert answer["choices"][0]["token_ids"] == scripted.encode("abc def")
+            assert threading.active_count() == threads
+        [conn] = client._http._transport._pool.connections
+        assert conn.is_idle()
         with pytest.raises(EngineHTTPError) as err:
-            client.read_stream({**body, "model": "nope"})
+            client.complete({**body, "model": "nope"}, idle=lambda: None)
         assert err.value.status == 404
 
 
 @pytest.mark.parametrize("phase", ["header_delay", "token_delay"])
-def test_read_stream_idle_hook_runs_while_the_engine_is_silent_and_its_error_aborts_the_request(
+def test_complete_idle_hook_runs_while_the_engine_is_silent_and_its_error_aborts_the_request(
         scripted_engine, phase):
-    """Before the response head (the engine says nothing) and between tokens, `idle` runs every
-    `idle_s`; what it raises reaches the caller and the engine sees the connection close."""
+    """While a non-stream answer is being generated (the engine says nothing: before its head, or
+    through its token delays), `idle` runs every `idle_s`; what it raises reaches the caller and
+    the engine sees the connection close."""
     class Leave(Exception):
         pass
 
@@ -184,12 +181,10 @@ def test_read_stream_idle_hook_runs_while_the_engine_is_silent_and_its_error_abo
         model = client.models()[0]["id"]
         client.request("POST", "/_scripted/reset", {})
         reply = {"text": "x" * 40, phase: 5 if phase == "header_delay" else 0.5}
-        body = {"model": model, "stream": True, "messages": [{"role": "user", "content": scripted.directive(reply)}]}
+        body = {"model": model, "messages": [{"role": "user", "content": scripted.directive(reply)}]}
         t0 = time.monotonic()
         with pytest.raises(Leave):
-            with client.read_stream(body, idle=idle, idle_s=0.05) as stream:
-                for _ in stream.batches():
-                    pass
+            client.complete(body, idle=idle, idle_s=0.05)
         assert len(calls) == 3 and time.monotonic() - t0 < 2
         deadline = time.monotonic() + 3
         while not client.request("GET", "/_scripted/aborted")["aborted"] and time.monotonic() < deadline:

@@ -190,6 +190,27 @@ def test_client_disconnect_frees_the_batch_slot(engine):
     assert health["generated_tokens"] - before < 3000, health
 
 
+def test_non_stream_client_disconnect_frees_the_batch_slot(engine):
+    """A non-stream client that gives up (read timeout, connection closed) cancels generation:
+    the engine looks at the client's socket while it generates, as vLLM's non-stream routes do."""
+    import time
+
+    before = engine.client.health()["generated_tokens"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{engine.url}/v1/chat/completions", timeout=1.0,
+                   json={"messages": MESSAGES, "max_tokens": 3000, "ignore_eos": True})
+
+    def in_flight(h: dict) -> int:
+        return h["waiting"] + h["prefilling"] + h["running"]
+
+    deadline = time.monotonic() + 30
+    while in_flight(engine.client.health()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    health = engine.client.health()
+    assert in_flight(health) == 0, health
+    assert health["generated_tokens"] - before < 3000, health
+
+
 def test_completions_with_token_id_prompt_is_exact(engine):
     """Tokens in, tokens out: /v1/completions takes the rendered ids verbatim; stream = non-stream."""
     prompt_ids = engine.client.tokenize(MESSAGES)

@@ -29,7 +29,10 @@ def check_record(rec, reply: dict, token: str) -> None:
     assert rec.logprobs == [float(np.float32(logprob(i, t))) for i, t in enumerate(rec.sampled_ids)]
     assert rec.partial is False and rec.error is None
     assert rec.policy_version == 7  # scripted engine reports none: the run's version is used
-    assert rec.queue_ms is not None and rec.total_ms >= rec.queue_ms
+    if rec.stream:
+        assert rec.queue_ms is not None and rec.first_token_ms >= rec.queue_ms and rec.total_ms >= rec.first_token_ms
+    else:  # a non-stream engine answer arrives whole: no queue or first-token time is known
+        assert rec.queue_ms is None and rec.first_token_ms is None and rec.total_ms > 0
     assert token not in json.dumps(rec.raw_request) and token not in json.dumps(rec.normalized_request)
     assert body["return_token_ids"] is True and body["logprobs"] is True
 
