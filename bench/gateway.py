@@ -5,6 +5,9 @@ measured side by side, each called through the project's engine client (`app.eng
 the gateway serves the same Chat Completions protocol):
 
 * added latency of a non-stream call (p50 / p95 / p99) and of time-to-first-token of a stream;
+* the floor: the same non-stream call answered by a constant-answer app on the gateway's own
+  server stack (`bench/gateway_floor.py`: gunicorn gthread + Flask, no engine call, no record),
+  i.e. the least any gateway on that stack adds;
 * throughput (calls/s) at 1, 8 and 32 concurrent sessions, with the engine simulating decode
   time (`--token-delay` per token) so that capacity, not the load generator, is measured.
 
@@ -94,22 +97,28 @@ def timed_call(client: EngineClient, body: dict, headers: dict, stream: bool) ->
     return time.perf_counter() - t0, first if first is not None else time.perf_counter() - t0
 
 
-def latency(n: int, engine: str, gateway: str, token: str, model: str, reply: str) -> dict:
+def latency(n: int, engine: str, gateway: str, token: str, model: str, reply: str, floor: str) -> dict:
+    """Per series (non-stream, ttft): seconds per call, direct and through the gateway, interleaved;
+    the non-stream series also times the floor app (`bench/gateway_floor.py`) with the same body."""
     from app.engines.scripted import directive
     out = {}
     for stream in (False, True):
-        res = {"direct": [], "gateway": []}
-        cd, cg = EngineClient(engine, timeout=30), EngineClient(gateway, timeout=30)
+        res = {"direct": [], "gateway": [], "floor": []}
+        cd, cg, cf = (EngineClient(u, timeout=30) for u in (engine, gateway, floor))
         for i in range(n + 20):
             text = f"bench {i} {stream} " + directive({"text": reply})
             d = timed_call(cd, direct_body(text, stream, model), {}, stream)
-            g = timed_call(cg, {"model": "gpt-bench", "messages": [{"role": "user", "content": text}], "max_tokens": 64,
-                                "stream": stream}, {"authorization": f"Bearer {token}"}, stream)
+            body = {"model": "gpt-bench", "messages": [{"role": "user", "content": text}], "max_tokens": 64,
+                    "stream": stream}
+            g = timed_call(cg, body, {"authorization": f"Bearer {token}"}, stream)
+            f = None if stream else timed_call(cf, body, {"authorization": f"Bearer {token}"}, False)
             if i >= 20:  # warm-up excluded
                 res["direct"].append(d[1] if stream else d[0])
                 res["gateway"].append(g[1] if stream else g[0])
-        cd.close()
-        cg.close()
+                if f is not None:
+                    res["floor"].append(f[0])
+        for c in (cd, cg, cf):
+            c.close()
         out["ttft" if stream else "non-stream"] = res
     return out
 
@@ -170,8 +179,8 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="gwbench-")
     db_url = args.database_url or f"sqlite:///{tmp}/bench.db"
     os.environ["DATABASE_URL"] = db_url
-    eport, gport = free_port(), free_port()
-    engine, gateway = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
+    eport, gport, fport = free_port(), free_port(), free_port()
+    engine, gateway, floor = (f"http://127.0.0.1:{p}" for p in (eport, gport, fport))
     env = dict(os.environ, TURNSTILE_ENGINE_URLS=engine, TURNSTILE_GATEWAY_BIND=f"127.0.0.1:{gport}",
                TURNSTILE_GATEWAY_WORKERS=args.workers, TURNSTILE_GATEWAY_THREADS=args.threads,
                TURNSTILE_LOG_LEVEL="warning")
@@ -182,14 +191,19 @@ def main() -> None:
         procs.append(subprocess.Popen([str(ROOT / ".venv/bin/gunicorn"), "-c", "workers/gateway_conf.py",
                                        "app.proxy:create_gateway_app()"], cwd=ROOT, env=env,
                                       stderr=open(f"{tmp}/gateway.log", "wb")))
+        procs.append(subprocess.Popen([str(ROOT / ".venv/bin/gunicorn"), "-c", "workers/gateway_conf.py",
+                                       "bench.gateway_floor:create_app()"], cwd=ROOT,
+                                      env=dict(env, TURNSTILE_GATEWAY_BIND=f"127.0.0.1:{fport}"),
+                                      stderr=open(f"{tmp}/floor.log", "wb")))
         wait(gateway)
+        wait(floor)
         with EngineClient(engine) as client:
             model = client.models()[0]["id"]
         from app.engines.scripted import directive
 
         print(f"gateway: gunicorn gthread workers={args.workers} threads={args.threads}; db={db_url.split(':')[0]}; "
               f"cores={os.cpu_count()}")
-        lat = latency(args.n, engine, gateway, tokens[32], model, "The quick brown fox jumps over it.")
+        lat = latency(args.n, engine, gateway, tokens[32], model, "The quick brown fox jumps over it.", floor)
         print(f"\n{'latency (ms)':<12}" + "".join(f"{'direct p' + p:>11}{'gw p' + p:>9}{'added p' + p:>11}"
                                                     for p in ("50", "95", "99")) + f"{'ratio p50':>11}")
         for name, res in lat.items():
@@ -198,6 +212,12 @@ def main() -> None:
                 d, g = pct(res["direct"], p) * 1e3, pct(res["gateway"], p) * 1e3
                 cells += f"{d:>11.2f}{g:>9.2f}{g - d:>11.2f}"
             print(f"{name:<12}{cells}{pct(res['gateway'], 50) / pct(res['direct'], 50):>11.2f}")
+        fl = lat["non-stream"]["floor"]
+        print(f"floor: a constant answer from the gateway's stack (gunicorn gthread + Flask; no engine call, no "
+              f"record): p50 {pct(fl, 50) * 1e3:.2f} ms, p95 {pct(fl, 95) * 1e3:.2f} ms: the least that a gateway on "
+              f"this stack adds per call here; the gateway's own work adds "
+              f"{(pct(lat['non-stream']['gateway'], 50) - pct(lat['non-stream']['direct'], 50) - pct(fl, 50)) * 1e3:.2f}"
+              f" ms p50 beyond it")
 
         reply = {"text": "x" * 24, "token_delay": args.token_delay}
         print(f"\nthroughput (calls/s; engine decode {args.token_delay * 1e3:.1f} ms/token x 24 tokens, streamed)")
