@@ -14,10 +14,10 @@ import time
 import uuid
 from pathlib import Path
 
-# Under pytest-xdist, this worker's own Redis server and var folder (before settings are read).
-from worker_isolation import isolate_xdist_worker
+# This process's own var folder, and under pytest-xdist its own Redis server (before settings are read).
+from worker_isolation import isolate_test_process
 
-isolate_xdist_worker()
+isolate_test_process()
 
 # Before any app module reads settings: the broker and app data live in Redis DB 10
 # during tests, never in the DB 0 a developer's running deployment uses.

@@ -1,4 +1,4 @@
-"""Isolation of pytest-xdist workers: each worker process gets its own Redis server and var folder.
+"""Isolation of test processes: each gets its own var folder; each pytest-xdist worker also its own Redis server.
 
 `make test` runs the suite in several worker processes (pytest-xdist, `--dist loadfile`). Areas
 flush their Redis databases and start real Celery workers on a broker database, and runs claim
@@ -12,8 +12,10 @@ module reads its settings, a worker:
   model cache, while the sdist/venv cache and the harness CLIs stay shared
   (`TURNSTILE_CACHE_DIR`, `TURNSTILE_TOOLS_DIR`): their builders take a file lock per entry.
 
-Outside xdist (plain `pytest`) nothing changes: the default Redis at 127.0.0.1:6379 and the
-checkout's var folder.
+Outside xdist (plain `pytest`) the process keeps the default Redis at 127.0.0.1:6379 (tests use
+its databases 10 and up, never a deployment's 0) but still gets a private var folder: run ids
+restart at 1 in every test database, and a test claiming `var/runs/1` in the checkout's own var
+folder would set a real run's folder aside as `1.stale-*`.
 """
 from __future__ import annotations
 
@@ -57,17 +59,17 @@ def _start_redis(workdir: Path) -> str:
     raise RuntimeError(f"private redis-server for test worker did not answer on port {port}")
 
 
-def isolate_xdist_worker() -> None:
-    """Give this pytest-xdist worker its own Redis and var folder (see the module docstring);
-    a no-op outside xdist.  Must run before `support` and any app module are imported."""
+def isolate_test_process() -> Path:
+    """Give this test process a private var folder, and a pytest-xdist worker its own Redis too
+    (see the module docstring); returns the var folder.  Must run before `support` and any app
+    module are imported."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if not worker:
-        return
-    base = Path(tempfile.mkdtemp(prefix=f"turnstile-{worker}-"))
+    base = Path(tempfile.mkdtemp(prefix=f"turnstile-{worker or 'pytest'}-"))
     atexit.register(shutil.rmtree, base, True)
-    url = _start_redis(base)
-    os.environ["TURNSTILE_TEST_REDIS"] = url
-    os.environ["REDIS_URL"] = f"{url}/10"
+    if worker:
+        url = _start_redis(base)
+        os.environ["TURNSTILE_TEST_REDIS"] = url
+        os.environ["REDIS_URL"] = f"{url}/10"
     var = base / "var"
     var.mkdir()
     project_var = ROOT / "var"
@@ -76,3 +78,4 @@ def isolate_xdist_worker() -> None:
     os.environ["TURNSTILE_VAR_DIR"] = str(var)
     os.environ.setdefault("TURNSTILE_CACHE_DIR", str(project_var / "cache"))
     os.environ.setdefault("TURNSTILE_TOOLS_DIR", str(project_var / "tools"))
+    return var
