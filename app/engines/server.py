@@ -185,6 +185,32 @@ def _watched_events(req: GenerationRequest) -> Iterator:
             yield event
 
 
+class ClientLeft(Exception):
+    """The client of a non-stream request closed its connection before the answer was ready."""
+
+
+def _collect(req: GenerationRequest, assembler: ChoiceAssembler) -> tuple[list, int | None]:
+    """(deltas, policy version) of a whole non-stream answer, read while watching the client.
+
+    Raises:
+        ClientLeft: the client closed its connection (the caller cancels `req`).
+        EngineError: generation failed (500).
+    """
+    deltas, version = [], None
+    for event in _watched_events(req):
+        if event is None:
+            raise ClientLeft()
+        if isinstance(event, Started):
+            version = event.policy_version
+        elif isinstance(event, Failed):
+            raise EngineError(event.message, status=500)
+        elif isinstance(event, TokenEvent):
+            deltas.append(assembler.add(event))
+        if assembler.finished:
+            break
+    return deltas, version
+
+
 # ---------------------------------------------------------------- chat completions
 def _chat(engine: Engine) -> Response:
     body = json_body()
@@ -215,22 +241,17 @@ def _chat(engine: Engine) -> Response:
         return Response(_stream(engine, req, assembler, options, prompt_ids), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        deltas, version = [], None
-        for event in _watched_events(req):
-            if event is None:  # the client left: nobody reads the answer
-                log.info("client closed its connection; non-stream request cancelled")
-                return Response(status=499)
-            if isinstance(event, Started):
-                version = event.policy_version
-            elif isinstance(event, Failed):
-                raise EngineError(event.message, status=500)
-            elif isinstance(event, TokenEvent):
-                deltas.append(assembler.add(event))
-            if assembler.finished:
-                break
+        deltas, version = _collect(req, assembler)
         return jsonify(build_response(options, prompt_ids, deltas, version, engine.engine_id))
+    except ClientLeft:
+        return _client_left()
     finally:
         req.cancel()
+
+
+def _client_left() -> Response:
+    log.info("client closed its connection; non-stream request cancelled")
+    return Response(status=499)  # nobody reads it
 
 
 def _completion_prompt(engine: Engine, body: dict) -> list[int]:
@@ -284,16 +305,15 @@ def _completions(engine: Engine) -> Response:
 
     if not get_field(body, "stream", bool, False):
         try:
-            deltas, version = [], None
-            for version, delta in events():
-                if delta is not None:
-                    deltas.append(delta)
+            deltas, version = _collect(req, assembler)
             out = completion_object(options, completion_id, created, version, engine.engine_id,
                                     [completion_choice(options, deltas)])
             out["usage"] = usage(len(prompt_ids), len(assembler.token_ids))
             if options.return_token_ids:
                 out["prompt_token_ids"] = prompt_ids
             return jsonify(out)
+        except ClientLeft:
+            return _client_left()
         finally:
             req.cancel()
 

@@ -209,15 +209,6 @@ class Upstream:
     def _start(self, engine: Engine, body: dict, episode_id: int | None) -> PendingStream:
         return PendingStream(self.clients[engine.url].open_stream(body, headers=self._headers(episode_id)))
 
-    def start_stream(self, engine: Engine, body: dict, episode_id: int | None) -> PendingStream:
-        """Send a streamed chat completion without waiting for the engine's answer."""
-        self._clamp_to_context(engine, body)
-        return self._start(engine, body, episode_id)
-
-    def room_after(self, engine: Engine, body: dict, outcome) -> int | None:
-        """The max_tokens to retry with when `outcome` is an overflow caused by max_tokens alone."""
-        return self._room(engine, body, outcome if isinstance(outcome, GatewayError) else None)
-
     def open_stream(self, engine: Engine, body: dict, episode_id: int | None, wait_s: float) -> PendingStream:
         """Send a streamed chat completion; waits up to `wait_s` for the engine to accept it."""
         self._clamp_to_context(engine, body)

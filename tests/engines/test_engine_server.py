@@ -196,13 +196,15 @@ def test_client_disconnect_frees_the_batch_slot(engine):
     _assert_generation_stopped(engine, before)
 
 
-def test_non_stream_client_disconnect_frees_the_batch_slot(engine):
-    """A non-stream client that gives up (read timeout, connection closed) cancels generation:
-    the engine looks at the client's socket while it generates, as vLLM's non-stream routes do."""
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_non_stream_client_disconnect_frees_the_batch_slot(engine, route):
+    """A non-stream client that gives up (read timeout, connection closed) cancels generation, on
+    both generating routes: the engine looks at the client's socket while it generates, as vLLM's
+    non-stream routes do."""
     before = engine.client.health()["generated_tokens"]
+    prompt = {"messages": MESSAGES} if route == "/v1/chat/completions" else {"prompt": "Once upon a time"}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{engine.url}/v1/chat/completions", timeout=1.0,
-                   json={"messages": MESSAGES, "max_tokens": 3000, "ignore_eos": True})
+        httpx.post(f"{engine.url}{route}", timeout=1.0, json={**prompt, "max_tokens": 3000, "ignore_eos": True})
     _assert_generation_stopped(engine, before)
 
 
