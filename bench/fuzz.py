@@ -2,10 +2,10 @@
 
     .venv/bin/python bench/fuzz.py [--n 2000] [--database postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
 
-The bodies are `tests/fuzz_corpus.py`'s (nesting 5,000 deep, NUL, NaN/Infinity, ids past 2**31,
+The bodies are `tests/support/fuzz_corpus.py`'s (nesting 5,000 deep, NUL, NaN/Infinity, ids past 2**31,
 `?status=%00`, 1 MiB strings, wrong types, raw bytes), sent through the in-process apps (Flask test
 clients) on a fresh PostgreSQL database, the gateway in front of the scripted engine.  Exit status 1
-when any answer is a 5xx or an error outside the caller's API shape.  `tests/spine/test_spine_fuzz.py`
+when any answer is a 5xx or an error outside the caller's API shape.  `tests/e2e/test_fuzz.py`
 runs a 400-body sample of the same corpus.
 """
 from __future__ import annotations
@@ -63,10 +63,10 @@ def _run(n: int, engine_port: int) -> int:
 
     from app import create_app, db
     from app.auth import auth_header
-    from app.models import Base, Episode, Run, TaskInstance
+    from app.tables import Base, Episode, Run, TaskInstance
     from app.proxy import create_gateway_app
     from app.proxy.sessions import issue_session
-    from fuzz_corpus import GATEWAY_SHAPE, gateway_cases, rest_cases, rest_shape, run_cases
+    from support.fuzz_corpus import GATEWAY_SHAPE, gateway_cases, rest_cases, rest_shape, run_cases
 
     for _ in range(100):
         try:

@@ -54,7 +54,7 @@ def pct(xs: list[float], p: float) -> float:
 
 def make_sessions(n: int) -> list[str]:
     from app.db import get_engine, session_scope
-    from app.models import Base, Episode, Run, TaskInstance
+    from app.tables import Base, Episode, Run, TaskInstance
     from app.proxy.sessions import issue_session
     Base.metadata.create_all(get_engine())
     tokens = []

@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session  # noqa: E402
 
 from app.conformance.harness_check import merge_fidelity  # noqa: E402
 from app.engines.modeling import build_tiny_model  # noqa: E402
-from app.models import Completion  # noqa: E402
+from app.tables import Completion  # noqa: E402
 from app.runconfig import TrainingConfig  # noqa: E402
 from app.training.batching import StepSequence  # noqa: E402
 from app.training.trainer import Trainer  # noqa: E402

@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 def _run(config: dict) -> dict:
     from app import create_app
-    from app.control import state
+    from app.control import redis_state
     from app.db import session_scope
-    from app.models import Run
+    from app.tables import Run
 
     from app.auth import auth_header
 
@@ -42,7 +42,7 @@ def _run(config: dict) -> dict:
                 wall = (run.finished_at - run.started_at).total_seconds()
                 break
         time.sleep(0.2)
-    waits = state.ready_waits(run_id)
+    waits = redis_state.ready_waits(run_id)
     return {"status": run.status, "wall_s": wall, "waits": waits}
 
 
@@ -61,7 +61,7 @@ def main() -> int:
 
     redis.Redis.from_url(env["REDIS_URL"]).flushdb()
     from app.db import get_engine
-    from app.models import Base
+    from app.tables import Base
 
     Base.metadata.create_all(get_engine())
     base = [sys.executable, "-m", "celery", "-A", "app", "worker", "--without-heartbeat", "--without-mingle",

@@ -112,7 +112,7 @@ class Stack:
 def _create_run(episodes: int, episode_s: float, prepare_s: float) -> int:
     from app.celery import app as celery_app
     from app.db import session_scope
-    from app.models import Run
+    from app.tables import Run
     from app.runconfig import RunConfig
 
     cfg = RunConfig.model_validate({"kind": "eval", "group_size": episodes // 2, "tasks_per_step": 2,
@@ -131,7 +131,7 @@ def _snapshot(run_id: int) -> dict:
     from sqlalchemy import select
 
     from app.db import session_scope
-    from app.models import Episode, Run
+    from app.tables import Episode, Run
 
     with session_scope() as s:
         eps = s.scalars(select(Episode).where(Episode.run_id == run_id)).all()
@@ -187,10 +187,10 @@ def one_fault(stack: Stack, fault: str, args) -> dict:
 
 
 def _marker_back() -> bool:
-    from app.control import state
+    from app.control import redis_state
 
     try:
-        return state.has_marker()
+        return redis_state.has_marker()
     except Exception:  # noqa: BLE001 - Redis still coming back
         return False
 
@@ -211,7 +211,7 @@ def main() -> int:
     os.environ.update({k: env[k] for k in ("DATABASE_URL", "REDIS_URL", "TURNSTILE_VAR_DIR")})
     from app.config import get_settings
     from app.db import get_engine
-    from app.models import Base
+    from app.tables import Base
 
     Base.metadata.create_all(get_engine())
     settings = get_settings()

@@ -43,7 +43,7 @@ def _run(config: dict) -> dict:
 
     from app import create_app
     from app.db import session_scope
-    from app.models import Episode, Group, Run, TrainingStep
+    from app.tables import Episode, Group, Run, TrainingStep
 
     from app.auth import auth_header
 
@@ -105,7 +105,7 @@ def main() -> int:
 
     redis.Redis.from_url(env["REDIS_URL"]).flushdb()
     from app.db import get_engine
-    from app.models import Base
+    from app.tables import Base
 
     Base.metadata.create_all(get_engine())
     procs = _workers(env, args.slots)

@@ -1,4 +1,4 @@
-"""Alembic environment: URL from Turnstile's settings, metadata from app.models, NullPool."""
+"""Alembic environment: URL from Turnstile's settings, metadata from app.tables, NullPool."""
 from __future__ import annotations
 
 from logging.config import fileConfig
@@ -7,7 +7,7 @@ from alembic import context
 from sqlalchemy import create_engine, pool
 
 from app.config import get_settings
-from app.models import Base
+from app.tables import Base
 
 config = context.config
 if config.config_file_name is not None:

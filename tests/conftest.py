@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 # This process's own var folder, and under pytest-xdist its own Redis server (before settings are read).
-from worker_isolation import isolate_test_process
+from support.worker_isolation import isolate_test_process
 
 isolate_test_process()
 
@@ -33,7 +33,7 @@ import redis as redis_lib
 from sqlalchemy import create_engine, text
 
 from app import config, db
-from app.models import Base
+from app.tables import Base
 from support import REDIS_BASE, Proc
 
 PG_ADMIN_URL = os.environ.get("TURNSTILE_TEST_PG_ADMIN", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -140,7 +140,7 @@ def pytest_configure(config):
     is_controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
     if (is_controller and not config.option.collectonly and not os.environ.get("TURNSTILE_TEST_VLLM_URL")
             and _selects_vllm_tests(config)):
-        from vllm_server import VLLMServer
+        from support.vllm_server import VLLMServer
 
         _controller_vllm = VLLMServer()
         if _controller_vllm.error is None:

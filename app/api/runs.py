@@ -19,9 +19,9 @@ from app.api.openapi import openapi_spec
 from app.api.schemas import Health
 from app.api.serialize import completion_to_dict, episode_to_dict, run_to_dict
 from app.db import new_session, session_scope
-from app.models import EPISODE_STATES, Completion, Episode, Run, TrainingStep, Trajectory
+from app.tables import EPISODE_STATES, Completion, Episode, Run, TrainingStep, Trajectory
 from app.runconfig import RunConfig
-from app.states import transition
+from app.transitions import transition
 
 bp = Blueprint("api", __name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 from app.api import schemas
-from app.models import Completion, Episode, Run, TrainingStep
+from app.tables import Completion, Episode, Run, TrainingStep
 
 
 def _ts(value: dt.datetime | None) -> str | None:

@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session
 from app.conformance.servers import Servers
 from app.harnesses import get_preset
 from app.harnesses.base import CHECK_CONTENT, CHECK_FILE, CHECK_PROBLEM, HarnessPreset
-from app.models import Base, Completion, Episode, Run, TaskInstance
+from app.tables import Base, Completion, Episode, Run, TaskInstance
 from app.proxy.sessions import issue_session
 from app.runconfig import Budget
 from app.runtimes.patch import patch_from_workspace

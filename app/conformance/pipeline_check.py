@@ -32,7 +32,7 @@ from app.conformance.harness_check import CHECK_MODEL
 from app.conformance.servers import ROOT, Servers, free_port, wait_http
 from app.harnesses import get_preset
 from app.harnesses.base import CHECK_CONTENT, CHECK_FILE, shared_tools_dir
-from app.models import Base, Completion, Episode, Run
+from app.tables import Base, Completion, Episode, Run
 from app.tasksets import load_task_set
 
 SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key")

@@ -51,7 +51,7 @@ def choose_reply(turns: list[ScriptedTurn], body: dict) -> dict:
 def harness_of_episode(episode_id: int) -> str | None:
     """The harness named in the run config of `episode_id` (read from SQL via DATABASE_URL)."""
     from app.db import session_scope
-    from app.models import Episode, Run
+    from app.tables import Episode, Run
 
     with session_scope() as s:
         ep = s.get(Episode, episode_id)

@@ -21,14 +21,14 @@ import secrets
 
 from sqlalchemy import update
 
-from app.control import lease, scheduler, state
+from app.control import lease, scheduler, redis_state
 from app.control.plan import Plan, celery_priority
 from app.control.runs import stages_for
 from app.control.stages import Claim, HarnessOutcome
 from app.db import session_scope
-from app.models import SUPERSEDED, Completion, Episode, Run, utcnow
+from app.tables import SUPERSEDED, Completion, Episode, Run, utcnow
 from app.runconfig import RunConfig
-from app.states import transition
+from app.transitions import transition
 
 log = logging.getLogger("turnstile.episodes")
 
@@ -97,7 +97,7 @@ def prepare(episode_id: int) -> Plan:
     if not won:
         stages.release(runtime)
         return Plan()
-    state.push_ready(ep.run_id, episode_id)
+    redis_state.push_ready(ep.run_id, episode_id)
     return scheduler.tick(ep.run_id)
 
 
@@ -143,22 +143,22 @@ def rollout(episode_id: int) -> Plan:
     if claimed is None:
         return Plan()
     claim, token = claimed
-    state.record_ready_wait(claim.run_id, episode_id)
+    redis_state.record_ready_wait(claim.run_id, episode_id)
     log.info("episode=%s event=rollout attempt=%s", episode_id, claim.attempt)
     try:
         with lease.Heartbeat(episode_id, "running", owner) as beat:
             if claim.attempt > 1 and claim.runtime is not None:
                 claim = _fresh_runtime(claim, owner)
             outcome = stages_for(claim.cfg).rollout(
-                claim, token, cancelled=lambda: beat.lost or state.cancel_polled(episode_id))
+                claim, token, cancelled=lambda: beat.lost or redis_state.cancel_polled(episode_id))
     except Exception as exc:
-        state.free_slot(claim.run_id)
+        redis_state.free_slot(claim.run_id)
         return fail(episode_id, f"rollout failed: {type(exc).__name__}: {exc}", owner)
     if not lease.holds(episode_id, owner):
         return Plan()  # taken over (this worker stalled past its lease): the runtime is the successor's now
-    if state.is_cancelled(episode_id):
+    if redis_state.is_cancelled(episode_id):
         _release_runtime_of(episode_id)
-        state.free_slot(claim.run_id)
+        redis_state.free_slot(claim.run_id)
         return scheduler.tick(claim.run_id)
     if outcome.failure is not None:
         return _harness_failed(claim, outcome, owner)
@@ -171,7 +171,7 @@ def rollout(episode_id: int) -> Plan:
             session_token_hash=None,  # the session ends with the rollout: the gateway now refuses the key
         )
     _release_runtime_of(episode_id)
-    state.free_slot(claim.run_id)
+    redis_state.free_slot(claim.run_id)
     plan = Plan(grade=[episode_id] if won else [], priority=celery_priority(claim.cfg.priority))
     plan += scheduler.tick(claim.run_id)  # a rollout slot is free
     return plan
@@ -217,7 +217,7 @@ def _harness_failed(claim: Claim, outcome: HarnessOutcome, owner: str) -> Plan:
     if won:
         log.warning("episode=%s event=harness_failed error=%s", episode_id, (outcome.failure or "").split("\n", 1)[0])
     _release_runtime_of(episode_id)
-    state.free_slot(claim.run_id)
+    redis_state.free_slot(claim.run_id)
     return scheduler.tick(claim.run_id)
 
 

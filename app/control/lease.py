@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session
 
 from app.config import get_settings
 from app.db import session_scope
-from app.models import Episode, utcnow
+from app.tables import Episode, utcnow
 
 log = logging.getLogger("turnstile.lease")
 

@@ -21,7 +21,7 @@ from app.config import get_settings
 from app.control.preflight import check_installation
 from app.control.stages import HARNESS_FAILED, Claim, GradeOutcome, HarnessOutcome
 from app.db import session_scope
-from app.models import Completion, Run
+from app.tables import Completion, Run
 from app.runconfig import RunConfig
 
 log = logging.getLogger("turnstile.stages")

@@ -17,7 +17,7 @@ lease expired (or that never had one) is
 Every write is a compare-and-set on (status, lease owner, expired), so a stage that renewed
 its lease or finished in the meantime is never touched, and two watchdogs cannot both act.
 
-`rebuild_redis_state`: when Redis lost its data (no `state.MARKER_KEY`), every running run's
+`rebuild_redis_state`: when Redis lost its data (no `redis_state.MARKER_KEY`), every running run's
 READY buffer, slot list and the cancel flags are written from SQL, and the messages of
 stages no worker had claimed (all lost with Redis's queues) are sent again at once, without
 counting a redelivery; on every pass a READY buffer that differs from the run's `ready`
@@ -31,11 +31,11 @@ import logging
 from sqlalchemy import func, or_, select, update
 
 from app.config import get_settings
-from app.control import lease, state
+from app.control import lease, redis_state
 from app.control.plan import Plan, celery_priority
 from app.control.runs import stages_for
 from app.db import session_scope
-from app.models import Episode, Run, utcnow
+from app.tables import Episode, Run, utcnow
 
 log = logging.getLogger("turnstile.reaper")
 
@@ -151,7 +151,7 @@ def expected_redis_state(run_id: int) -> dict:
 def rebuild_redis_state(queued: set[tuple[str, int]] | None) -> tuple[list[Plan], dict]:
     """Bring Redis back to what SQL implies (module docstring); returns plans to send and a report
     `{"lost": bool, "ready": [run ids rewritten], "flags": n set, "resent": [[id, stage], ...]}`."""
-    lost = not state.has_marker()
+    lost = not redis_state.has_marker()
     queued = queued or set()
     report: dict = {"lost": lost, "ready": [], "flags": 0, "resent": []}
     plans: list[Plan] = []
@@ -161,22 +161,22 @@ def rebuild_redis_state(queued: set[tuple[str, int]] | None) -> tuple[list[Plan]
                          .where(Run.status.in_(("running", "cancelling")))).all()
         recent = s.scalars(select(Episode.id).where(Episode.status == "cancelled", Episode.finished_at >= since)
                            .order_by(Episode.id)).all()
-    missing = state.missing_cancel_flags(list(recent))
+    missing = redis_state.missing_cancel_flags(list(recent))
     for episode_id in missing:
-        state.flag_cancelled(episode_id)
+        redis_state.flag_cancelled(episode_id)
     report["flags"] = len(missing)
     for run_id, status, priority in runs:
         if status != "running":
             continue
-        with state.run_lock(run_id) as held:
+        with redis_state.run_lock(run_id) as held:
             if not held:
                 continue  # a tick is changing the buffer right now; the next pass looks again
             want = expected_redis_state(run_id)
-            if state.ready_ids(run_id) != want["ready"]:
-                state.set_ready(run_id, want["ready"])
+            if redis_state.ready_ids(run_id) != want["ready"]:
+                redis_state.set_ready(run_id, want["ready"])
                 report["ready"].append(run_id)
             if lost:
-                state.reset_slots(run_id, want["free_slots"], want["running"])
+                redis_state.reset_slots(run_id, want["free_slots"], want["running"])
         if lost:
             resent = _resend_unclaimed(run_id, priority, queued)
             report["resent"] += resent
@@ -184,7 +184,7 @@ def rebuild_redis_state(queued: set[tuple[str, int]] | None) -> tuple[list[Plan]
     if lost:
         log.warning("event=redis_state_rebuilt runs=%s flags=%s resent=%s", [r[0] for r in runs], report["flags"],
                     report["resent"])
-    state.set_marker()
+    redis_state.set_marker()
     return plans, report
 
 

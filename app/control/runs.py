@@ -13,15 +13,15 @@ import time
 from sqlalchemy import select
 
 from app.config import get_settings
-from app.control import scheduler, state
+from app.control import scheduler, redis_state
 from app.control.plan import Plan
 from app.control.real_stages import RealStages
 from app.control.simulated_stages import SimulatedStages
 from app.control.stages import Stages
 from app.db import session_scope
-from app.models import Run, utcnow
+from app.tables import Run, utcnow
 from app.runconfig import RunConfig
-from app.states import transition
+from app.transitions import transition
 
 log = logging.getLogger("turnstile.runs")
 
@@ -57,7 +57,7 @@ def start_run(run_id: int) -> Plan:
         created_at = run.created_at.isoformat()
         has_plan = bool((run.summary or {}).get("instance_ids"))
     if won:
-        state.forget_run(run_id)  # a first start: no key of an earlier database's run of this id survives
+        redis_state.forget_run(run_id)  # a first start: no key of an earlier database's run of this id survives
     claim_run_dir(run_id, created_at)
     if not has_plan:
         stages = stages_for(cfg)

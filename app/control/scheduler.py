@@ -32,14 +32,14 @@ import math
 
 from sqlalchemy import func, select, update
 
-from app.control import lease, state
+from app.control import lease, redis_state
 from app.control.plan import Plan, celery_priority
 from app.control.summary import scheduling_metrics, summarize_run
 from app.control.tracking import log_run_summary
 from app.db import session_scope
-from app.models import Completion, Episode, Group, Run, TrainingStep, utcnow
+from app.tables import Completion, Episode, Group, Run, TrainingStep, utcnow
 from app.runconfig import RunConfig
-from app.states import transition
+from app.transitions import transition
 
 log = logging.getLogger("turnstile.scheduler")
 
@@ -55,14 +55,14 @@ def tick(run_id: int) -> Plan:
     pass (no lost wake-up).  Raises `redis.RedisError` when Redis cannot be reached.
     """
     plan = Plan()
-    state.mark_dirty(run_id)
+    redis_state.mark_dirty(run_id)
     while True:
-        with state.run_lock(run_id) as held:
+        with redis_state.run_lock(run_id) as held:
             if not held:
                 return plan  # the holder will see the mark
-            while state.take_dirty(run_id):
+            while redis_state.take_dirty(run_id):
                 plan += _tick_locked(run_id)
-        if not state.is_dirty(run_id):
+        if not redis_state.is_dirty(run_id):
             return plan
 
 
@@ -122,7 +122,7 @@ def _new_group(s, run: Run, instance_ids: list[int], group_index: int, group_siz
                 for k in range(group_size)]
     s.add_all(episodes)
     s.flush()
-    state.forget_episodes([e.id for e in episodes])
+    redis_state.forget_episodes([e.id for e in episodes])
 
 
 def _group_counts(s, run_id: int) -> dict[str, int]:
@@ -166,12 +166,12 @@ def _dispatch(s, run: Run, cfg: RunConfig) -> tuple[list[int], list[int]]:
     running = s.scalar(select(func.count()).where(Episode.run_id == run.id, Episode.status == "running"))
     to_run: list[int] = []
     while running + len(to_run) < sched.rollout_slots:
-        episode_id = state.pop_ready(run.id)
+        episode_id = redis_state.pop_ready(run.id)
         if episode_id is None:
             break
         if transition(s, Episode, episode_id, "running", expect=("ready",), **lease.dispatch_values()):
             to_run.append(episode_id)
-            state.assign_slot(run.id, episode_id)  # refilling a slot that a finished rollout released
+            redis_state.assign_slot(run.id, episode_id)  # refilling a slot that a finished rollout released
     free = sched.rollout_slots - running - len(to_run)
     in_prep = s.scalar(
         select(func.count()).where(Episode.run_id == run.id, Episode.status.in_(("preparing", "ready")))
@@ -208,7 +208,7 @@ def _close_complete_groups(s, run: Run, cfg: RunConfig) -> None:
                 if transition(s, Episode, e.id, "cancelled", error="straggler cancelled: group had enough graded episodes",
                               session_token_hash=None,
                               finished_at=utcnow()):
-                    state.flag_cancelled(e.id)
+                    redis_state.flag_cancelled(e.id)
             unfinished = []
         if unfinished:
             continue
@@ -317,7 +317,7 @@ def _maybe_create_step(s, run: Run, cfg: RunConfig) -> int | None:
     lags = [run.policy_version - (_oldest_version(s, run.id, g.group_index) or 0) for g in accepted]
     for g in accepted:
         g.status, g.step = "trained", step
-    waits = state.take_ready_waits(run.id)
+    waits = redis_state.take_ready_waits(run.id)
     metrics = {"scheduling": scheduling_metrics(s, run.id, cfg.scheduling.rollout_slots, lags, waits)}
     s.add(TrainingStep(run_id=run.id, step=step, episode_ids=list(episode_ids), metrics=metrics))
     s.flush()
@@ -355,9 +355,9 @@ def _cancel_unfinished(s, run_id: int, reason: str) -> None:
     for episode_id in ids:
         if transition(s, Episode, episode_id, "cancelled", error=reason, finished_at=utcnow(),
                       session_token_hash=None):  # the gateway refuses a cancelled episode's key at once
-            state.flag_cancelled(episode_id)
+            redis_state.flag_cancelled(episode_id)
     s.execute(update(Group).where(Group.run_id == run_id, Group.status == "open").values(status="done", reason=reason))
-    state.clear_ready(run_id)
+    redis_state.clear_ready(run_id)
 
 
 def _cancel_all(s, run: Run) -> None:

@@ -19,9 +19,9 @@ from sqlalchemy import select
 
 from app.control.stages import Claim, GradeOutcome, HarnessOutcome
 from app.db import session_scope
-from app.models import Run, TaskInstance, TrainingStep, utcnow
+from app.tables import Run, TaskInstance, TrainingStep, utcnow
 from app.runconfig import RunConfig, Simulation
-from app.states import transition
+from app.transitions import transition
 
 TASK_SET = "simulated"
 

@@ -10,7 +10,7 @@ from sqlalchemy import Integer, cast, func, select
 from sqlalchemy.orm import Session
 
 from app.control.stages import HARNESS_FAILED, harness_failure_cause
-from app.models import Completion, Episode, Group, TrainingStep
+from app.tables import Completion, Episode, Group, TrainingStep
 
 
 def _duration(a, b) -> float | None:
@@ -149,7 +149,7 @@ def scheduling_metrics(s: Session, run_id: int, slots: int, lags: list[int], rea
     step's groups, and cumulative dropped/rejected/cancelled counts, and the cumulative count
     of episodes failed as harness failures (`episodes_harness_failed`: no usable model call,
     so never graded nor trained on)."""
-    from app.models import utcnow
+    from app.tables import utcnow
 
     now = utcnow()
     steps = s.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id).order_by(TrainingStep.step)).all()

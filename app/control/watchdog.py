@@ -23,7 +23,7 @@ from app.config import get_settings
 from app.control import reaper
 from app.control.plan import Plan
 from app.db import session_scope
-from app.models import Episode, Run, TrainingStep, utcnow
+from app.tables import Episode, Run, TrainingStep, utcnow
 
 log = logging.getLogger("turnstile.watchdog")
 

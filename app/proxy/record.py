@@ -45,7 +45,7 @@ from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from app.db import get_engine, session_scope
-from app.models import Completion, Episode
+from app.tables import Completion, Episode
 from app.proxy.canonical import Result
 
 log = logging.getLogger("turnstile.gateway")

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.db import session_scope
-from app.models import Episode, Run
+from app.tables import Episode, Run
 from app.proxy.common import gateway_settings
 
 TOKEN_PREFIX = "tsk-"

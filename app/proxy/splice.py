@@ -48,7 +48,7 @@ from typing import Any
 from sqlalchemy import select
 
 from app.db import session_scope
-from app.models import Completion
+from app.tables import Completion
 from app.proxy import anthropic, chat, gemini, responses
 from app.proxy import common as c
 from app.proxy.canonical import engine_call_id

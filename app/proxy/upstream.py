@@ -5,7 +5,7 @@ to the same engine (rendezvous hashing on the episode id), so the engine's prefi
 cache holds the growing conversation; adding an engine moves only 1/n sessions.
 
 Every request asks for `return_token_ids` and `logprobs` (vLLM >= 0.10.2,
-PR #22587) so the record holds the engine's own ids.  Engine errors are mapped
+PR #22587) so the record holds the engine's own ids.  EngineTarget errors are mapped
 to `GatewayError`s; a context overflow caused only by a too-large completion limit
 is retried once with the limit clamped to the room left.  The HTTP hop is the
 project's engine client (`app.engines.client.EngineClient`, one per engine, keep-alive
@@ -29,12 +29,12 @@ from app.proxy.common import gateway_settings
 from app.proxy.errors import GatewayError, context_error, parse_context_overflow
 
 log = logging.getLogger("turnstile.gateway")
-__all__ = ["DONE", "EOF", "Engine", "PendingStream", "StreamHandle", "Upstream", "get_upstream",
+__all__ = ["DONE", "EOF", "EngineTarget", "PendingStream", "StreamHandle", "Upstream", "get_upstream",
            "map_engine_error", "reset_upstream"]
 
 
 @dataclass
-class Engine:
+class EngineTarget:
     url: str
     model: str | None = None
     max_model_len: int | None = None
@@ -117,11 +117,11 @@ class Upstream:
 
     def __init__(self, urls: list[str] | None = None) -> None:
         urls = urls or get_settings().engine_urls
-        self.engines = [Engine(u.rstrip("/")) for u in urls]
+        self.engines = [EngineTarget(u.rstrip("/")) for u in urls]
         self.timeout = gateway_settings().upstream_timeout_s
         self.clients = {e.url: EngineClient(e.url, timeout=self.timeout, max_keepalive=256) for e in self.engines}
 
-    def pick(self, episode_id: int) -> Engine:
+    def pick(self, episode_id: int) -> EngineTarget:
         """Rendezvous (highest-random-weight) hashing: same episode -> same engine."""
         if len(self.engines) == 1:
             return self.engines[0]
@@ -130,7 +130,7 @@ class Upstream:
 
     # --- discovery ---------------------------------------------------------------------
 
-    def describe(self, engine: Engine) -> Engine:
+    def describe(self, engine: EngineTarget) -> EngineTarget:
         """Learn the engine's served model name and max_model_len from GET /v1/models (cached 60 s)."""
         if engine.model is not None and time.monotonic() - engine.discovered_at < 60:
             return engine
@@ -153,7 +153,7 @@ class Upstream:
         # Not a secret: lets engines group a session's calls.
         return {} if episode_id is None else {"X-Turnstile-Episode": str(episode_id)}
 
-    def _json_call(self, engine: Engine, path: str, body: dict, episode_id: int | None) -> dict:
+    def _json_call(self, engine: EngineTarget, path: str, body: dict, episode_id: int | None) -> dict:
         try:
             answer = self.clients[engine.url].request("POST", path, body, headers=self._headers(episode_id))
         except EngineCallError as exc:
@@ -163,7 +163,7 @@ class Upstream:
         return answer
 
     @staticmethod
-    def _room(engine: Engine, body: dict, err: GatewayError | None) -> int | None:
+    def _room(engine: EngineTarget, body: dict, err: GatewayError | None) -> int | None:
         """The clamped max_tokens to retry with when an overflow came from max_tokens alone."""
         if err is None or err.kind != "context_length" or err.prompt_tokens is None or err.max_context is None:
             return None
@@ -175,11 +175,11 @@ class Upstream:
         return room
 
     @staticmethod
-    def _clamp_to_context(engine: Engine, body: dict) -> None:
+    def _clamp_to_context(engine: EngineTarget, body: dict) -> None:
         if engine.max_model_len and body.get("max_tokens") and body["max_tokens"] > engine.max_model_len:
             body["max_tokens"] = engine.max_model_len
 
-    def complete(self, engine: Engine, body: dict, episode_id: int | None, idle=None, idle_s: float = 0.25) -> dict:
+    def complete(self, engine: EngineTarget, body: dict, episode_id: int | None, idle=None, idle_s: float = 0.25) -> dict:
         """Non-stream chat completion -> the engine's JSON body.  ``idle()`` runs every ``idle_s``
         seconds while the engine is silent; what it raises ends the call, closing the engine
         request (`EngineClient.complete`).  An overflow caused by max_tokens alone is retried once
@@ -206,10 +206,10 @@ class Upstream:
             return answer
         raise AssertionError("unreachable")
 
-    def _start(self, engine: Engine, body: dict, episode_id: int | None) -> PendingStream:
+    def _start(self, engine: EngineTarget, body: dict, episode_id: int | None) -> PendingStream:
         return PendingStream(self.clients[engine.url].open_stream(body, headers=self._headers(episode_id)))
 
-    def open_stream(self, engine: Engine, body: dict, episode_id: int | None, wait_s: float) -> PendingStream:
+    def open_stream(self, engine: EngineTarget, body: dict, episode_id: int | None, wait_s: float) -> PendingStream:
         """Send a streamed chat completion; waits up to `wait_s` for the engine to accept it."""
         self._clamp_to_context(engine, body)
         pending = self._start(engine, body, episode_id)
@@ -221,7 +221,7 @@ class Upstream:
             pending.wait(wait_s)
         return pending
 
-    def tokenize(self, engine: Engine, body: dict) -> dict:
+    def tokenize(self, engine: EngineTarget, body: dict) -> dict:
         """vLLM POST /tokenize (messages form) -> {count, max_model_len, tokens}."""
         return self._json_call(engine, "/tokenize", body, None)
 

@@ -138,7 +138,7 @@ def available() -> dict[str, str]:
 
 
 @dataclass
-class Group:
+class CGroup:
     """One command's control group(s); `close()` kills what is left and removes them."""
 
     max_processes: int | None
@@ -230,13 +230,13 @@ def _sweep_once() -> int:
     return removed
 
 
-def create(max_processes: int | None, memory_bytes: int | None) -> Group | None:
+def create(max_processes: int | None, memory_bytes: int | None) -> CGroup | None:
     """A new group capping processes and memory, or None where no writable hierarchy has either."""
     hierarchies = _hierarchies()
     if not hierarchies or not (max_processes or memory_bytes):
         return None
     _sweep_once()
-    group = Group(max_processes, memory_bytes)
+    group = CGroup(max_processes, memory_bytes)
     name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         for m in hierarchies:

@@ -9,9 +9,9 @@ from celery import shared_task
 
 from app.control import runs, scheduler, watchdog as control_watchdog
 from app.db import session_scope
-from app.models import TrainingStep, utcnow
+from app.tables import TrainingStep, utcnow
 from app.redis_client import get_redis
-from app.states import transition
+from app.transitions import transition
 from app.tasks.send import send
 
 TRAIN_TASK = "gpu.train_step"

@@ -14,7 +14,7 @@ from celery import shared_task
 
 from app.control.runs import stages_for
 from app.db import session_scope
-from app.models import Run
+from app.tables import Run
 
 
 @shared_task(name="gpu.train_step", acks_late=False, reject_on_worker_lost=False, ignore_result=True)

@@ -1,4 +1,4 @@
-"""Upsert task instances into the `task_instances` table (app.models.TaskInstance).
+"""Upsert task instances into the `task_instances` table (app.tables.TaskInstance).
 
 Idempotent and safe under concurrency: one INSERT ... ON CONFLICT (task_set,
 instance_id) DO UPDATE per record (SQLite >= 3.24 and PostgreSQL both support
@@ -11,7 +11,7 @@ from typing import Any, Iterable
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.models import TaskInstance
+from app.tables import TaskInstance
 from app.tasksets.schema import InstanceRecord
 
 

@@ -37,7 +37,7 @@ CONTROL_TIMEOUT = timedelta(days=365)
 
 
 @dataclass
-class Group:
+class RankGroup:
     """This process's place in the data-parallel group: `rank` of `world`, on `mesh` (1-D)."""
 
     rank: int
@@ -66,7 +66,7 @@ class Group:
         dist.barrier()
 
 
-def current() -> Group | None:
+def current() -> RankGroup | None:
     """The data-parallel group this process belongs to, or None when it trains alone.
 
     A process group of world size > 1 must already be initialised (`init_from_env`).
@@ -82,14 +82,14 @@ def current() -> Group | None:
         # The other ranks wait in `follow` for rank 0's next call for as long as the worker
         # is idle between steps: that wait must not time out like a training collective.
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        _GROUP = Group(dist.get_rank(), dist.get_world_size(), mesh, control)
+        _GROUP = RankGroup(dist.get_rank(), dist.get_world_size(), mesh, control)
     return _GROUP
 
 
-_GROUP: Group | None = None
+_GROUP: RankGroup | None = None
 
 
-def init_from_env(backend: str | None = None) -> Group | None:
+def init_from_env(backend: str | None = None) -> RankGroup | None:
     """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT, LOCAL_RANK) and return `current()`.
 
@@ -107,7 +107,7 @@ def init_from_env(backend: str | None = None) -> Group | None:
     return current()
 
 
-def device(group: Group) -> torch.device:
+def device(group: RankGroup) -> torch.device:
     """The device this rank trains on: its local GPU under nccl, else the CPU."""
     if _comm_device(group.mesh).type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -118,7 +118,7 @@ def _comm_device(mesh) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
 
 
-def shard(root: torch.nn.Module, layers, group: Group) -> torch.nn.Module:
+def shard(root: torch.nn.Module, layers, group: RankGroup) -> torch.nn.Module:
     """Apply FSDP2 to `root`: each module of `layers` its own unit, then `root` (the rest).
 
     `root` must be the module whose forward the trainer calls (FSDP2 gathers the root unit's
@@ -167,7 +167,7 @@ def load_sharded(module: torch.nn.Module, optimizer, directory: Path) -> None:
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def full_state_dict(module: torch.nn.Module, group: Group, prefix: str = "") -> dict[str, torch.Tensor] | None:
+def full_state_dict(module: torch.nn.Module, group: RankGroup, prefix: str = "") -> dict[str, torch.Tensor] | None:
     """The full (unsharded) fp32 weights of `module` on rank 0's CPU, keys with `prefix`
     stripped; None on the other ranks (collective: every rank must call it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -32,8 +32,8 @@ from sqlalchemy import select, update
 
 from app.config import get_settings
 from app.db import session_scope
-from app.models import Episode, Group, Run, TrainingStep, utcnow
-from app.states import transition
+from app.tables import Episode, Group, Run, TrainingStep, utcnow
+from app.transitions import transition
 from app.training import checkpoints
 from app.runconfig import TrainingConfig
 from app.training.batching import StepSequence

@@ -12,7 +12,7 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.models import SUPERSEDED, Completion, Episode, Trajectory
+from app.tables import SUPERSEDED, Completion, Episode, Trajectory
 from app.training.trajectories import CompletionRecord, build
 
 

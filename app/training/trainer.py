@@ -61,12 +61,12 @@ class Trainer:
     `model` is a `*ForCausalLM` (fp32) already on its device; with `config.lora` it is wrapped
     with peft adapters here.  `vocab_size` bounds valid token ids (defaults to the
     embedding's row count); `pad_id` fills padded positions.  `group` (a
-    `distributed.Group`): shard the model with FSDP2 over that group (every rank builds the
+    `distributed.RankGroup`): shard the model with FSDP2 over that group (every rank builds the
     same model); None trains in this process alone.
     Raises ValueError for LoRA under FSDP (not supported).
     """
 
-    def __init__(self, config: TrainingConfig, model, pad_id: int = 0, group: distributed.Group | None = None):
+    def __init__(self, config: TrainingConfig, model, pad_id: int = 0, group: distributed.RankGroup | None = None):
         self.config = config
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
@@ -359,7 +359,7 @@ class Trainer:
         return json.loads((directory / "trainer_state.json").read_text())
 
 
-def follow(group: distributed.Group) -> None:
+def follow(group: distributed.RankGroup) -> None:
     """The loop of ranks other than 0: replay rank 0's trainer calls until it calls `stop`.
 
     Rank 0 broadcasts `("build", (config dict, spec))` from `Trainer.from_spec` and
@@ -381,7 +381,7 @@ def follow(group: distributed.Group) -> None:
             getattr(trainer, op)(*args)
 
 
-def stop_followers(group: distributed.Group | None) -> None:
+def stop_followers(group: distributed.RankGroup | None) -> None:
     """On rank 0: release the other ranks from `follow`."""
     if group is not None and group.leader:
         group.broadcast_object(("stop", ()))

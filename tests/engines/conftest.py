@@ -10,12 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from app.config import ROOT
+
 import pytest
 
 from app.engines.client import EngineClient
 from support import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class EngineProcess:

@@ -12,6 +12,8 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from app.config import ROOT
 from types import SimpleNamespace
 
 import pytest
@@ -21,10 +23,8 @@ from sqlalchemy import select
 from app import config
 from app.db import session_scope
 from app.engines.modeling import build_tiny_model, load_weights_into
-from app.models import Completion, Episode, Group, Run, TaskInstance
+from app.tables import Completion, Episode, Group, Run, TaskInstance
 from app.training import steps
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_server import VLLMServer
+from support.vllm_server import VLLMServer
 
 _server: "VLLMServer | None" = None
 

@@ -24,7 +24,7 @@ from app.db import session_scope
 from app.engines.modeling import load_model, load_weights_into
 from app.engines.vllm import VLLMReloader
 from app.harnesses import get_preset
-from app.models import Completion, Episode, TrainingStep
+from app.tables import Completion, Episode, TrainingStep
 from support import AUTH, REDIS_BASE, ROOT, celery_worker_args, free_port, wait_for
 
 pytestmark = pytest.mark.slow

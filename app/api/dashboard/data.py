@@ -16,7 +16,7 @@ from sqlalchemy import Integer, cast, func, select
 from sqlalchemy.orm import Session
 
 from app.config import get_settings
-from app.models import EPISODE_STATES, Completion, Episode, Run, TaskInstance, TrainingStep, Trajectory, utcnow
+from app.tables import EPISODE_STATES, Completion, Episode, Run, TaskInstance, TrainingStep, Trajectory, utcnow
 
 TERMINAL_RUN = ("completed", "failed", "cancelled")
 TERMINAL_EPISODE = ("completed", "failed", "cancelled")

@@ -8,7 +8,7 @@ from app.api.dashboard import data
 from app.api.dashboard.form import run_config_form
 from app.api.openapi import openapi_spec
 from app.db import session_scope
-from app.models import RUN_KINDS, RUN_STATES, Run
+from app.tables import RUN_KINDS, RUN_STATES, Run
 
 bp = Blueprint("dashboard", __name__, template_folder="templates", static_folder="static",
                static_url_path="/dashboard/static")

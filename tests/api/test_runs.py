@@ -1,0 +1,274 @@
+"""REST API: validation errors name the field and write nothing; runs, episodes, export, OpenAPI."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import func, select
+
+from app import create_app
+from app.db import session_scope
+from app.tables import Completion, Episode, Run, TaskInstance
+from support import ROOT, api_client
+
+REDIS_DB = 10
+
+
+@pytest.fixture
+def client(database, redis_db):
+    return api_client(create_app({"TESTING": True}))
+
+
+def _runs_in_db() -> int:
+    with session_scope() as s:
+        return s.scalar(select(func.count()).select_from(Run))
+
+
+SIM = {"simulate": {"episode_median_s": 0.1}}
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({**SIM, "group_size": 0}, "group_size"),
+        ({**SIM, "group_size": "four"}, "group_size"),
+        ({**SIM, "tasks_per_step": -1}, "tasks_per_step"),
+        ({**SIM, "steps": None}, "steps"),
+        ({**SIM, "harness": "vim"}, "harness"),
+        ({**SIM, "kind": "finetune"}, "kind"),
+        ({**SIM, "group_sise": 4}, "group_sise"),
+        ({**SIM, "timeouts": {"agent_s": 0}}, "timeouts.agent_s"),
+        ({**SIM, "mode": "turbo"}, "mode"),
+        ({**SIM, "kind": "train", "group_size": 1}, "group_size"),
+        ({**SIM, "model": {"engine": "vllm"}}, "model.engine_urls"),
+        ({**SIM, "group_size": True}, "group_size"),
+        ({**SIM, "instances": []}, "instances"),
+        ({**SIM, "kind": "train", "steps": 0}, "steps"),
+        # The training section is typed and strict: caught at creation, never at the first GPU step.
+        ({**SIM, "training": {"clip_hgh": 0.3}}, "training.clip_hgh"),
+        ({**SIM, "training": {"lora": "false"}}, "training.lora"),
+        ({**SIM, "training": {"learning_rate": "abc"}}, "training.learning_rate"),
+        ({**SIM, "training": {"learning_rate": 0}}, "training.learning_rate"),
+        ({**SIM, "training": {"builder": "concat"}}, "training.builder"),
+        ({**SIM, "training": {"tis_cap": 0.5}}, "training.tis_cap"),
+        ({**SIM, "task_set": "x" * (1024 * 1024)}, "task_set"),
+        ({**SIM, "instances": ["i" * 300]}, "instances.0"),
+    ],
+)
+def test_bad_run_config_is_400_naming_the_field(client, body, field):
+    resp = client.post("/api/runs", json=body)
+    assert resp.status_code == 400, resp.get_json()
+    err = resp.get_json()["error"]
+    assert err["field"] == field
+    assert field.split(".")[-1] in err["message"]
+    assert _runs_in_db() == 0
+
+
+def test_training_defaults_are_stored_and_published(client):
+    """Defaults live in one place (`TrainingConfig`): the stored run shows them, the schema documents them."""
+    resp = client.post("/api/runs", json={**SIM, "kind": "eval", "training": {"learning_rate": 2e-5}})
+    assert resp.status_code == 202, resp.get_json()
+    training = resp.get_json()["config"]["training"]
+    assert training["learning_rate"] == 2e-5 and training["builder"] == "prefix_merging" and training["lora"] is False
+    spec = client.get("/api/openapi.json").get_json()
+    schemas = spec["components"]["schemas"]
+    assert "TrainingConfig" in schemas, sorted(schemas)
+    assert schemas["TrainingConfig"]["properties"]["clip_high"]["default"] == 0.28
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", b"null"])
+def test_malformed_body_is_400(client, raw):
+    resp = client.post("/api/runs", data=raw, content_type="application/json")
+    assert resp.status_code == 400
+    assert "JSON object" in resp.get_json()["error"]["message"]
+    assert _runs_in_db() == 0
+
+
+def test_unknown_task_set_is_400(client):
+    resp = client.post("/api/runs", json={"task_set": "/nonexistent/tasks.jsonl", "harness": "mini-swe-agent"})
+    assert resp.status_code == 400
+    assert resp.get_json()["error"]["field"] == "task_set"
+    assert _runs_in_db() == 0
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"instances": ["nope"]}, "instances", "no instance"),
+    ({"model": {"name": "gpt-9"}}, "model.name", "embedded engine serves"),
+    ({"model": {"name": "tiny", "checkpoint": "run:999"}, "kind": "eval"}, "model.checkpoint", "no checkpoint"),
+])
+def test_config_checked_against_this_installation(client, body, field, words):
+    resp = client.post("/api/runs", json={"harness": "mini-swe-agent", **body})
+    assert resp.status_code == 400, resp.get_json()
+    err = resp.get_json()["error"]
+    assert err["field"] == field and words in err["message"]
+    assert _runs_in_db() == 0
+
+
+@pytest.mark.parametrize("task_set", ["/", "/dev/zero", "/etc/passwd", "../../../etc"])
+def test_task_set_paths_outside_the_allowed_folders_are_refused_at_once(client, task_set):
+    """A run config cannot make the server scan or read arbitrary host files (nor echo them)."""
+    import time
+
+    started = time.monotonic()
+    resp = client.post("/api/runs", json={"task_set": task_set, "harness": "mini-swe-agent"})
+    assert time.monotonic() - started < 5
+    assert resp.status_code == 400
+    err = resp.get_json()["error"]
+    assert err["field"] == "task_set" and "allowed folder" in err["message"] and len(err["message"]) < 1000
+    assert "passwd" not in err["message"] or task_set == "/etc/passwd"
+    assert _runs_in_db() == 0
+
+
+def test_task_set_limits_on_size_and_records(client, tmp_path, monkeypatch):
+    from app import config
+
+    record = (ROOT / "data" / "tasks" / "synthetic.jsonl").read_text().splitlines()[0]
+    many = tmp_path / "many.jsonl"
+    many.write_text("\n".join([record] * 3))
+    monkeypatch.setenv("TURNSTILE_TASK_SET_MAX_RECORDS", "2")
+    config.reset_settings()
+    resp = client.post("/api/runs", json={"task_set": str(many), "harness": "mini-swe-agent"})
+    assert resp.status_code == 400 and "more than 2 records" in resp.get_json()["error"]["message"]
+    monkeypatch.setenv("TURNSTILE_TASK_SET_MAX_BYTES", "100")
+    config.reset_settings()
+    resp = client.post("/api/runs", json={"task_set": str(many), "harness": "mini-swe-agent"})
+    assert resp.status_code == 400 and "above the limit of 100" in resp.get_json()["error"]["message"]
+    config.reset_settings()
+
+
+def test_bad_task_set_file_is_400_without_echoing_it(client, tmp_path):
+    bad = tmp_path / "tasks.jsonl"
+    bad.write_text("\n".join(f'{{"instance_id": "x{i}", "secret": "{"s" * 100}"}}' for i in range(50)))
+    resp = client.post("/api/runs", json={"task_set": str(bad)})
+    assert resp.status_code == 400
+    err = resp.get_json()["error"]
+    assert err["field"] == "task_set" and len(err["message"]) < 700
+
+
+def test_list_limit_is_validated(client):
+    assert client.get("/api/runs?limit=abc").status_code == 400
+    assert client.get("/api/runs?limit=0").status_code == 400
+    assert client.get("/api/runs?limit=5").status_code == 200
+
+
+def test_create_run_commits_then_enqueues(client, redis_db):
+    resp = client.post("/api/runs", json={**SIM, "kind": "eval", "group_size": 2})
+    assert resp.status_code == 202
+    run = resp.get_json()
+    assert resp.headers["Location"].endswith(f"/api/runs/{run['id']}")
+    assert run["status"] == "queued" and run["priority"] == 5  # eval runs default to a higher priority
+    assert run["config"]["group_size"] == 2 and run["config"]["scheduling"]["rollout_slots"] == 4
+    # The control task is waiting on the real broker (the control queue, priority lists included).
+    queued = [k.decode() for k in redis_db.keys("control*")]
+    payloads = [m for k in queued for m in redis_db.lrange(k, 0, -1)]
+    assert any(json.loads(p)["headers"]["task"] == "control.start_run" for p in payloads), queued
+    got = client.get(f"/api/runs/{run['id']}").get_json()
+    assert got["id"] == run["id"] and got["steps"] == [] and got["live"]["completions"] == 0
+    listed = client.get("/api/runs").get_json()["runs"]
+    assert [r["id"] for r in listed] == [run["id"]]
+
+
+def test_cancel_and_not_found(client):
+    assert client.get("/api/runs/999").status_code == 404
+    assert client.post("/api/runs/999/cancel").status_code == 404
+    run_id = client.post("/api/runs", json=SIM).get_json()["id"]
+    assert client.post(f"/api/runs/{run_id}/cancel").status_code == 202
+    with session_scope() as s:
+        assert s.get(Run, run_id).status == "cancelling"
+
+
+def test_episode_with_completions_and_export(client):
+    with session_scope() as s:
+        run = Run(kind="collect", config={"harness": "mini-swe-agent", "model": {"name": "tiny"}})
+        inst = TaskInstance(task_set="t", instance_id="demo-1", repo="r", record={})
+        s.add_all([run, inst])
+        s.flush()
+        ep = Episode(run_id=run.id, instance_id=inst.id, group_index=0, sample_index=0, status="completed", reward=1.0)
+        s.add(ep)
+        s.flush()
+        s.add(Completion(episode_id=ep.id, seq=0, request_key="a", api="chat", raw_request={"messages": []},
+                         normalized_request={"messages": [{"role": "user", "content": "hi"}]},
+                         prompt_ids=[1, 2, 3], sampled_ids=[4, 5], logprobs=[-0.5, -0.25], finish_reason="stop"))
+        run_id, ep_id = run.id, ep.id
+    body = client.get(f"/api/episodes/{ep_id}").get_json()
+    assert body["instance_id"] == "demo-1" and body["reward"] == 1.0
+    assert body["completions"][0]["sampled_ids"] == [4, 5] and body["completions"][0]["logprobs"] == [-0.5, -0.25]
+    assert [e["id"] for e in client.get(f"/api/runs/{run_id}/episodes").get_json()["episodes"]] == [ep_id]
+    lines = client.get(f"/api/runs/{run_id}/export").get_data(as_text=True).splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["completions"][0]["prompt_ids"] == [1, 2, 3]
+    assert record["messages"][0] == {"role": "user", "content": "hi"}
+    from app.engines.modeling import load_tokenizer
+
+    # the final answer is the policy's own sampled ids decoded, token-exact
+    assert record["messages"][-1] == {"role": "assistant", "content": load_tokenizer().decode([4, 5], skip_special_tokens=False)}
+
+
+def test_openapi_documents_every_route(client):
+    spec = client.get("/api/openapi.json").get_json()
+    assert spec["openapi"].startswith("3.")
+    documented = set(spec["paths"])
+    app = client.application
+    routes = {r.rule.replace("<id:", "{").replace(">", "}") for r in app.url_map.iter_rules() if r.rule.startswith("/api/")}
+    assert routes <= documented, routes - documented
+    props = spec["components"]["schemas"]["RunConfig"]["properties"]
+    assert {"task_set", "harness", "model", "group_size", "tasks_per_step", "steps", "timeouts", "mode"} <= set(props)
+
+
+def test_responses_carry_exactly_the_documented_fields_in_order(client):
+    """Bodies are built through the response models the OpenAPI document is generated from:
+    every field of a real run, episode and completion is documented, none is missing, and the
+    JSON keeps the documented order (no alphabetical re-sorting)."""
+    with session_scope() as s:
+        run = Run(kind="collect", config={"harness": "mini-swe-agent"})
+        inst = TaskInstance(task_set="t", instance_id="demo-1", repo="r", record={})
+        s.add_all([run, inst])
+        s.flush()
+        ep = Episode(run_id=run.id, instance_id=inst.id, group_index=0, sample_index=0, status="completed")
+        s.add(ep)
+        s.flush()
+        s.add(Completion(episode_id=ep.id, seq=0, request_key="a", api="chat", raw_request={},
+                         prompt_ids=[1], sampled_ids=[2], logprobs=[-0.1]))
+        run_id, ep_id = run.id, ep.id
+    spec = client.get("/api/openapi.json").get_json()
+    schemas = spec["components"]["schemas"]
+    assert "/api/health" in spec["paths"] and client.get("/api/health").get_json() == {"status": "ok"}
+    checks = [(client.get(f"/api/runs/{run_id}").get_data(as_text=True), "Run"),
+              (client.get(f"/api/episodes/{ep_id}").get_data(as_text=True), "Episode")]
+    for raw, name in checks:
+        body = json.loads(raw)
+        assert list(body) == list(schemas[name]["properties"]), name  # same fields, same order
+    episode = json.loads(checks[1][0])
+    assert list(episode["completions"][0]) == list(schemas["Completion"]["properties"])
+    listed = client.get("/api/runs").get_json()["runs"][0]
+    assert list(listed) == list(schemas["Run"]["properties"]) and listed["live"]["graded"] == 1
+    assert schemas["Run"]["properties"]["config"] == {"$ref": "#/components/schemas/RunConfig"}
+
+
+@pytest.fixture
+def any_client(any_database, redis_db):
+    return api_client(create_app({"TESTING": True}))
+
+
+@pytest.mark.parametrize("path", ["/api/runs/2147483648", "/api/runs/99999999999999999999/episodes",
+                                  "/api/episodes/2147483648", "/api/runs/0", "/runs/2147483648",
+                                  "/episodes/18446744073709551616"])
+def test_ids_beyond_sql_integer_are_404_on_both_databases(any_client, path):
+    resp = any_client.get(path)
+    assert resp.status_code == 404
+
+
+def test_malformed_query_and_deep_bodies_are_400_not_500(any_client):
+    with session_scope() as s:
+        run = Run(kind="eval", config={})
+        s.add(run)
+        s.flush()
+        run_id = run.id
+    resp = any_client.get(f"/api/runs/{run_id}/episodes?status=%00")
+    assert resp.status_code == 400 and resp.get_json()["error"]["field"] == "status"
+    deep = "[" * 5000 + "]" * 5000
+    for body in ('{"training": ' + deep + "}", deep):
+        resp = any_client.post("/api/runs", data=body, content_type="application/json")
+        assert resp.status_code == 400, resp.get_data(as_text=True)[:200]
+        assert "nested too deeply" in resp.get_json()["error"]["message"]

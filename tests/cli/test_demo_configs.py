@@ -1,0 +1,44 @@
+"""The run configs `make demo` and `make learn` submit are valid before any process starts:
+a typo in them would otherwise surface as a 400 after minutes of setup and a warm start."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.config import ROOT
+
+import pytest
+
+from app.cli.learning import _ids
+from app.cli.runs import read_config_file
+from app.runconfig import RunConfig
+from app.tasksets import load_task_set
+from app.training.warmstart import WarmStartConfig
+
+DEMO = ROOT / "demo"
+
+
+@pytest.mark.parametrize("name", ["train.json", "learn.json"])
+def test_demo_config_is_a_valid_train_run_on_instances_of_its_task_set(name):
+    config = read_config_file(str(DEMO / name))
+    learn = config.pop("learn", None) or {}
+    warm = config.pop("warm_start", None) or learn.get("warm_start")
+    cfg = RunConfig.model_validate(config)
+    assert cfg.kind == "train" and cfg.task_set == "starter"
+    known = {r.instance_id for r in load_task_set(cfg.task_set).instances}
+    train = _ids(learn["train"]) if learn else list(cfg.instances)
+    assert train and set(train) <= known
+    if learn:
+        heldout = _ids(learn["heldout"])
+        assert heldout and set(heldout) <= known and not set(heldout) & set(train)
+    assert warm is not None
+    warm = dict(warm)
+    demonstrated = _ids(warm.pop("instances", train))
+    assert not set(demonstrated) & set(_ids("starter:heldout"))  # held-out fixes are never demonstrated
+    WarmStartConfig.from_dict(warm)  # raises on an unknown or mistyped key
+
+
+def test_make_demo_and_make_learn_share_one_warm_start():
+    """Same base, harness, instances and hyperparameters: the second command reuses the first's folder."""
+    demo = read_config_file(str(DEMO / "train.json"))["warm_start"]
+    learn = read_config_file(str(DEMO / "learn.json"))["learn"]["warm_start"]
+    assert demo == learn

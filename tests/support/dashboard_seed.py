@@ -1,0 +1,217 @@
+"""A train run and two eval runs written to SQL the way the pipeline writes them.
+
+Completions carry SmolLM2 token ids from the model's own tokenizer over ChatML markup;
+trajectories are built from them by the real prefix-merging builder (`build_episode_trajectories`),
+so the token view and the cut reasons shown are the ones training would use.  Step metrics have
+the keys the trainer and scheduler record.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import math
+import random
+
+from app.config import get_settings
+from app.db import session_scope
+from app.tables import Completion, Episode, Run, TaskInstance, TrainingStep
+from app.runconfig import RunConfig
+from app.training.store import build_episode_trajectories
+
+T0 = dt.datetime(2026, 11, 30, 9, 0, tzinfo=dt.timezone.utc)
+INSTANCES = ["synthetic__calc-add", "synthetic__strings-slug", "synthetic__dates-range"]
+SYSTEM = "You are a helpful assistant that can interact with a computer shell to solve programming tasks."
+PATCH = """diff --git a/calc.py b/calc.py
+index 3b18e51..a1c2d3f 100644
+--- a/calc.py
++++ b/calc.py
+@@ -1,4 +1,4 @@
+ def add(a, b):
+-    return a - b
++    return a + b
+ 
+ 
+"""
+WRONG_PATCH = PATCH.replace("+    return a + b", "+    return b - a")
+
+
+def _report(instance: str, resolved: bool) -> dict:
+    """swebench's `get_eval_report` shape plus what our grader adds."""
+    f2p = [f"tests/test_{instance.split('__')[1]}.py::test_fixed"]
+    p2p = [f"tests/test_{instance.split('__')[1]}.py::test_existing_{i}" for i in range(2)]
+    return {"patch_is_None": False, "patch_exists": True, "patch_successfully_applied": True, "resolved": resolved,
+            "tests_status": {"FAIL_TO_PASS": {"success": f2p if resolved else [], "failure": [] if resolved else f2p},
+                             "PASS_TO_PASS": {"success": p2p, "failure": []}},
+            "apply": {"applied": True, "method": "git apply --verbose", "reason": None},
+            "timings": {"prepare_s": 0.8, "apply_s": 0.05, "eval_s": 1.9, "total_s": 2.8}, "cached": False}
+
+
+def _instance(s, name: str) -> TaskInstance:
+    row = TaskInstance(task_set="synthetic", instance_id=name, repo="synthetic/" + name.split("__")[1],
+                       base_commit="0" * 40, record={"instance_id": name, "problem_statement": f"Fix {name}."})
+    s.add(row)
+    s.flush()
+    return row
+
+
+def _chatml(messages: list[dict]) -> str:
+    """SmolLM2's chat markup (ChatML) of `messages`, ending with the assistant's turn opening."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+
+
+def _calls(tok, rng: random.Random, rewrite_last: bool) -> list[dict]:
+    """Three chat calls of a shell agent: the second extends the first token for token; the third
+    either extends it too or (`rewrite_last`) comes after the harness compacted its history."""
+    im_end = tok.token_to_id("<|im_end|>")
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Fix the bug in calc.py: add(2, 3) returns -1."}]
+    answers = ["THOUGHT: Let me look at the file first.\n\n```bash\ncat calc.py\n```",
+               "THOUGHT: add subtracts. I will fix it.\n\n```bash\nsed -i 's/a - b/a + b/' calc.py\n```",
+               "THOUGHT: Done.\n\n```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```"]
+    observations = ["def add(a, b):\n    return a - b\n", "(no output)"]
+    prompt = tok.encode(_chatml(messages), add_special_tokens=False).ids
+    calls = []
+    for i, answer in enumerate(answers):
+        sampled = tok.encode(answer, add_special_tokens=False).ids + [im_end]
+        logprobs = [-abs(rng.gauss(0, 0.25)) - (rng.random() * 4 if rng.random() < 0.12 else 0) for _ in sampled]
+        calls.append({"messages": [dict(m) for m in messages], "prompt_ids": list(prompt), "sampled_ids": sampled,
+                      "logprobs": logprobs, "answer": answer})
+        if i == len(observations):
+            break
+        observation = {"role": "user", "content": f"<returncode>0</returncode>\n<output>\n{observations[i]}</output>"}
+        if rewrite_last and i == 1:
+            # compaction: the harness summarises the history, so the prompt no longer extends the chain
+            messages = [messages[0], {"role": "user", "content": "Summary so far: calc.add was fixed. Verify and submit."}]
+            prompt = tok.encode(_chatml(messages), add_special_tokens=False).ids
+            continue
+        messages = messages + [{"role": "assistant", "content": answer}, observation]
+        glue = tok.encode(f"\n<|im_start|>user\n{observation['content']}<|im_end|>\n<|im_start|>assistant\n",
+                          add_special_tokens=False).ids
+        prompt = list(prompt) + sampled + glue
+    return calls
+
+
+def _add_completions(s, episode: Episode, tok, rng: random.Random, rewrite_last: bool, start: dt.datetime) -> None:
+    for seq, call in enumerate(_calls(tok, rng, rewrite_last)):
+        s.add(Completion(
+            episode_id=episode.id, seq=seq, request_key=f"k{episode.id}-{seq}", api="chat", model="smollm2",
+            stream=seq % 2 == 1, raw_request={"messages": call["messages"]},
+            normalized_request={"model": "smollm2", "messages": call["messages"]},
+            response={"id": f"chatcmpl-{episode.id}-{seq}", "object": "chat.completion",
+                      "choices": [{"index": 0, "finish_reason": "stop",
+                                   "message": {"role": "assistant", "content": call["answer"]}}]},
+            prompt_ids=call["prompt_ids"], sampled_ids=call["sampled_ids"], logprobs=call["logprobs"],
+            finish_reason="stop", engine_id="http://127.0.0.1:8200", policy_version=episode.policy_version,
+            queue_ms=3.0, first_token_ms=180.0 + seq, total_ms=2400.0 + 300 * seq,
+            created_at=start + dt.timedelta(seconds=5 * seq)))
+    s.flush()
+
+
+def _step_metrics(step: int, rewards: list[float], rng: random.Random) -> dict:
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(1, len(rewards) - 1))
+    return {
+        "episodes": len(rewards), "groups": 2, "reward_mean": mean, "reward_std": std, "resolved_rate": mean,
+        "advantage_mean": 0.0, "advantage_std": 0.9, "loss": 0.02 - 0.006 * step + rng.random() * 0.004,
+        "kl": 1e-4 * (step + 1), "clip_fraction": 0.01 * step, "logprob_gap_max_abs": 2e-3 + 1e-4 * step,
+        "logprob_gap_mean_abs": 2e-4, "tokens_trained": 420 + 30 * step, "tokens_processed": 1600 + 100 * step,
+        "builder": "prefix_merging",
+        "merge": {"completions": 12, "completions_merged": 9 - step, "chains": 3 + step, "chains_cut": step,
+                  "rejected": 0, "cut_reasons": {"context_diverged": step} if step else {}, "rejected_reasons": {}},
+        "scheduling": {"trainer_busy_fraction": 0.55 + 0.1 * step, "rollout_slot_occupancy": 0.9,
+                       "ready_wait_s": {"n": 4, "p50": 0.04 + 0.01 * step, "max": 0.3},
+                       "staleness_hist": {"0": 3, "1": step}},
+        "policy_version": step + 1, "step_time_s": 11.5,
+    }
+
+
+def seed() -> dict:
+    """Write the runs; returns their ids and the ids of notable episodes."""
+    from app.api.dashboard.data import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    rng = random.Random(7)
+    ids: dict = {}
+    with session_scope() as s:
+        inst = [_instance(s, name) for name in INSTANCES]
+        cfg = RunConfig.model_validate({"kind": "train", "harness": "mini-swe-agent", "task_set": "synthetic",
+                                        "group_size": 2, "tasks_per_step": 2, "steps": 3}).model_dump(mode="json")
+        train = Run(kind="train", status="completed", config=cfg, policy_version=3, created_at=T0,
+                    started_at=T0, finished_at=T0 + dt.timedelta(minutes=9))
+        s.add(train)
+        s.flush()
+        ids["train"] = train.id
+        resolved_pattern = [[0, 0, 1, 0], [1, 0, 1, 1], [1, 1, 1, 0]]
+        for step in range(3):
+            episode_ids = []
+            for g in range(2):
+                for k in range(2):
+                    n = g * 2 + k
+                    ok = bool(resolved_pattern[step][n])
+                    start = T0 + dt.timedelta(minutes=3 * step, seconds=20 * n)
+                    ep = Episode(run_id=train.id, instance_id=inst[g].id, step=step, group_index=step * 2 + g,
+                                 sample_index=k, status="completed", attempts=1, policy_version=step,
+                                 patch=PATCH if ok else WRONG_PATCH, exit_status="submitted", reward=float(ok), resolved=ok,
+                                 grading_report=_report(INSTANCES[g], ok), created_at=start - dt.timedelta(seconds=30),
+                                 prepared_at=start - dt.timedelta(seconds=10), started_at=start,
+                                 rollout_finished_at=start + dt.timedelta(seconds=40 + 7 * n),
+                                 finished_at=start + dt.timedelta(seconds=45 + 7 * n))
+                    if step == 2 and n == 3:
+                        ep.status, ep.reward, ep.resolved, ep.grading_report = "failed", None, None, None
+                        ep.error = "harness exited 1 before its first model call: ModuleNotFoundError: No module named 'yaml'"
+                        ep.exit_status = "exit 1"
+                    s.add(ep)
+                    s.flush()
+                    episode_ids.append(ep.id)
+                    if ep.status == "completed":
+                        _add_completions(s, ep, tok, rng, rewrite_last=(n == 1), start=start)
+                        build_episode_trajectories(s, ep.id, "prefix_merging")
+                    if step == 0 and n == 0:
+                        ids["merged_episode"] = ep.id
+                    if step == 0 and n == 1:
+                        ids["cut_episode"] = ep.id
+                    if step == 2 and n == 3:
+                        ids["failed_episode"] = ep.id
+            rewards = [float(r) for r in resolved_pattern[step][: 3 if step == 2 else 4]]
+            s.add(TrainingStep(run_id=train.id, step=step, status="completed", policy_version=step + 1,
+                               episode_ids=episode_ids, metrics=_step_metrics(step, rewards, rng),
+                               checkpoint_path=f"var/runs/{train.id}/checkpoints/step_{step}",
+                               started_at=T0 + dt.timedelta(minutes=3 * step + 2),
+                               finished_at=T0 + dt.timedelta(minutes=3 * step + 2, seconds=12)))
+        for label, pattern in (("eval_base", [[0, 0, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]]),
+                               ("eval_trained", [[1, 0, 1, 1], [0, 1, 0, 0], [1, 1, 0, 1]])):
+            model = {"name": "smollm2", "checkpoint": None if label == "eval_base" else f"run:{train.id}"}
+            cfg = RunConfig.model_validate({"kind": "eval", "harness": "mini-swe-agent", "task_set": "synthetic",
+                                            "group_size": 4, "tasks_per_step": 3, "steps": 1,
+                                            "model": model}).model_dump(mode="json")
+            run = Run(kind="eval", status="completed", config=cfg, priority=5, created_at=T0 + dt.timedelta(minutes=10),
+                      started_at=T0 + dt.timedelta(minutes=10), finished_at=T0 + dt.timedelta(minutes=14))
+            s.add(run)
+            s.flush()
+            ids[label] = run.id
+            for g, row in enumerate(pattern):
+                for k, ok in enumerate(row):
+                    s.add(Episode(run_id=run.id, instance_id=inst[g].id, step=0, group_index=g, sample_index=k,
+                                  status="completed", attempts=1, policy_version=0, reward=float(ok), resolved=bool(ok),
+                                  patch=PATCH if ok else "", exit_status="submitted",
+                                  grading_report=_report(INSTANCES[g], bool(ok)),
+                                  started_at=run.started_at, rollout_finished_at=run.started_at + dt.timedelta(seconds=50),
+                                  finished_at=run.started_at + dt.timedelta(seconds=55)))
+        cfg = RunConfig.model_validate({"kind": "train", "harness": "mini-swe-agent", "task_set": "synthetic",
+                                        "group_size": 2, "tasks_per_step": 1, "steps": 2}).model_dump(mode="json")
+        live = Run(kind="train", status="running", config=cfg, started_at=dt.datetime.now(dt.timezone.utc))
+        s.add(live)
+        s.flush()
+        ids["running"] = live.id
+        for k in range(2):
+            s.add(Episode(run_id=live.id, instance_id=inst[0].id, step=0, group_index=0, sample_index=k,
+                          status="running", attempts=1, policy_version=0, started_at=live.started_at))
+    _write_log(ids["train"], ids["merged_episode"])
+    return ids
+
+
+def _write_log(run_id: int, episode_id: int) -> None:
+    folder = get_settings().var_dir / "runs" / str(run_id) / "episodes" / str(episode_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    body = "\n".join(f"mini-swe-agent step {i}: ran a command" for i in range(300))
+    (folder / "harness-attempt1.log").write_text(
+        "$ mini-swe-agent (exit 0, 41.2 s, confined=True)\n--- stdout ---\n" + body + "\nSubmitted: calc.py fixed\n--- stderr ---\n")
