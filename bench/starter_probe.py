@@ -67,7 +67,7 @@ def messages(kind: str, task: str) -> tuple[list[dict], list | None]:
 
 
 def commands_of(kind: str, text: str) -> list[str]:
-    from app.engines.toolparse import parse_tool_calls
+    from app.engines.embedded.toolparse import parse_tool_calls
 
     if kind == "toolcall":
         out = []
@@ -111,7 +111,7 @@ def main() -> int:
     import torch
 
     from app.engines.modeling import load_model
-    from app.engines.templates import render_prompt
+    from app.engines.embedded.templates import render_prompt
     from app.tasksets import load_task_set
 
     torch.set_num_threads(1)

@@ -14,8 +14,8 @@ from app.config import get_settings
 
 _settings = get_settings()  # a bad value stops gunicorn here, with the variable's name
 bind = f"127.0.0.1:{_settings.engine_port}"
-# The engine id is stable across worker restarts (host and port), as `python -m app.engines.server` makes it.
-wsgi_app = f"app.engines.server:create_engine_app(engine_id='embedded-{socket.gethostname()}-{_settings.engine_port}')"
+# The engine id is stable across worker restarts (host and port), as `python -m app.engines.embedded.server` makes it.
+wsgi_app = f"app.engines.embedded.server:create_engine_app(engine_id='embedded-{socket.gethostname()}-{_settings.engine_port}')"
 workers = 1
 worker_class = "gthread"
 threads = 64

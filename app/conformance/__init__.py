@@ -5,8 +5,10 @@
   calls, the API detected, merge fidelity, the diff and token hygiene.
 * `app.conformance.pipeline_check`: `run_pipeline_checks(names, ...)` does the same
   through the whole pipeline (REST API, Celery worker, sandboxed runtime, grading).
-* `app.conformance.scripted_engine`: the scripted engine answering each preset's
-  `check_script()` (run as `python -m app.conformance.scripted_engine`).
+* `app.conformance.scripted`: the scripted engine, a deterministic test double of the engine
+  contract (run as `python -m app.conformance.scripted`); the tests and benches use it too.
+* `app.conformance.scripted.check`: the scripted engine answering each preset's
+  `check_script()` (run as `python -m app.conformance.scripted.check`).
 * `app.conformance.servers`: the engine / gateway subprocesses both checks start.
 
 Only the CLI (`app.cli.harness`) imports this package; the presets in

@@ -1,7 +1,7 @@
 """`harness check`: one real harness CLI run against the real gateway backed by a scripted engine.
 
 `run_check(name)` starts two subprocesses (`app.conformance.servers.Servers`), the
-scripted engine (`app.conformance.scripted_engine`, answering the preset's
+scripted engine (`app.conformance.scripted.check`, answering the preset's
 `check_script()`) and the gateway (gunicorn, `app.proxy:create_gateway_app()`),
 both on free loopback ports and bound to one SQL database; it creates a run,
 an instance and a `running` episode, issues the episode's session token, writes
@@ -126,7 +126,7 @@ def first_prompt_tokens(preset: HarnessPreset, rows: list[Completion]) -> int | 
     """The harness's minimum prompt: SmolLM2 tokens of its first agent call, or None without calls.
 
     The call's normalized (Chat Completions) request is rendered exactly as the embedded
-    engine renders it (`app.engines.templates.render_prompt` with SmolLM2's tokenizer from
+    engine renders it (`app.engines.embedded.templates.render_prompt` with SmolLM2's tokenizer from
     `app.engines.modeling.load_tokenizer`, generation prompt included), so the count is the
     prompt length the engine would check against its context window.  The check's own
     problem statement is one line, so the count is the harness's fixed overhead (system
@@ -137,7 +137,7 @@ def first_prompt_tokens(preset: HarnessPreset, rows: list[Completion]) -> int | 
     if row is None or not row.normalized_request:
         return None
     from app.engines.modeling import load_tokenizer
-    from app.engines.templates import render_prompt
+    from app.engines.embedded.templates import render_prompt
 
     body = row.normalized_request
     ids = render_prompt(load_tokenizer(), body.get("messages"), body.get("tools"),

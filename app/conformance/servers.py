@@ -1,7 +1,7 @@
 """Server subprocesses the conformance checks start: the scripted engine and the gateway.
 
 `Servers(harness, database_url, workdir)` is a context manager that starts the
-scripted engine (`python -m app.conformance.scripted_engine`) and the gateway
+scripted engine (`python -m app.conformance.scripted.check`) and the gateway
 (gunicorn, `app.proxy:create_gateway_app()`) on free loopback ports, both bound
 to one SQL database, each in its own process group with its log under
 `workdir`; leaving the context kills them.  The pipeline check extends it with
@@ -77,7 +77,7 @@ class Servers:
         self.engine_url = f"http://127.0.0.1:{eport}"
         self.gateway_url = f"http://127.0.0.1:{gport}"
         try:
-            argv = [sys.executable, "-m", "app.conformance.scripted_engine", "--harness", self.harness,
+            argv = [sys.executable, "-m", "app.conformance.scripted.check", "--harness", self.harness,
                     "--port", str(eport)]
             if self.max_model_len:
                 argv += ["--max-model-len", str(self.max_model_len)]

@@ -1,6 +1,6 @@
 """The project's one client of the inference engines (embedded engine, scripted engine or vLLM).
 
-``EngineClient`` speaks the engine contract documented in ``app.engines.server`` (OpenAI Chat
+``EngineClient`` speaks the engine contract documented in ``app.engines.embedded.server`` (OpenAI Chat
 Completions, https://platform.openai.com/docs/api-reference/chat, plus vLLM's extensions:
 ``return_token_ids``, ``/tokenize``, ``/detokenize``, ``max_model_len`` in ``/v1/models``) over
 httpx, the HTTP library the OpenAI and Anthropic SDKs bring.  The gateway, the trainer's weight
@@ -12,84 +12,32 @@ With a vLLM server every call works except ``reload`` / ``reset_to_base`` (use
 
 Errors: a non-2xx answer raises ``EngineHTTPError`` (status and parsed body kept); a transport
 failure (refused, reset, timed out, malformed HTTP) raises ``EngineConnectionError``.  Both are
-``EngineCallError``.
+``EngineCallError`` (defined in ``app.engines.errors``, re-exported here).  The connections and
+reader threads underneath are ``app.engines.transport``'s.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import queue
-import select
 import socket
 import threading
 import time
 from typing import Any, Callable, Iterator
 
-import httpcore
 import httpx
 
+from app.engines.errors import (EngineCallError, EngineConnectionError, EngineHTTPError, connection_error,
+                                error_message, parse_body)
 from app.engines.sse import SSEDecoder
+from app.engines.transport import READERS, shutdown, watched_transport, watching
 
 DONE = object()   # stream item: the engine sent ``data: [DONE]``
 EOF = object()    # stream item: the engine closed the stream without ``[DONE]``
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
-
-class EngineCallError(RuntimeError):
-    """Any failure talking to an engine."""
-
-
-class EngineHTTPError(EngineCallError):
-    """Non-2xx answer from the engine; ``status``, the parsed ``body`` and its ``message`` are kept."""
-
-    def __init__(self, status: int, body: Any) -> None:
-        self.status, self.body = int(status), body
-        self.message = error_message(body) or f"HTTP {status}"
-        super().__init__(f"engine answered {status}: {self.message}")
-
-
-class EngineConnectionError(EngineCallError):
-    """Transport failure: the engine is unreachable, reset the connection, sent malformed HTTP or
-    stayed silent past the timeout (``timed_out``)."""
-
-    def __init__(self, message: str, *, timed_out: bool = False) -> None:
-        super().__init__(message)
-        self.timed_out = timed_out
-
-
-def error_message(body: Any) -> str:
-    """The human message of an engine error body: OpenAI ``{"error": {"message"}}``,
-    ``{"error": "..."}``, FastAPI ``{"detail"}``, ``{"message"}`` or plain text (≤ 2000 chars)."""
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(err, str) and err:
-            return err
-        for key in ("message", "detail"):
-            if body.get(key):
-                return str(body[key])
-        return _dumps(body)[:2000]
-    if isinstance(body, (bytes, bytearray)):
-        body = body.decode("utf-8", "replace")
-    return str(body if body is not None else "")[:2000]
-
-
-def _parse_body(response: httpx.Response) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        return response.text
-
-
-def _connection_error(exc: httpx.HTTPError, base_url: str) -> EngineConnectionError:
-    if isinstance(exc, httpx.TimeoutException):
-        return EngineConnectionError(f"engine {base_url} timed out ({type(exc).__name__})", timed_out=True)
-    if isinstance(exc, httpx.ConnectError):
-        return EngineConnectionError(f"engine {base_url} is unreachable: {exc}")
-    return EngineConnectionError(f"connection to engine {base_url} failed: {type(exc).__name__}: {exc}")
+__all__ = ["DONE", "EOF", "ChatStream", "EngineCallError", "EngineClient", "EngineConnectionError", "EngineHTTPError",
+           "error_message", "stream_items"]
 
 
 def stream_items(events: list[tuple[str | None, str]]) -> list:
@@ -110,125 +58,12 @@ def stream_items(events: list[tuple[str | None, str]]) -> list:
     return items
 
 
-_watch = threading.local()  # (idle, every): set by `watching` on the thread doing the read
-
-
-@contextlib.contextmanager
-def watching(idle: Callable[[], None] | None, every: float) -> Iterator[None]:
-    """While active on this thread, a read from an engine connection that finds nothing to read
-    waits in slices of ``every`` seconds and calls ``idle()`` between them; an exception raised by
-    ``idle`` abandons the call (httpcore then closes the connection, so the engine sees the client
-    leave and aborts the request)."""
-    previous = getattr(_watch, "current", None)
-    _watch.current = (idle, every) if idle is not None else None
-    try:
-        yield
-    finally:
-        _watch.current = previous
-
-
-class _WatchedStream(httpcore.NetworkStream):
-    """An engine connection (httpcore's plain socket stream) whose reads honour ``watching``.
-
-    Writes are held until the connection next reads (or closes): httpcore writes a request's
-    head and body separately, and two segments wake the engine twice (it reads the head, then
-    waits for the body); held, a request leaves as one ``sendall``.
-    """
-
-    def __init__(self, inner: httpcore.NetworkStream) -> None:
-        self._inner = inner
-        self._held: list[bytes] = []
-        self._held_timeout: float | None = None
-        sock = inner.get_extra_info("socket")
-        self._poll = select.poll() if sock is not None else None  # poll: no FD_SETSIZE limit
-        if self._poll is not None:
-            self._poll.register(sock, select.POLLIN | select.POLLPRI)
-
-    def _flush(self) -> None:
-        if self._held:
-            data, self._held = b"".join(self._held), []
-            self._inner.write(data, self._held_timeout)
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        self._flush()
-        watch = getattr(_watch, "current", None)
-        if watch is not None and self._poll is not None:
-            idle, every = watch
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while not self._poll.poll(0 if every <= 0 else max(1, int(every * 1000))):
-                idle()
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise httpcore.ReadTimeout("timed out")
-        return self._inner.read(max_bytes, timeout)
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        if buffer:
-            self._held.append(buffer)
-            self._held_timeout = timeout
-
-    def close(self) -> None:
-        self._held = []
-        self._inner.close()
-
-    def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> httpcore.NetworkStream:
-        self._flush()
-        return self._inner.start_tls(ssl_context, server_hostname, timeout)
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._inner.get_extra_info(info)
-
-
-class _WatchedBackend(httpcore.SyncBackend):
-    def connect_tcp(self, *args, **kwargs) -> httpcore.NetworkStream:
-        return _WatchedStream(super().connect_tcp(*args, **kwargs))
-
-
-class _Readers:
-    """Daemon threads reused from stream to stream.  A new thread per stream costs a scheduler
-    round trip on the request's path (``Thread.start`` waits until the thread runs), which on a
-    loaded box is milliseconds; an idle reader is handed the next stream without that wait.
-    Threads are never stopped (their number is the peak of concurrent streams); daemon, so a
-    reader blocked on a silent engine never holds up interpreter exit."""
-
-    def __init__(self) -> None:
-        self._reset()
-        # A forked child has none of the parent's threads: it starts with an empty pool.
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = 0
-        self._lock = threading.Lock()
-
-    def submit(self, fn: Callable, *args: Any) -> None:
-        with self._lock:
-            spawn = self._idle == 0
-            if not spawn:
-                self._idle -= 1
-        self._tasks.put((fn, args))
-        if spawn:  # every queued task has a thread waiting for it: an idle one, or this new one
-            threading.Thread(target=self._run, daemon=True, name="engine-stream").start()
-
-    def _run(self) -> None:
-        while True:
-            fn, args = self._tasks.get()
-            try:
-                fn(*args)
-            except BaseException:  # noqa: BLE001 - a reader reports its own failures; keep the thread
-                pass
-            with self._lock:
-                self._idle += 1
-
-
-_READERS = _Readers()
-
-
 class ChatStream:
     """A streamed ``POST /v1/chat/completions`` read by a reader thread, so the caller can wait
     with a timeout and do something else (send a keep-alive) while the engine is silent.
 
     httpx reads cannot time out and resume (a read timeout ends the response), hence the reader
-    thread (one of ``_READERS``); it hands over everything received per network read as one
+    thread (one of ``app.engines.transport.READERS``); it hands over everything received per network read as one
     list.  Use ``wait`` for the response head, then ``poll`` for items, and always ``close``.
     """
 
@@ -248,7 +83,7 @@ class ChatStream:
                                              headers={"Content-Type": "application/json", "Accept-Encoding": "identity",
                                                       **(headers or {})})
         self._finished = threading.Event()  # the reader is done with this stream
-        _READERS.submit(self._read, client._http, request)
+        READERS.submit(self._read, client._http, request)
 
     def _read(self, http: httpx.Client, request: httpx.Request) -> None:
         try:
@@ -265,7 +100,7 @@ class ChatStream:
             self.status = response.status_code
             if response.status_code >= 400:
                 response.read()
-                self.error = EngineHTTPError(response.status_code, _parse_body(response))
+                self.error = EngineHTTPError(response.status_code, parse_body(response))
                 self._ended = True
                 self._head.set()
                 return
@@ -303,7 +138,7 @@ class ChatStream:
 
     def _failure(self, exc: Exception) -> EngineConnectionError:
         if isinstance(exc, httpx.HTTPError):
-            return _connection_error(exc, self.base_url)
+            return connection_error(exc, self.base_url)
         return EngineConnectionError(f"reading from engine {self.base_url} failed: {type(exc).__name__}: {exc}")
 
     def wait(self, timeout: float | None) -> bool:
@@ -354,13 +189,7 @@ class ChatStream:
         with self._lock:
             if self._ended or self._released or self._response is None:
                 return
-            stream = self._response.extensions.get("network_stream")
-            sock = stream.get_extra_info("socket") if stream is not None else None
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)  # wakes the reader's blocked recv
-                except OSError:
-                    pass
+            shutdown(self._response)  # wakes the reader's blocked recv
 
     def __enter__(self) -> "ChatStream":
         return self
@@ -388,21 +217,11 @@ class EngineClient:
                  max_keepalive: int = 32, admin_token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._admin_token = admin_token
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=max_keepalive)
         # The request head and body are separate writes: without TCP_NODELAY, Nagle's
         # algorithm holds the body until the head is acknowledged (milliseconds per call).
         socket_options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
-        # A plain-http engine never uses TLS: skip loading the CA bundle (~0.1 s per process).
-        https = self.base_url.startswith("https://")
-        transport = httpx.HTTPTransport(verify=https, limits=limits, socket_options=socket_options)
-        # Same pool, on connections whose reads honour `watching` (httpcore network backends:
-        # https://www.encode.io/httpcore/network-backends/); httpx 0.28's HTTPTransport sends
-        # every request through its `_pool`.
-        transport._pool = httpcore.ConnectionPool(
-            ssl_context=httpx.create_ssl_context(verify=True) if https else None,
-            max_connections=limits.max_connections, max_keepalive_connections=limits.max_keepalive_connections,
-            keepalive_expiry=limits.keepalive_expiry, socket_options=socket_options,
-            network_backend=_WatchedBackend())
+        # Connections whose reads honour `watching` (see app.engines.transport).
+        transport = watched_transport(self.base_url, max_keepalive=max_keepalive, socket_options=socket_options)
         self._http = httpx.Client(base_url=self.base_url, transport=transport, trust_env=False,
                                   timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)))
 
@@ -435,8 +254,8 @@ class EngineClient:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise _connection_error(exc, self.base_url) from exc
-        parsed = _parse_body(response)
+            raise connection_error(exc, self.base_url) from exc
+        parsed = parse_body(response)
         if response.status_code >= 400:
             raise EngineHTTPError(response.status_code, parsed)
         return parsed

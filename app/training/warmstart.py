@@ -107,7 +107,7 @@ def demonstration(tokenizer, harness, problem_statement: str, command: str) -> t
     Raises ValueError when a rendered prefix is not a prefix of the whole (a template that
     rewrites earlier turns cannot be trained this way).
     """
-    from app.engines.templates import render_prompt
+    from app.engines.embedded.templates import render_prompt
 
     messages, tools = harness.first_messages(problem_statement)
     turns = [_call(command, 0), {"role": "tool", "tool_call_id": "call_0", "content": harness.observation(0, "")},

@@ -136,7 +136,7 @@ def test_harness_failures_are_counted_in_step_and_run_metrics(database, redis_db
 
 
 def test_embedded_context_is_the_engines_window():
-    from app.engines.server import DEFAULT_MAX_MODEL_LEN
+    from app.engines.embedded.engine import DEFAULT_MAX_MODEL_LEN
 
     assert EMBEDDED_CONTEXT == DEFAULT_MAX_MODEL_LEN
 

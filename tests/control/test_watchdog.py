@@ -89,7 +89,7 @@ def test_a_restarted_engine_is_put_back_on_the_runs_newest_weights(database, tmp
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    spawn([sys.executable, "-m", "app.engines.server", "--model", "tiny", "--port", str(port), "--threads", "1"],
+    spawn([sys.executable, "-m", "app.engines.embedded.server", "--model", "tiny", "--port", str(port), "--threads", "1"],
           name="engine")
     client = EngineClient(url, timeout=60)
     client.health(wait_s=120)

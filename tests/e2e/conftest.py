@@ -64,7 +64,7 @@ def stack(tmp_path, monkeypatch, spawn):
     command.upgrade(cfg, "head")
     bin_dir = os.path.dirname(sys.executable)
     procs = {
-        "engine": spawn([sys.executable, "-m", "app.engines.server", "--model", "tiny", "--port", str(engine_port)], env, "engine"),
+        "engine": spawn([sys.executable, "-m", "app.engines.embedded.server", "--model", "tiny", "--port", str(engine_port)], env, "engine"),
         "gateway": spawn([f"{bin_dir}/gunicorn", "-c", "workers/gateway_conf.py", "app.proxy:create_gateway_app()"], env, "gateway"),
         "api": spawn([f"{bin_dir}/gunicorn", "-c", "workers/api_conf.py", "app:create_app()"], env, "api"),
         "cpu": spawn(celery_worker_args("control,prepare,grade", concurrency=3, name="cpu"), env, "cpu"),

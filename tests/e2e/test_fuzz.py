@@ -49,7 +49,7 @@ def engine_url():
     import httpx
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "app.engines.scripted", "--port", str(port)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "app.conformance.scripted", "--port", str(port)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def up() -> bool:

@@ -8,18 +8,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from app.config import ROOT
 
 import pytest
 
+from app.conformance import scripted
 from app.engines.client import EngineClient
 from support import free_port
 
 
 class EngineProcess:
-    """``python -m app.engines.server`` in a subprocess; ``client`` talks to it."""
+    """``python -m app.engines.embedded.server`` in a subprocess; ``client`` talks to it."""
 
     def __init__(self, model: str = "tiny", *extra: str) -> None:
         self.port = free_port()
@@ -28,7 +28,7 @@ class EngineProcess:
         self.proc = subprocess.Popen(
             # One torch thread: on a shared 2-core box OpenMP's spinning barriers make
             # 2 threads up to 20x slower whenever another process holds a core.
-            [sys.executable, "-m", "app.engines.server", "--model", model, "--port", str(self.port),
+            [sys.executable, "-m", "app.engines.embedded.server", "--model", model, "--port", str(self.port),
              "--threads", "1", *extra],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -59,3 +59,12 @@ def engine():
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def scripted_engine():
+    """The scripted engine (`app.conformance.scripted`) in this process; yields its base URL."""
+    server = scripted.serve(0)
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()

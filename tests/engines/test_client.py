@@ -1,5 +1,5 @@
-"""The engine client and the project's SSE parser, against real HTTP servers: the scripted engine
-and a small server that writes the event-stream forms the WHATWG spec allows
+"""The engine client against real HTTP servers: the scripted engine and a small server that writes
+the event-stream forms the WHATWG spec allows
 (https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation)."""
 from __future__ import annotations
 
@@ -10,40 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from app.engines import scripted
+from app.conformance import scripted
 from app.engines.client import DONE, EOF, EngineClient, EngineConnectionError, EngineHTTPError
-from app.engines.sse import SSEDecoder, iter_json_events
-
-
-def _feed_all(raw: bytes, cut: int | None = None) -> list:
-    dec = SSEDecoder()
-    if cut is None:
-        return dec.feed(raw) + dec.close()
-    return dec.feed(raw[:cut]) + dec.feed(raw[cut:]) + dec.close()
-
-
-def test_sse_data_without_space_multiline_comments_and_line_ends():
-    raw = (b"\xef\xbb\xbf: comment first\r\n"
-           b"data:{\"a\":1}\r\n\r\n"            # no space after the colon, CRLF
-           b"event: x\rdata:  two\rdata:lines\r\r"  # CR only; only ONE leading space is dropped
-           b"event: lonely\n\n"                 # no data: not dispatched, name reset
-           b"data\n\n"                          # field without colon: empty value
-           b"data: [DONE]\n\n")
-    expected = [(None, '{"a":1}'), ("x", " two\nlines"), (None, ""), (None, "[DONE]")]
-    assert _feed_all(raw) == expected
-    for cut in range(1, len(raw)):  # CRLF, BOM and UTF-8 split across network reads
-        assert _feed_all(raw, cut) == expected, cut
-
-
-def test_sse_cr_then_lf_in_separate_reads_is_one_line_end():
-    dec = SSEDecoder()
-    assert dec.feed(b"data: 1\r") == []
-    assert dec.feed(b"\ndata: 2\r\n\r\n") == [(None, "1\n2")]
-
-
-def test_iter_json_events_stops_at_done_and_skips_empty_data():
-    chunks = [b'data:{"n":1}\n', b"\ndata:\n\n", b'data: {"n":2}\n\ndata:[DONE]\n\n', b'data: {"n":3}\n\n']
-    assert list(iter_json_events(chunks)) == [{"n": 1}, {"n": 2}]
 
 
 class _SpecServer(BaseHTTPRequestHandler):
@@ -83,14 +51,6 @@ def spec_server():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _SpecServer)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
-
-@pytest.fixture(scope="module")
-def scripted_engine():
-    server = scripted.serve(0)
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
@@ -192,42 +152,6 @@ def test_complete_idle_hook_runs_while_the_engine_is_silent_and_its_error_aborts
         assert client.request("GET", "/_scripted/aborted")["aborted"], "the engine did not see the client leave"
 
 
-def test_engine_connection_sends_a_request_in_one_write():
-    """httpcore writes a request's head and body separately; the engine connection holds writes
-    until it next reads, so the engine gets the request in one segment (one wakeup)."""
-    import socket as socket_mod
-
-    from app.engines.client import _WatchedStream
-
-    class Inner:
-        def __init__(self):
-            self.writes, self.a, self.b = [], *socket_mod.socketpair()
-
-        def write(self, buffer, timeout=None):
-            self.writes.append(buffer)
-            self.a.sendall(buffer)
-
-        def read(self, max_bytes, timeout=None):
-            return self.a.recv(max_bytes)
-
-        def close(self):
-            self.a.close()
-            self.b.close()
-
-        def get_extra_info(self, info):
-            return self.a if info == "socket" else None
-
-    inner = Inner()
-    stream = _WatchedStream(inner)
-    stream.write(b"POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\n")
-    stream.write(b"{}")
-    assert inner.writes == []
-    inner.b.sendall(b"HTTP/1.1 200 OK\r\n")
-    assert stream.read(100) == b"HTTP/1.1 200 OK\r\n"
-    assert inner.writes == [b"POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"]
-    stream.close()
-
-
 def test_unreachable_engine_and_health_timeout():
     with EngineClient("http://127.0.0.1:1", timeout=2) as client:
         with pytest.raises(EngineConnectionError, match="unreachable"):
@@ -236,32 +160,3 @@ def test_unreachable_engine_and_health_timeout():
         assert stream.wait(5) and isinstance(stream.error, EngineConnectionError)
         with pytest.raises(TimeoutError):
             client.health(wait_s=0.3)
-
-
-def test_stream_readers_work_in_a_forked_child(scripted_engine):
-    """Reader threads are reused; a child forked after streams were read (a Celery prefork worker,
-    a gunicorn worker) has none of them and must start its own instead of queueing forever."""
-    import os
-
-    with EngineClient(scripted_engine, timeout=10) as client:
-        model = client.models()[0]["id"]
-        body = {"model": model, "messages": [{"role": "user", "content": scripted.directive({"text": "ok"})}],
-                "stream": True}
-        assert list(client.chat(body["messages"], stream=True, model=model))
-    from app.engines import client as client_module
-    deadline = time.monotonic() + 2
-    while client_module._READERS._idle == 0 and time.monotonic() < deadline:  # the parent's reader is idle
-        time.sleep(0.01)
-    assert client_module._READERS._idle > 0
-    pid = os.fork()
-    if pid == 0:  # child: a fresh client, one stream, exit 0 only if it completes
-        code = 1
-        try:
-            with EngineClient(scripted_engine, timeout=5) as child:
-                stream = child.open_stream(body)
-                code = 0 if stream.wait(3) and stream.error is None else 1
-                stream.close()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from app.engines.batching import BatchScheduler, GenerationRequest, TokenEvent
+from app.engines.embedded.batching import BatchScheduler, GenerationRequest, TokenEvent
 from app.engines.modeling import (
     SMOLLM2_NAME,
     build_tiny_model,
@@ -17,7 +17,7 @@ from app.engines.modeling import (
     read_metadata,
     save_weights,
 )
-from app.engines.sampling import SamplingParams
+from app.engines.embedded.sampling import SamplingParams
 
 
 @pytest.fixture

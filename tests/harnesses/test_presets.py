@@ -15,7 +15,7 @@ from app.config import ROOT
 import pytest
 import yaml
 
-from app.conformance.scripted_engine import choose_reply
+from app.conformance.scripted.check import choose_reply
 from app.harnesses import PRESETS, get_preset
 from app.harnesses.base import APIS, HarnessInstallError, prompt_arg
 from app.runconfig import HARNESSES, Budget

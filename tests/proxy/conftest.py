@@ -70,7 +70,7 @@ def real(gw_stack, tmp_path_factory):
     (engine URL, gateway URL).  Module scope: a module that reloads weights gets its own."""
     eport, gport = free_port(), free_port()
     log = open(tmp_path_factory.mktemp("real") / "engine.log", "wb")
-    procs = [subprocess.Popen([sys.executable, "-m", "app.engines.server", "--model", "tiny", "--port", str(eport),
+    procs = [subprocess.Popen([sys.executable, "-m", "app.engines.embedded.server", "--model", "tiny", "--port", str(eport),
                                "--threads", "1", "--max-model-len", "2048"], cwd=ROOT, stdout=log,
                               stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})]
     try:

@@ -7,7 +7,7 @@ import json
 import pytest
 from support.gateway_calls import APIS, ask
 
-from app.engines.scripted import directive
+from app.conformance.scripted import directive
 from app.engines.sse import SSEDecoder
 from app.proxy.canonical import ChunkNormalizer, result_from_completion
 from app.proxy.errors import GatewayError, error_body, parse_context_overflow
@@ -112,7 +112,7 @@ def test_gateway_imports_no_ml_stack():
     import subprocess
     import sys
     code = ("import sys; from app.proxy import create_gateway_app; create_gateway_app(); "
-            "light = ('app.engines', 'app.engines.client', 'app.engines.sse', 'app.engines.disconnect'); "
+            "light = ('app.engines', 'app.engines.client', 'app.engines.errors', 'app.engines.transport', 'app.engines.sse', 'app.engines.disconnect'); "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'app')"
             " and m.startswith(('torch', 'transformers', 'app.training', 'app.engines')) and m not in light];"
             " print(bad)")
@@ -127,7 +127,7 @@ def test_non_finite_or_out_of_range_sampling_is_the_callers_400(field, value):
     """`"temperature": NaN` (JSON parsers accept it) must never reach a shared engine batch."""
     import math
 
-    from app.engines.validation import EngineError, sampling_params
+    from app.engines.embedded.validation import EngineError, sampling_params
     from app.proxy import chat
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}

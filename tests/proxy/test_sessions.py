@@ -13,7 +13,7 @@ from support.gateway_calls import APIS, ask, post, request_for
 from sqlalchemy import select, text
 
 from app import db
-from app.engines.scripted import directive, encode
+from app.conformance.scripted import directive, encode
 from app.tables import Completion, Episode
 from app.proxy.canonical import Result
 from app.proxy.record import Capture, write_completion

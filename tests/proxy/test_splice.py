@@ -11,7 +11,7 @@ import json
 import httpx
 from support.gateway import completions, make_episode
 
-from app.engines.scripted import directive
+from app.conformance.scripted import directive
 from app.proxy.splice import canonical_arguments
 from app.training.trajectories import CompletionRecord, prefix_merging
 

@@ -7,7 +7,7 @@ import pytest
 from support.gateway import completions
 from support.gateway_calls import auth_headers
 
-from app.engines.scripted import encode, render_prompt
+from app.conformance.scripted import encode, render_prompt
 
 
 @pytest.mark.parametrize("api,path,body", [

@@ -10,7 +10,7 @@ import pytest
 from support.gateway import completions
 from support.gateway_calls import APIS, ask, post, request_for
 
-from app.engines.scripted import directive, encode
+from app.conformance.scripted import directive, encode
 
 BOTH = [False, True]
 CALLS3 = [("read_file", {"path": "a.py"}), ("grep", {"pattern": "x", "path": "."}),

@@ -1,4 +1,4 @@
-"""Real SDKs -> gateway (gunicorn) -> the embedded engine (`app.engines.server`, tiny model).
+"""Real SDKs -> gateway (gunicorn) -> the embedded engine (`app.engines.embedded.server`, tiny model).
 
 Greedy decoding makes the engine deterministic, so the same request sent straight to the
 engine must give the same ids, logprobs and text as the call through the gateway; the record's

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from support.gateway import completions
 
-from app.engines.scripted import directive, encode, logprob, plan, render_prompt
+from app.conformance.scripted import directive, encode, logprob, plan, render_prompt
 
 TOOLS_SPEC = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris", "fmt": "24h"})]
 TEXT = "Hello wörld ✓ — 你好"

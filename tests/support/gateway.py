@@ -46,7 +46,7 @@ class Stack:
 
 
 def start_engine(port: int, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "app.engines.scripted", "--port", str(port), *extra],
+    return subprocess.Popen([sys.executable, "-m", "app.conformance.scripted", "--port", str(port), *extra],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

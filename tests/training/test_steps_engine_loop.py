@@ -26,7 +26,7 @@ from support import free_port
 def live_engine(var_dir, data):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(data.root)}
-    proc = subprocess.Popen([sys.executable, "-m", "app.engines.server", "--model", "tiny", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "app.engines.embedded.server", "--model", "tiny", "--port", str(port)],
                             cwd=data.root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = EngineClient(f"http://127.0.0.1:{port}", timeout=120)
     try:

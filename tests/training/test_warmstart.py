@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from app.engines.modeling import build_tiny_model, load_model, load_tokenizer, save_weights
-from app.engines.templates import render_prompt
+from app.engines.embedded.templates import render_prompt
 from app.harnesses import get_preset
 from app.tasksets import load_task_set
 from app.training import steps

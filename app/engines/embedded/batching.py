@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from app.engines.modeling import load_state_into
-from app.engines.prefix_cache import PrefixCache
-from app.engines.sampling import SamplingParams, TokenSample, sample_batch
+from app.engines.embedded.prefix_cache import PrefixCache
+from app.engines.embedded.sampling import SamplingParams, TokenSample, sample_batch
 
 log = logging.getLogger(__name__)
 

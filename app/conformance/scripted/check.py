@@ -1,6 +1,6 @@
 """The engine behind the conformance checks: the scripted engine, answering by the conversation's state.
 
-`app.engines.scripted` answers from a per-episode list consumed in order, which
+`app.conformance.scripted` answers from a per-episode list consumed in order, which
 breaks for harnesses that make auxiliary calls (OpenCode's title generator, Qwen's
 memory agent, Gemini's router).  This subclass picks the reply from the request
 itself, so it is deterministic however many side calls a harness makes:
@@ -14,7 +14,7 @@ itself, so it is deterministic however many side calls a harness makes:
 Replies use the scripted engine's reply format ({"text", "tool_calls": [{"name", "arguments"}]}),
 and token ids / logprobs come from the scripted engine unchanged.
 
-Run: `python -m app.conformance.scripted_engine --harness NAME|auto --port N [--max-model-len L]`
+Run: `python -m app.conformance.scripted.check --harness NAME|auto --port N [--max-model-len L]`
 (`auto`: the script of the harness named in the calling episode's run config, read
 from the database at DATABASE_URL).
 """
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import argparse
 
-from app.engines.scripted import MODEL, Scripted, ScriptedServer
+from app.conformance.scripted.replies import MODEL, Scripted
+from app.conformance.scripted.server import ScriptedServer
 from app.harnesses import PRESETS, get_preset
 from app.harnesses.base import ScriptedTurn
 

@@ -9,7 +9,7 @@ system turn, calls as ``<tool_call>{"name": …, "arguments": …}</tool_call>``
 turns, results as their own ``tool`` turns wrapped in ``<tool_response>``).  The format is
 the one vLLM's ``hermes`` tool parser reads
 (https://docs.vllm.ai/en/latest/features/tool_calling/#hermes-models-hermes), and
-``app.engines.toolparse`` parses it back into OpenAI ``tool_calls``.
+``app.engines.embedded.toolparse`` parses it back into OpenAI ``tool_calls``.
 
 Rendering always goes through ``tokenizer.apply_chat_template`` so that a caller holding
 the same tokenizer gets the same ids (the token-exact invariant).

@@ -10,7 +10,7 @@ import torch
 
 from app.engines.client import EngineHTTPError
 from app.engines.modeling import build_tiny_model, load_tokenizer
-from app.engines.templates import render_prompt
+from app.engines.embedded.templates import render_prompt
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from app.engines.prefix_cache import PrefixCache
+from app.engines.embedded.prefix_cache import PrefixCache
 
 
 def kv(tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

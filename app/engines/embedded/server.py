@@ -1,0 +1,196 @@
+"""HTTP server of the embedded CPU engine: a vLLM-compatible subset of the OpenAI API.
+
+Run:  ``python -m app.engines.embedded.server --model smollm2 --port 8200``  (``tiny`` or a checkpoint dir also work)
+or under gunicorn (one process owns the model; threads serve the streams)::
+
+    TURNSTILE_ENGINE_MODEL=smollm2 gunicorn -w 1 -k gthread --threads 64 -b :8200 \\
+        'app.engines.embedded.server:create_engine_app()'
+
+Routes (shapes follow vLLM's OpenAI server, https://docs.vllm.ai/en/latest/serving/openai_compatible_server/):
+
+* ``POST /v1/chat/completions``: stream and non-stream; ``prompt_token_ids`` (a prompt given as ids,
+  used instead of rendering ``messages``); vLLM extensions ``return_token_ids``,
+  ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+  ``return_tokens_as_token_ids``, ``chat_template_kwargs``; Turnstile adds ``policy_version`` and
+  ``engine_id`` to every response and chunk.  ``n`` must be 1.  ``presence_penalty``,
+  ``frequency_penalty``, ``logit_bias`` and ``response_format`` are accepted and ignored.
+* ``POST /v1/completions``: legacy completions with ``prompt`` as a string or a list of token ids
+  (the "tokens in, tokens out" path: the caller renders the template, no re-tokenization).
+* ``POST /tokenize`` / ``POST /detokenize``, ``GET /v1/models``, ``GET /health``.
+* ``POST /v1/load_weights {"path", "policy_version"}`` → ``{"policy_version"}`` and
+  ``GET /v1/policy_version``: see ``BatchScheduler.reload`` for the in-flight rule.  Loading
+  weights is an admin route: it needs ``Authorization: Bearer <API token>`` (``app.auth``; 401
+  otherwise), which ``EngineClient.reload`` / ``reset_to_base`` send.
+
+The generation routes are ``app.engines.embedded.generate``'s; this module holds the app factory,
+the token, model, health and weight routes, and the CLI.
+
+Errors use vLLM's body ``{"error": {"message", "type", "param", "code"}}``; a context overflow
+uses vLLM's wording ("This model's maximum context length is 8192 tokens. However, you
+requested N tokens (P in the messages, M in the completion). …") so harnesses recognise it.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import os
+import socket
+import time
+
+from flask import Flask, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from app.engines.embedded import generate
+from app.engines.embedded.engine import DEFAULT_MAX_MODEL_LEN, Engine, build_engine
+from app.engines.embedded.validation import EngineError, get_field, json_body
+from app.engines.modeling import load_model, read_state_dict
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- app factory
+def create_engine_app(model_spec: str | None = None, engine: Engine | None = None, *,
+                      admin_token: str | None = None, **engine_kwargs) -> Flask:
+    """Flask app serving one engine.  Loads ``model_spec`` (default: the ``TURNSTILE_ENGINE_MODEL``
+    setting, ``smollm2``) unless a ready ``engine`` is given.  ``admin_token`` guards the admin
+    routes (default: the deployment's API token, ``app.auth.api_token()``)."""
+    from app import auth
+
+    if engine is None:
+        from app.config import get_settings
+
+        engine = build_engine(model_spec or get_settings().engine_model, **engine_kwargs)
+    token = admin_token or auth.api_token()
+    app = Flask("turnstile-engine")
+    app.config["ENGINE"] = engine
+
+    def require_admin() -> None:
+        """Raise a 401 unless the request carries the API token as a bearer credential."""
+        if not auth.same(auth.bearer(request.headers.get("Authorization")), token):
+            raise EngineError("loading weights needs the API token (Authorization: Bearer <token>)", 401)
+
+    @app.errorhandler(EngineError)
+    def _engine_error(exc: EngineError):
+        return jsonify(exc.body()), exc.status
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        return jsonify(EngineError(exc.description or exc.name, exc.code or 500).body()), exc.code or 500
+
+    @app.errorhandler(Exception)
+    def _internal_error(exc: Exception):
+        log.exception("unhandled engine error")
+        return jsonify(EngineError(f"internal engine error: {exc}", 500).body()), 500
+
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        return generate.chat(engine)
+
+    @app.post("/v1/completions")
+    def completions():
+        return generate.completions(engine)
+
+    @app.post("/tokenize")
+    def tokenize():
+        body = json_body()
+        if "messages" in body:
+            ids = generate.render(engine, body)
+        elif isinstance(body.get("prompt"), str):
+            with engine.tokenizer_lock:
+                ids = engine.tokenizer(body["prompt"], add_special_tokens=get_field(body, "add_special_tokens", bool, True))["input_ids"]
+        else:
+            raise EngineError("give 'messages' or a string 'prompt'")
+        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids)}
+        if get_field(body, "return_token_strs", bool, False):
+            with engine.tokenizer_lock:
+                out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(list(ids))
+        return jsonify(out)
+
+    @app.post("/detokenize")
+    def detokenize():
+        tokens = get_field(json_body(), "tokens", list)
+        if tokens is None or not all(isinstance(t, int) and 0 <= t < len(engine.tokenizer) for t in tokens):
+            raise EngineError("'tokens' must be a list of token ids", param="tokens")
+        with engine.tokenizer_lock:
+            return jsonify({"prompt": engine.tokenizer.decode(tokens)})
+
+    @app.get("/v1/models")
+    def models():
+        return jsonify({"object": "list", "data": [{
+            "id": engine.served_model_name, "object": "model", "created": 0, "owned_by": "turnstile",
+            "root": engine.model_spec, "max_model_len": engine.max_model_len,
+            "policy_version": engine.scheduler.policy_version}]})
+
+    @app.get("/health")
+    def health():
+        return jsonify({"status": "ok", "engine_id": engine.engine_id, **engine.scheduler.load()})
+
+    @app.get("/v1/policy_version")
+    def policy_version():
+        return jsonify({"policy_version": engine.scheduler.policy_version, "engine_id": engine.engine_id})
+
+    @app.post("/v1/load_weights")
+    def load_weights():
+        require_admin()
+        body = json_body()
+        started = time.perf_counter()
+        if get_field(body, "base", bool, False):
+            # Back to the weights this engine was started with (a run that starts from the base
+            # model must not sample from a previous run's trained weights).
+            path = engine.model_spec
+            version = get_field(body, "policy_version", int, 0)
+            state = load_model(engine.model_spec)[0].state_dict()
+        else:
+            path = get_field(body, "path", str)
+            if not path or not os.path.isdir(path):
+                raise EngineError(f"checkpoint directory {path!r} does not exist", param="path")
+            version = get_field(body, "policy_version", int, engine.scheduler.policy_version + 1)
+            try:
+                state = read_state_dict(path)  # disk I/O here, not on the scheduler thread
+            except Exception as exc:  # safetensors raises its own SafetensorError on corrupt files
+                raise EngineError(f"cannot read checkpoint {path}: {exc}", param="path") from exc
+        try:
+            new_version = engine.scheduler.reload(state, version)
+        except (ValueError, RuntimeError) as exc:
+            raise EngineError(f"checkpoint does not fit the served model: {exc}", param="path") from exc
+        return jsonify({"policy_version": new_version, "path": path, "engine_id": engine.engine_id,
+                        "load_s": round(time.perf_counter() - started, 3)})
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    from app.config import get_settings
+
+    settings = get_settings()
+    parser = argparse.ArgumentParser(description="Turnstile embedded CPU inference engine")
+    parser.add_argument("--model", default=settings.engine_model,
+                        help="tiny | smollm2 | checkpoint directory (default: TURNSTILE_ENGINE_MODEL, smollm2)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=settings.engine_port, help="default: TURNSTILE_ENGINE_PORT, 8200")
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    parser.add_argument("--prefix-cache-tokens", type=int, default=16384, help="prefix cache budget (0: off)")
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--engine-id")
+    parser.add_argument("--policy-version", type=int)
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: TURNSTILE_ENGINE_THREADS, 1)")
+    args = parser.parse_args(argv)
+    faulthandler.enable()  # a hard crash (signal) leaves a traceback of every thread in the log
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app = create_engine_app(args.model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+                            max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+                            engine_id=args.engine_id or f"embedded-{socket.gethostname()}-{args.port}",
+                            policy_version=args.policy_version, threads=args.threads,
+                            prefix_cache_tokens=args.prefix_cache_tokens)
+    from werkzeug.serving import make_server
+
+    server = make_server(args.host, args.port, app, threaded=True)
+    log.info("engine %s serving %s on http://%s:%d", app.config["ENGINE"].engine_id, args.model, args.host, args.port)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
