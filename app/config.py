@@ -218,13 +218,13 @@ class Settings(BaseSettings):
     engine_model: str = Field("smollm2", min_length=1, **_env("TURNSTILE_ENGINE_MODEL"),
                               description="Model the embedded engine serves: tiny | smollm2 | a checkpoint folder.")
     engine_port: int = Field(8200, ge=1, le=65535, **_env("TURNSTILE_ENGINE_PORT"),
-                             description="Port of the embedded engine (`python -m app.engines.server`).")
+                             description="Port of the embedded engine (`python -m app.engines.embedded.server`).")
     engine_threads: int = Field(1, ge=1, **_env("TURNSTILE_ENGINE_THREADS"),
                                 description="torch intra-op threads of the embedded engine (raise only where "
                                             "the engine owns its cores).")
     engine_script: Path | None = Field(None, **_env("TURNSTILE_SCRIPT"),
                                        description="Reply script (JSON) of the scripted test engine "
-                                                   "(`python -m app.engines.scripted`).")
+                                                   "(`python -m app.conformance.scripted`).")
 
     # --- task runtimes ------------------------------------------------------------------
     pip_index_url: str | None = Field(None, **_env("PIP_INDEX_URL"),

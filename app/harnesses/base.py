@@ -85,7 +85,7 @@ class ScriptedTurn:
 
     Either a tool call (`tool` = the harness's own tool name, `arguments` its JSON
     arguments) or plain `text`.  Turned into the scripted engine's format by
-    `app.conformance.scripted_engine`.
+    `app.conformance.scripted.check`.
     """
 
     text: str | None = None

@@ -16,7 +16,7 @@ from support.gateway_calls import APIS, ask, auth_headers, parse, post, request_
 from support.gateway_sdk_calls import sdk_ask
 from support.gateway import completions
 
-from app.engines.scripted import directive
+from app.conformance.scripted import directive
 
 BOTH = [False, True]
 WRITE = {"path": "src/app.py", "content": "print('hello world')\n" * 10}
