@@ -21,6 +21,7 @@ from app.api.serialize import completion_to_dict, episode_to_dict, run_to_dict
 from app.db import new_session, session_scope
 from app.tables import EPISODE_STATES, Completion, Episode, Run, TrainingStep, Trajectory
 from app.runconfig import RunConfig
+from app.text import text_problem
 from app.transitions import transition
 
 bp = Blueprint("api", __name__)
@@ -82,9 +83,9 @@ def health():
 def _unstorable(body) -> tuple[str, str] | None:
     """The first value of a parsed JSON body that SQL cannot store, as (field path, problem), or None.
 
-    PostgreSQL's JSONB rejects U+0000 and non-finite numbers, and no database stores a lone UTF-16
-    surrogate as UTF-8 (https://www.postgresql.org/docs/current/datatype-json.html); Python's JSON
-    parser accepts all three (`NaN`, `"\\u0000"`, `"\\ud800"`).  Iterative: depth is bounded by the parser.
+    Text as `app.text.text_problem` defines it (U+0000, lone UTF-16 surrogates); PostgreSQL's JSONB
+    also rejects non-finite numbers, which Python's JSON parser accepts (`NaN`).  Iterative: depth is
+    bounded by the parser.
     """
     stack = [("", body)]
     while stack:
@@ -92,7 +93,7 @@ def _unstorable(body) -> tuple[str, str] | None:
         if isinstance(value, dict):
             for key, item in value.items():
                 where = f"{path}.{key}" if path else str(key)
-                problem = _bad_text(key)
+                problem = text_problem(key)
                 if problem:
                     return where, f"field name {problem}"
                 stack.append((where, item))
@@ -101,21 +102,9 @@ def _unstorable(body) -> tuple[str, str] | None:
         elif isinstance(value, float) and not math.isfinite(value):
             return path, "must be a finite number"
         elif isinstance(value, str):
-            problem = _bad_text(value)
+            problem = text_problem(value)
             if problem:
                 return path, problem
-    return None
-
-
-def _bad_text(text) -> str | None:
-    if not isinstance(text, str):
-        return None
-    if "\x00" in text:
-        return "must not contain NUL (U+0000) characters"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return "must be valid Unicode (a lone UTF-16 surrogate escape is not)"
     return None
 
 

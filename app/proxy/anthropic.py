@@ -15,10 +15,12 @@ from typing import Any
 
 from app.proxy import common as c
 from app.proxy.canonical import Result, new_id
-from app.proxy.errors import GatewayError, error_body
+from app.proxy import errors
+from app.proxy.errors import GatewayError
 from app.proxy.sse import frame
 
 API = "anthropic"
+ERRORS_IN_STREAM = False  # an engine refusal before the first token is a plain HTTP error
 _KNOWN_SERVER_TOOL_PREFIXES = ("web_search", "web_fetch", "bash_", "text_editor", "computer_", "code_execution",
                                "memory_", "tool_search", "mcp")
 
@@ -80,7 +82,7 @@ def _tool_result(block: dict, i: int) -> list[dict]:
     return c.tool_result_messages(call_id, parts)
 
 
-def _convert_messages(messages: Any) -> list[dict]:
+def _messages(messages: Any) -> list[dict]:
     c.expect(isinstance(messages, list), "messages: expected a list", "messages")
     out: list[dict] = []
     for i, msg in enumerate(messages):
@@ -182,12 +184,13 @@ def thinking_enabled(thinking: Any) -> bool:
     return thinking["type"] != "disabled"
 
 
-def normalize(body: dict, *, count_only: bool = False) -> c.Normalized:
-    """An Anthropic Messages request body -> `Normalized` (raises GatewayError 400 on bad input)."""
+def normalize(body: dict, ctx: c.CallContext = c.NO_CONTEXT) -> c.Normalized:
+    """An Anthropic Messages request body -> `Normalized` (raises GatewayError 400 on bad input).
+    `ctx.count_only` (count_tokens): the sampling fields, `max_tokens` included, are not read."""
     model = body.get("model")
     c.expect(isinstance(model, str) and model, "model: required string", "model")
     stream = c.expect_type(body.get("stream"), bool, "stream") or False
-    messages = _system(body.get("system")) + _convert_messages(body.get("messages"))
+    messages = _system(body.get("system")) + _messages(body.get("messages"))
     chat: dict = {"messages": c.finalize_messages(messages)}
     last = chat["messages"][-1] if chat["messages"] else {}
     if last.get("role") == "assistant" and last.get("content") and not last.get("tool_calls"):
@@ -201,7 +204,7 @@ def normalize(body: dict, *, count_only: bool = False) -> c.Normalized:
         _tool_choice(body.get("tool_choice"), chat)
     think = thinking_enabled(body.get("thinking"))
     chat["chat_template_kwargs"] = {"enable_thinking": think}
-    if not count_only:
+    if not ctx.count_only:
         max_tokens = c.positive_int(body.get("max_tokens"), "max_tokens")
         chat["max_tokens"] = c.limit_tokens(max_tokens)
         c.copy_sampling(body, chat, {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"})
@@ -221,7 +224,7 @@ def normalize(body: dict, *, count_only: bool = False) -> c.Normalized:
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 
 
-def stop_reason(r: Result) -> tuple[str, str | None]:
+def _finish(r: Result) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) per SDK `stop_reason.py`; vLLM's string stop_reason is the
     matched stop sequence."""
     if r.stop_sequence is not None and r.finish_reason in (None, "stop"):
@@ -235,7 +238,7 @@ def stop_reason(r: Result) -> tuple[str, str | None]:
     return _STOP.get(r.finish_reason or "stop", "end_turn"), None
 
 
-def usage(r: Result) -> dict:
+def _usage(r: Result) -> dict:
     cached = min(r.cached_tokens, r.prompt_tokens)
     return {"input_tokens": r.prompt_tokens - cached, "output_tokens": r.completion_tokens,
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
@@ -246,7 +249,11 @@ def _thinking_block(r: Result, meta: dict) -> dict:
     return {"type": "thinking", "thinking": shown, "signature": c.reasoning_signature(r.reasoning)}
 
 
-def render(r: Result, norm: c.Normalized, msg_id: str) -> dict:
+def response_id() -> str:
+    return new_id("msg_")
+
+
+def render(r: Result, norm: c.Normalized, resp_id: str) -> dict:
     """Non-stream Messages response for `r`."""
     content: list[dict] = []
     if r.reasoning:
@@ -256,9 +263,9 @@ def render(r: Result, norm: c.Normalized, msg_id: str) -> dict:
         content.append({"type": "text", "text": text})
     for call in r.runnable_calls:
         content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": call.parsed_arguments()})
-    reason, seq = stop_reason(r)
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": norm.model, "content": content,
-            "stop_reason": reason, "stop_sequence": seq, "usage": usage(r)}
+    reason, seq = _finish(r)
+    return {"id": resp_id, "type": "message", "role": "assistant", "model": norm.model, "content": content,
+            "stop_reason": reason, "stop_sequence": seq, "usage": _usage(r)}
 
 
 class Stream:
@@ -266,8 +273,8 @@ class Stream:
     message_stop (docs messages-streaming).  Each block is started before its deltas and
     stopped before the next starts; each tool call gets its own block."""
 
-    def __init__(self, norm: c.Normalized, msg_id: str) -> None:
-        self.norm, self.msg_id = norm, msg_id
+    def __init__(self, norm: c.Normalized, resp_id: str) -> None:
+        self.norm, self.resp_id = norm, resp_id
         self.started = False
         self.index = -1
         self.kind: str | None = None   # kind of the open block: thinking | text | tool
@@ -289,9 +296,9 @@ class Stream:
         if self.started:
             return []
         self.started = True
-        msg = {"id": self.msg_id, "type": "message", "role": "assistant", "model": self.norm.model, "content": [],
+        msg = {"id": self.resp_id, "type": "message", "role": "assistant", "model": self.norm.model, "content": [],
                "stop_reason": None, "stop_sequence": None,
-               "usage": {**usage(r), "output_tokens": 0}}
+               "usage": {**_usage(r), "output_tokens": 0}}
         return [self._ev("message_start", {"message": msg})]
 
     def _close(self, r: Result) -> list[bytes]:
@@ -361,9 +368,9 @@ class Stream:
         if r.cut_short:
             self.held = None  # the last call was cut by max_tokens: not runnable, not sent
         out = self.start(r) + self._flush(r) + self._close(r)
-        reason, seq = stop_reason(r)
+        reason, seq = _finish(r)
         out.append(self._ev("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                              "usage": usage(r)}))
+                                              "usage": _usage(r)}))
         out.append(self._ev("message_stop", {}))
         self.done = True
         return out
@@ -374,13 +381,14 @@ class Stream:
         out = self.start(r) + self._close(r)
         etype = "overloaded_error" if err.kind == "overloaded" else (
             "invalid_request_error" if err.kind in ("context_length", "invalid_request") else "api_error")
-        out.append(self._ev("error", {"error": {"type": etype, "message": error_body(API, err)["error"]["message"]}}))
+        message = error_body(err)["error"]["message"]
+        out.append(self._ev("error", {"error": {"type": etype, "message": message}}))
         out.append(self._ev("message_stop", {}))
         self.done = True
         return out
 
     def final_body(self, r: Result) -> dict:
-        return render(r, self.norm, self.msg_id)
+        return render(r, self.norm, self.resp_id)
 
 
 def models_body(model_ids: list[str]) -> dict:
@@ -388,3 +396,25 @@ def models_body(model_ids: list[str]) -> dict:
     data = [{"type": "model", "id": m, "display_name": m, "created_at": now} for m in model_ids]
     return {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None}
+
+
+def model_body(model_id: str) -> dict:
+    return models_body([model_id])["data"][0]
+
+
+def count_body(count: int) -> dict:
+    """`POST /v1/messages/count_tokens`'s answer (https://docs.anthropic.com/en/api/messages-count-tokens)."""
+    return {"input_tokens": count}
+
+
+def error_body(err: GatewayError) -> dict:
+    return errors.error_body(API, err)
+
+
+def answer_of(response: dict | None) -> dict | None:
+    """The assistant message (engine Chat form) of a recorded Messages answer, read by this API's
+    own history reader exactly as the harness's copy of it will be; None when it holds none."""
+    if not isinstance(response, dict):
+        return None
+    return c.answer_turn(lambda: c.finalize_messages(_messages(
+        [{"role": "assistant", "content": response.get("content") or []}])))

@@ -15,11 +15,13 @@ import time
 from typing import Any
 
 from app.proxy import common as c
-from app.proxy.canonical import Result
-from app.proxy.errors import GatewayError, error_body
+from app.proxy import errors
+from app.proxy.canonical import Result, new_id
+from app.proxy.errors import GatewayError
 from app.proxy.sse import COMMENT_KEEPALIVE, frame
 
 API = "chat"
+ERRORS_IN_STREAM = False  # an engine refusal before the first token is a plain HTTP error
 _PASS = {"temperature": "temperature", "top_p": "top_p", "presence_penalty": "presence_penalty",
          "frequency_penalty": "frequency_penalty", "seed": "seed", "top_k": "top_k", "min_p": "min_p",
          "repetition_penalty": "repetition_penalty"}
@@ -65,7 +67,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
-def convert_messages(messages: Any) -> list[dict]:
+def _messages(messages: Any) -> list[dict]:
     c.expect(isinstance(messages, list) and messages, "messages: expected a non-empty list", "messages")
     out: list[dict] = []
     for i, m in enumerate(messages):
@@ -96,7 +98,7 @@ def convert_messages(messages: Any) -> list[dict]:
     return c.finalize_messages(out)
 
 
-def convert_tools(tools: Any) -> list[dict]:
+def _tools(tools: Any) -> list[dict]:
     if tools is None:
         return []
     c.expect(isinstance(tools, list), "tools: expected a list", "tools")
@@ -112,7 +114,7 @@ def convert_tools(tools: Any) -> list[dict]:
     return out
 
 
-def convert_tool_choice(tc: Any) -> Any:
+def _tool_choice(tc: Any) -> Any:
     if tc is None or tc in ("none", "auto", "required"):
         return tc
     c.expect(isinstance(tc, dict) and isinstance((tc.get("function") or {}).get("name"), str),
@@ -120,19 +122,20 @@ def convert_tool_choice(tc: Any) -> Any:
     return {"type": "function", "function": {"name": tc["function"]["name"]}}
 
 
-def normalize(body: dict) -> c.Normalized:
-    """A Chat Completions request body -> `Normalized` (GatewayError 400 on bad input)."""
+def normalize(body: dict, ctx: c.CallContext = c.NO_CONTEXT) -> c.Normalized:
+    """A Chat Completions request body -> `Normalized` (GatewayError 400 on bad input); the
+    model and stream flag are the body's (`ctx` holds nothing this API reads)."""
     model = body.get("model")
     c.expect(isinstance(model, str) and model, "model: required string", "model")
     stream = c.expect_type(body.get("stream"), bool, "stream") or False
     n = body.get("n")
     c.expect(n in (None, 1), "n: only n=1 is supported by this gateway", "n")
-    chat: dict = {"messages": convert_messages(body.get("messages"))}
-    tools = convert_tools(body.get("tools"))
+    chat: dict = {"messages": _messages(body.get("messages"))}
+    tools = _tools(body.get("tools"))
     if tools:
         chat["tools"] = tools
         if body.get("tool_choice") is not None:
-            chat["tool_choice"] = convert_tool_choice(body["tool_choice"])
+            chat["tool_choice"] = _tool_choice(body["tool_choice"])
         if body.get("parallel_tool_calls") is not None:
             chat["parallel_tool_calls"] = bool(body["parallel_tool_calls"])
     chat["max_tokens"] = c.limit_tokens(c.positive_int(body.get("max_tokens"), "max_tokens"),
@@ -177,7 +180,7 @@ def _clean_logprobs(entries: list[dict]) -> list[dict]:
     return [{k: e.get(k) for k in keep if k in e} | {"top_logprobs": e.get("top_logprobs") or []} for e in entries]
 
 
-def finish_reason(r: Result) -> str:
+def _finish(r: Result) -> str:
     if r.finish_reason == "length":  # also inside a tool call: the cut call must not be run
         return "length"
     if r.tool_calls:
@@ -185,7 +188,15 @@ def finish_reason(r: Result) -> str:
     return r.finish_reason or "stop"
 
 
-def render(r: Result, norm: c.Normalized, resp_id: str, created: int | None = None) -> dict:
+def response_id() -> str:
+    return new_id("chatcmpl-")
+
+
+def render(r: Result, norm: c.Normalized, resp_id: str) -> dict:
+    return _body(r, norm, resp_id, int(time.time()))
+
+
+def _body(r: Result, norm: c.Normalized, resp_id: str, created: int) -> dict:
     msg: dict = {"role": "assistant", "content": r.text or None}
     if r.refusal:
         msg["refusal"] = r.refusal
@@ -196,8 +207,8 @@ def render(r: Result, norm: c.Normalized, resp_id: str, created: int | None = No
         msg["tool_calls"] = [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
                              for t in r.runnable_calls]
     logprobs = {"content": _clean_logprobs(r.logprobs_content), "refusal": None} if norm.meta.get("logprobs") else None
-    return {"id": resp_id, "object": "chat.completion", "created": created or int(time.time()), "model": norm.model,
-            "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish_reason(r)}],
+    return {"id": resp_id, "object": "chat.completion", "created": created, "model": norm.model,
+            "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": _finish(r)}],
             "usage": _usage(r)}
 
 
@@ -272,7 +283,7 @@ class Stream:
         if r.cut_short:
             self.held = None  # the last call was cut by the token limit: not runnable, not sent
         out += self._flush(r)
-        out.append(self._chunk({}, r, finish_reason(r)))
+        out.append(self._chunk({}, r, _finish(r)))
         if self.norm.meta.get("include_usage"):
             out.append(frame({"id": self.resp_id, "object": "chat.completion.chunk", "created": self.created,
                               "model": self.norm.model, "choices": [], "usage": _usage(r)}))
@@ -282,13 +293,32 @@ class Stream:
 
     def fail(self, err: GatewayError, r: Result) -> list[bytes]:
         self.done = True
-        return [frame(error_body(API, err)), frame("[DONE]")]
+        return [frame(error_body(err)), frame("[DONE]")]
 
     def final_body(self, r: Result) -> dict:
-        return render(r, self.norm, self.resp_id, self.created)
+        return _body(r, self.norm, self.resp_id, self.created)
 
 
 def models_body(model_ids: list[str]) -> dict:
-    now = int(time.time())
-    return {"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "turnstile"}
-                                       for m in model_ids]}
+    return c.openai_models_body(model_ids, int(time.time()))
+
+
+def model_body(model_id: str) -> dict:
+    return models_body([model_id])["data"][0]
+
+
+def count_body(count: int) -> dict:
+    raise GatewayError("not_found", "Chat Completions has no token-counting endpoint")
+
+
+def error_body(err: GatewayError) -> dict:
+    return errors.error_body(API, err)
+
+
+def answer_of(response: dict | None) -> dict | None:
+    """The assistant message (engine Chat form) of a recorded Chat Completions answer, read by this
+    API's own history reader exactly as the harness's copy of it will be; None when it holds none."""
+    if not isinstance(response, dict):
+        return None
+    msg = ((response.get("choices") or [{}])[0] or {}).get("message")
+    return c.answer_turn(lambda: _messages([msg]) if isinstance(msg, dict) else [])

@@ -12,7 +12,7 @@ import logging
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from app.config import Settings, get_settings
 from app.proxy.canonical import engine_call_id
@@ -72,6 +72,44 @@ class Normalized:
     model: str
     stream: bool
     meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What an API module's `normalize` may read besides the request body.
+
+    model: the model named in the URL path (Gemini's `/models/{model}:generateContent`; the
+    other APIs name it in the body); stream: whether the path asks for a stream (Gemini's
+    `:streamGenerateContent`); count_only: the body is to be counted, not answered (no
+    sampling fields are read); history: looks up the input items a Responses
+    `previous_response_id` stands for (raises LookupError for an unknown id), None when no
+    session is known.
+    """
+
+    model: str = "default"
+    stream: bool = False
+    count_only: bool = False
+    history: Callable[[str], list] | None = None
+
+
+NO_CONTEXT = CallContext()
+
+
+def answer_turn(read: Callable[[], list[dict]]) -> dict | None:
+    """The one assistant message that `read()` (an API's history reader applied to a recorded
+    answer) yields; None when it yields none, several, or refuses the answer (GatewayError)."""
+    try:
+        out = read()
+    except GatewayError:
+        return None
+    turns = [m for m in out if m.get("role") == "assistant"]
+    return turns[0] if len(turns) == 1 else None
+
+
+def openai_models_body(model_ids: list[str], created: int) -> dict:
+    """OpenAI's `GET /v1/models` list (https://platform.openai.com/docs/api-reference/models/list)."""
+    return {"object": "list", "data": [{"id": m, "object": "model", "created": created, "owned_by": "turnstile"}
+                                       for m in model_ids]}
 
 
 # --- type checks that raise the caller-facing 400 -----------------------------------

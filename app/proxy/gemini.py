@@ -20,11 +20,13 @@ import json
 from typing import Any
 
 from app.proxy import common as c
-from app.proxy.canonical import Result
-from app.proxy.errors import GatewayError, error_body
+from app.proxy import errors
+from app.proxy.canonical import Result, new_id
+from app.proxy.errors import GatewayError
 from app.proxy.sse import frame
 
 API = "gemini"
+ERRORS_IN_STREAM = False  # an engine refusal before the first token is a plain HTTP error
 # Gemini CLI rejects (and retries) an answer with neither a function call nor visible text
 # ("The model returned reasoning thoughts but no final response text"), and the JS SDK drops
 # parts whose text is "": an answer that is only reasoning, or empty, carries this text part.
@@ -63,7 +65,7 @@ def _response_text(resp: Any) -> str:
     return json.dumps(resp, ensure_ascii=False)
 
 
-def convert_contents(contents: Any) -> list[dict]:
+def _messages(contents: Any) -> list[dict]:
     c.expect(isinstance(contents, list) and contents, "contents: expected a non-empty list", "contents")
     out: list[dict] = []
     pending: dict[str, list[str]] = {}  # function name -> unanswered call ids, for responses without id
@@ -172,10 +174,15 @@ def _tool_config(cfg: Any, chat: dict) -> None:
         chat["tool_choice"] = "auto"
 
 
-def normalize(body: dict, model: str, stream: bool) -> c.Normalized:
-    """A generateContent body (+ model from the path) -> `Normalized`."""
+def normalize(body: dict, ctx: c.CallContext = c.NO_CONTEXT) -> c.Normalized:
+    """A generateContent body (+ model and stream flag from the path, `ctx`) -> `Normalized`
+    (GatewayError 400 on bad input).  `ctx.count_only` (countTokens): the body may wrap the
+    request as `generateContentRequest` (https://ai.google.dev/api/tokens#method:-models.counttokens)."""
+    if ctx.count_only and isinstance(body.get("generateContentRequest"), dict):
+        body = body["generateContentRequest"]
+    model, stream = model_from_path(ctx.model), ctx.stream and not ctx.count_only
     messages = _system(body.get("systemInstruction") or body.get("system_instruction"))
-    messages += convert_contents(body.get("contents"))
+    messages += _messages(body.get("contents"))
     chat: dict = {"messages": c.finalize_messages(messages)}
     tools = _tools(body.get("tools"))
     if tools:
@@ -219,10 +226,14 @@ def _call_part(call) -> dict:
     return {"functionCall": {"id": call.id, "name": call.name, "args": call.parsed_arguments()}}
 
 
-def finish_reason(r: Result) -> str:
+def _finish(r: Result) -> str:
     if r.finish_reason == "length":  # also inside a tool call: the cut call is not sent
         return "MAX_TOKENS"
     return "STOP" if r.tool_calls else _FINISH.get(r.finish_reason or "stop", "OTHER")
+
+
+def response_id() -> str:
+    return new_id("", 10)
 
 
 def render(r: Result, norm: c.Normalized, resp_id: str) -> dict:
@@ -235,7 +246,7 @@ def render(r: Result, norm: c.Normalized, resp_id: str) -> dict:
     parts.extend(_call_part(t) for t in r.runnable_calls)
     if not any("functionCall" in p or not p.get("thought") for p in parts):
         parts.append({"text": NO_TEXT})
-    cand: dict = {"content": {"role": "model", "parts": parts}, "finishReason": finish_reason(r), "index": 0}
+    cand: dict = {"content": {"role": "model", "parts": parts}, "finishReason": _finish(r), "index": 0}
     return {"candidates": [cand], "usageMetadata": _usage(r), "modelVersion": norm.model, "responseId": resp_id}
 
 
@@ -296,11 +307,11 @@ class Stream:
         parts = self._visible(self._flush_calls(r, len(r.runnable_calls)))
         if not self.sent_visible:
             parts = self._visible([{"text": NO_TEXT}])
-        return [self._chunk(parts, finish_reason(r), r)]
+        return [self._chunk(parts, _finish(r), r)]
 
     def fail(self, err: GatewayError, r: Result) -> list[bytes]:
         self.done = True
-        return [frame(error_body(API, err)), self._chunk([], "OTHER", r)]
+        return [frame(error_body(err)), self._chunk([], "OTHER", r)]
 
     def final_body(self, r: Result) -> dict:
         return render(r, self.norm, self.resp_id)
@@ -310,3 +321,25 @@ def models_body(model_ids: list[str]) -> dict:
     return {"models": [{"name": f"models/{m}", "baseModelId": m, "displayName": m, "version": "turnstile",
                         "inputTokenLimit": 0, "outputTokenLimit": 0,
                         "supportedGenerationMethods": ["generateContent", "countTokens"]} for m in model_ids]}
+
+
+def model_body(model_id: str) -> dict:
+    return models_body([model_id])["models"][0]
+
+
+def count_body(count: int) -> dict:
+    """`countTokens`' answer (https://ai.google.dev/api/tokens#response-body)."""
+    return {"totalTokens": count}
+
+
+def error_body(err: GatewayError) -> dict:
+    return errors.error_body(API, err)
+
+
+def answer_of(response: dict | None) -> dict | None:
+    """The assistant message (engine Chat form) of a recorded generateContent answer, read by this
+    API's own history reader exactly as the harness's copy of it will be; None when it holds none."""
+    if not isinstance(response, dict):
+        return None
+    content = ((response.get("candidates") or [{}])[0] or {}).get("content")
+    return c.answer_turn(lambda: c.finalize_messages(_messages([content])) if isinstance(content, dict) else [])

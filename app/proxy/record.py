@@ -49,6 +49,8 @@ from app.tables import Completion, Episode
 from app.proxy.canonical import Result
 
 log = logging.getLogger("turnstile.gateway")
+# Engine-request fields that carry the spliced prompt ids (`app.proxy.splice`); not recorded.
+SPLICED_FIELDS = ("prompt_token_ids", "kv_transfer_params")
 SECRET_HEADERS = {"authorization", "x-api-key", "x-goog-api-key", "api-key", "cookie", "proxy-authorization"}
 
 
@@ -108,6 +110,19 @@ class Capture:
 
     def ms(self, t: float | None) -> float | None:
         return None if t is None else round((t - self.t0) * 1000.0, 3)
+
+    def accepted(self, t_accepted: float | None) -> None:
+        """The engine accepted the request (at `t_accepted`, perf_counter; None for a non-stream
+        answer, whose head came with the whole answer): stamp the time and keep a copy of the
+        engine request as sent, without the spliced prompt ids (the engine's own prompt ids are
+        recorded as `prompt_ids`).
+
+        Until now `normalized_request` is the very body sent, so the record shows what the engine
+        client changed in place before sending (`max_tokens` clamped to the context); from now
+        on the record and the wire body are separate objects.
+        """
+        self.t_accepted = t_accepted
+        self.normalized_request = {k: v for k, v in self.normalized_request.items() if k not in SPLICED_FIELDS}
 
 
 def write_completion(cap: Capture, result: Result, response: dict | None, response_id: str | None, *,

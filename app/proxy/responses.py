@@ -24,10 +24,14 @@ from typing import Any
 
 from app.proxy import common as c
 from app.proxy.canonical import Result, new_id
+from app.proxy import errors
 from app.proxy.errors import GatewayError, openai_error_object
 from app.proxy.sse import frame
 
 API = "responses"
+# Codex reads errors from the stream: an engine refusal before the first token is answered
+# 200 with response.created, then response.failed.
+ERRORS_IN_STREAM = True
 log = logging.getLogger("turnstile.gateway")
 _DROPPED_ITEMS = {"web_search_call", "item_reference", "image_generation_call", "file_search_call",
                   "compaction", "compaction_summary", "mcp_list_tools", "mcp_approval_request",
@@ -69,7 +73,7 @@ def _output_text(output: Any, where: str) -> list[dict]:
     return [{"type": "text", "text": json.dumps(output)}] if output is not None else []
 
 
-def convert_input(items: Any, custom_tools: set[str]) -> list[dict]:
+def _messages(items: Any, custom_tools: set[str]) -> list[dict]:
     """Responses input items -> Chat messages (before `finalize_messages`)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
@@ -129,7 +133,7 @@ def convert_input(items: Any, custom_tools: set[str]) -> list[dict]:
     return out
 
 
-def convert_tools(tools: Any, meta: dict) -> list[dict]:
+def _tools(tools: Any, meta: dict) -> list[dict]:
     if tools is None:
         return []
     c.expect(isinstance(tools, list), "tools: expected a list", "tools")
@@ -164,8 +168,26 @@ def _tool_choice(tc: Any) -> Any:
     return "auto"
 
 
-def normalize(body: dict, history: list | None = None) -> c.Normalized:
-    """A Responses request (+ items of resolved previous responses) -> `Normalized`."""
+def _history(body: dict, ctx: c.CallContext) -> list | None:
+    """The input items `previous_response_id` stands for (`ctx.history`), None without one."""
+    prev = body.get("previous_response_id")
+    if prev is None:
+        return None
+    if not isinstance(prev, str):
+        raise GatewayError("invalid_request", "previous_response_id: expected a string", param="previous_response_id")
+    if ctx.history is None:
+        return None
+    try:
+        return ctx.history(prev)
+    except LookupError:
+        raise GatewayError("invalid_request", f"Previous response with id '{prev}' not found.",
+                           param="previous_response_id") from None
+
+
+def normalize(body: dict, ctx: c.CallContext = c.NO_CONTEXT) -> c.Normalized:
+    """A Responses request (+ the items of the previous responses it names, read through
+    `ctx.history`) -> `Normalized` (GatewayError 400 on bad input)."""
+    history = _history(body, ctx)
     model = body.get("model")
     c.expect(isinstance(model, str) and model, "model: required string", "model")
     stream = c.expect_type(body.get("stream"), bool, "stream") or False
@@ -176,11 +198,11 @@ def normalize(body: dict, history: list | None = None) -> c.Normalized:
     instructions = c.expect_type(body.get("instructions"), str, "instructions")
     c.expect("input" in body, "input: required", "input")
     messages = [{"role": "system", "content": instructions}] if instructions else []
-    tools = convert_tools(body.get("tools"), meta)
+    tools = _tools(body.get("tools"), meta)
     custom = set(meta["custom_tools"])
     if history:
-        messages += convert_input(history, custom)
-    messages += convert_input(body.get("input"), custom)
+        messages += _messages(history, custom)
+    messages += _messages(body.get("input"), custom)
     chat: dict = {"messages": c.finalize_messages(messages)}
     if tools:
         chat["tools"] = tools
@@ -256,12 +278,16 @@ def response_object(norm: c.Normalized, resp_id: str, created: int, output: list
             "truncation": "disabled", "metadata": req.get("metadata") or {}}
 
 
-def _status(r: Result) -> str:
+def _finish(r: Result) -> str:
     # A length stop inside a tool call is incomplete too; the cut call's item says "incomplete".
     return "incomplete" if r.finish_reason == "length" else "completed"
 
 
-def render(r: Result, norm: c.Normalized, resp_id: str, created: int | None = None) -> dict:
+def response_id() -> str:
+    return new_id("resp_")
+
+
+def render(r: Result, norm: c.Normalized, resp_id: str) -> dict:
     output: list[dict] = []
     if r.reasoning:
         output.append(_reasoning_item(new_id("rs_"), r.reasoning))
@@ -270,7 +296,7 @@ def render(r: Result, norm: c.Normalized, resp_id: str, created: int | None = No
     for call in r.tool_calls:
         status = "incomplete" if r.cut_short and call is r.tool_calls[-1] else "completed"
         output.append(_call_item(norm, new_id("fc_"), call.id, call.name, call.arguments, status))
-    return response_object(norm, resp_id, created or int(time.time()), output, r, _status(r))
+    return response_object(norm, resp_id, int(time.time()), output, r, _finish(r))
 
 
 class Stream:
@@ -391,7 +417,7 @@ class Stream:
 
     def finish(self, r: Result) -> list[bytes]:
         out = self._close(cut=r.cut_short)
-        status = _status(r)
+        status = _finish(r)
         self.final = self._resp(status, r)
         out.append(self._ev("response.completed" if status == "completed" else "response.incomplete",
                             {"response": self.final}))
@@ -406,4 +432,28 @@ class Stream:
         return out
 
     def final_body(self, r: Result) -> dict:
-        return self.final or self._resp(_status(r), r)
+        return self.final or self._resp(_finish(r), r)
+
+
+def models_body(model_ids: list[str]) -> dict:
+    return c.openai_models_body(model_ids, int(time.time()))
+
+
+def model_body(model_id: str) -> dict:
+    return models_body([model_id])["data"][0]
+
+
+def count_body(count: int) -> dict:
+    raise GatewayError("not_found", "The gateway offers no token counting for the Responses API")
+
+
+def error_body(err: GatewayError) -> dict:
+    return errors.error_body(API, err)
+
+
+def answer_of(response: dict | None) -> dict | None:
+    """The assistant message (engine Chat form) of a recorded Responses answer, read by this API's
+    own history reader exactly as the harness's copy of it will be; None when it holds none."""
+    if not isinstance(response, dict):
+        return None
+    return c.answer_turn(lambda: c.finalize_messages(_messages(list(response.get("output") or []), set())))

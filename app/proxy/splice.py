@@ -49,7 +49,7 @@ from sqlalchemy import select
 
 from app.db import session_scope
 from app.tables import Completion
-from app.proxy import anthropic, chat, gemini, responses
+from app.proxy.apis import REGISTRY
 from app.proxy import common as c
 from app.proxy.canonical import engine_call_id
 from app.proxy.errors import GatewayError
@@ -159,26 +159,8 @@ def recorded_turn(api: str, response: dict | None) -> dict | None:
     """The assistant message the client received in `response` (a recorded non-stream body of
     `api`), normalized by that API's own history reader exactly as the harness's copy of it
     will be; None when the body holds no answer."""
-    if not isinstance(response, dict):
-        return None
-    try:
-        if api == "chat":
-            msg = ((response.get("choices") or [{}])[0] or {}).get("message")
-            out = chat.convert_messages([msg]) if isinstance(msg, dict) else []
-        elif api == "anthropic":
-            out = c.finalize_messages(anthropic._convert_messages(
-                [{"role": "assistant", "content": response.get("content") or []}]))
-        elif api == "responses":
-            out = c.finalize_messages(responses.convert_input(list(response.get("output") or []), set()))
-        elif api == "gemini":
-            content = ((response.get("candidates") or [{}])[0] or {}).get("content")
-            out = c.finalize_messages(gemini.convert_contents([content])) if isinstance(content, dict) else []
-        else:
-            return None
-    except GatewayError:
-        return None
-    turns = [m for m in out if m.get("role") == "assistant"]
-    return turns[0] if len(turns) == 1 else None
+    module = REGISTRY.get(api)
+    return module.answer_of(response) if module is not None else None
 
 
 # --- finding the completion ------------------------------------------------------------------

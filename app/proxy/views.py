@@ -1,38 +1,31 @@
 """HTTP layer of the gateway: route, authenticate, normalize, call the engine, answer, record.
 
-One catch-all route serves every API under any base-URL prefix; `detect` picks
-the API.  Non-stream answers are recorded before they are returned; streamed
-answers are recorded before their terminal event, or in the generator's finally
-path when the client disconnects (partial=True), so a completion is never lost
-and never written twice.
+One catch-all route serves every API under any base-URL prefix; `detect` picks the API,
+whose module (`app.proxy.apis`) translates the request and the answer.  The body is read
+by `app.proxy.body`, the engine's answer relayed and recorded by `app.proxy.relay`.
 """
 from __future__ import annotations
 
-import json
 import logging
-import re
 import time
-import zlib
-from typing import Iterator
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from app import weight_gate
 from app.engines.disconnect import client_gone_probe
-from app.proxy import anthropic, chat, gemini, record, responses, splice
-from app.proxy.canonical import ChunkNormalizer, Result, new_id, result_from_completion
-from app.proxy.common import Normalized, gateway_settings
+from app.proxy import record, relay, splice
+from app.proxy.apis import REGISTRY, ApiModule, api_module
+from app.proxy.body import read_body
+from app.proxy.canonical import ChunkNormalizer
+from app.proxy.common import CallContext, Normalized, gateway_settings
 from app.proxy.detect import Route, api_from_headers, detect
-from app.proxy.errors import GatewayError, error_body
+from app.proxy.errors import GatewayError
 from app.proxy.sessions import SessionInfo, resolve_session_info
-from app.proxy.sse import dumps, frame
-from app.proxy.upstream import DONE, EOF, PendingStream, get_upstream
+from app.proxy.sse import dumps
+from app.proxy.upstream import get_upstream
 
 log = logging.getLogger("turnstile.gateway")
-MODULES = {"anthropic": anthropic, "chat": chat, "responses": responses, "gemini": gemini}
-ID_PREFIX = {"anthropic": "msg_", "chat": "chatcmpl-", "responses": "resp_", "gemini": ""}
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 
 def json_response(body: dict, status: int = 200, headers: dict | None = None) -> Response:
@@ -41,7 +34,7 @@ def json_response(body: dict, status: int = 200, headers: dict | None = None) ->
 
 def error_response(api: str, err: GatewayError) -> Response:
     headers = {"x-should-retry": "true" if err.retryable else "false"}
-    return json_response(error_body(api if api in MODULES else "chat", err), err.status or 500, headers)
+    return json_response(api_module(api).error_body(err), err.status or 500, headers)
 
 
 def session_key() -> str | None:
@@ -59,86 +52,6 @@ def authenticate() -> SessionInfo:
         raise GatewayError("authentication", "Invalid API key: unknown gateway session, or its episode is no "
                                              "longer running")
     return info
-
-
-def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
-    """The request body with its Content-Encoding removed (RFC 9110 §8.4: codings listed in
-    the order applied).  gzip, deflate and zstd (RFC 8878; Codex compresses with it) are
-    accepted; an unknown coding is a 415 (RFC 9110 §15.5.16); the decoded body may not
-    exceed `limit` bytes, so a small compression bomb cannot exhaust memory."""
-    codings = [c.strip().lower() for c in encoding.split(",") if c.strip()]
-    for coding in reversed(codings):
-        if coding == "identity":
-            continue
-        if coding in ("gzip", "x-gzip", "deflate"):
-            # wbits 47 reads gzip and zlib headers; raw deflate (no header) is accepted too.
-            wbits = 47 if coding != "deflate" or raw[:1] == b"\x78" else -15
-            d = zlib.decompressobj(wbits)
-            try:
-                out = d.decompress(raw, limit + 1)
-            except zlib.error as exc:
-                raise GatewayError("invalid_request", f"Request body is not valid {coding} data: {exc}") from None
-            if not d.eof and len(out) <= limit:
-                raise GatewayError("invalid_request", f"Request body is truncated {coding} data")
-        elif coding == "zstd":
-            import zstandard
-            try:
-                with zstandard.ZstdDecompressor().stream_reader(raw) as reader:
-                    out = reader.read(limit + 1)
-                    while len(out) <= limit:
-                        more = reader.read(limit + 1 - len(out))
-                        if not more:
-                            break
-                        out += more
-            except zstandard.ZstdError as exc:
-                raise GatewayError("invalid_request", f"Request body is not valid zstd data: {exc}") from None
-        else:
-            raise GatewayError("unsupported_media", f"Unsupported Content-Encoding {coding!r}; "
-                                                    f"use gzip, deflate, zstd or identity")
-        if len(out) > limit:
-            raise GatewayError("too_large", f"Request body exceeds {limit} bytes once decompressed")
-        raw = out
-    return raw
-
-
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-
-
-def _replace_surrogates(value):
-    """Strings with lone UTF-16 surrogates (a JSON escape like "\\ud83d" without its pair)
-    cannot be encoded as UTF-8; each is replaced by U+FFFD, as a UTF-8 decoder would
-    (RFC 8259 §8.2 leaves such strings' behaviour unpredictable).  U+0000 is replaced the same
-    way: PostgreSQL text and JSONB cannot hold it (https://www.postgresql.org/docs/current/datatype-json.html),
-    and the engine must see exactly what is recorded."""
-    if isinstance(value, str):
-        return _UNSTORABLE.sub("\ufffd", value)
-    if isinstance(value, list):
-        return [_replace_surrogates(v) for v in value]
-    if isinstance(value, dict):
-        return {_replace_surrogates(k): _replace_surrogates(v) for k, v in value.items()}
-    return value
-
-
-def parse_body(raw: bytes) -> dict:
-    if not raw.strip():
-        raise GatewayError("invalid_request", "Request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except RecursionError:
-        raise GatewayError("invalid_request", "Request body is nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise GatewayError("invalid_request", f"Request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise GatewayError("invalid_request", f"Request body must be a JSON object, got {type(body).__name__}")
-    if b"\\u" in raw and (b"\\u0000" in raw or re.search(rb"\\u[dD][89abcdefABCDEF]", raw)):
-        body = _replace_surrogates(body)
-    return body
-
-
-def _no_constant(name: str):
-    """`NaN`, `Infinity`, `-Infinity` are not JSON (RFC 8259 §6), though Python's parser accepts them;
-    they must not reach the engine nor the record (SQLite's and PostgreSQL's JSON reject them)."""
-    raise ValueError(f"{name} is not a JSON number (RFC 8259 section 6)")
 
 
 def model_ids() -> list[str]:
@@ -169,14 +82,7 @@ def dispatch(path: str) -> Response:
             raise GatewayError("not_found", f"No such endpoint: POST {request.path!r}")
         if any(_has_control(k) or _has_control(v) for k, v in request.args.items(multi=True)):
             raise GatewayError("invalid_request", "Query parameters must not contain control characters")
-        limit = gateway_settings().max_body_bytes
-        try:
-            raw = request.get_data(cache=False)
-        except RequestEntityTooLarge:
-            raise GatewayError("too_large", f"Request body exceeds {limit} bytes")
-        if request.headers.get("content-encoding"):
-            raw = decode_body(raw, request.headers["content-encoding"], limit)
-        body = parse_body(raw)
+        raw, body = read_body(request, gateway_settings().max_body_bytes)
         route = detect("POST", request.path, request.headers, body)
         if route is None:
             raise GatewayError("not_found", f"No such endpoint: POST {request.path}")
@@ -200,9 +106,9 @@ def dispatch(path: str) -> Response:
 
 def get_resource(route: Route) -> Response:
     if route.op == "models":
-        return json_response(MODULES[route.api].models_body(model_ids()))
+        return json_response(REGISTRY[route.api].models_body(model_ids()))
     if route.op == "model":
-        return json_response(gemini.models_body([route.model or "default"])["models"][0])
+        return json_response(REGISTRY[route.api].model_body(route.model or "default"))
     if route.op == "retrieve":
         info = authenticate()
         found = record.find_response(info.episode_id, route.resource or "")
@@ -213,11 +119,9 @@ def get_resource(route: Route) -> Response:
 
 
 def count_tokens(route: Route, body: dict, info: SessionInfo) -> Response:
-    if route.api == "anthropic":
-        norm = anthropic.normalize({**body, "max_tokens": 1}, count_only=True)
-    else:
-        req = body.get("generateContentRequest") if isinstance(body.get("generateContentRequest"), dict) else body
-        norm = gemini.normalize(req, route.model or "default", False)
+    """The prompt's length in the engine's tokens, as the engine will see it (spliced or rendered)."""
+    module = REGISTRY[route.api]
+    norm = module.normalize(body, CallContext(model=route.model or "default", count_only=True))
     up = get_upstream()
     engine = up.describe(up.pick(info.episode_id))
     spliced = _splice(info, route.api, up, engine, dict(norm.chat, model=engine.model)).prompt_ids
@@ -229,28 +133,13 @@ def count_tokens(route: Route, body: dict, info: SessionInfo) -> Response:
             if k in norm.chat:
                 tok[k] = norm.chat[k]
         count = int(up.tokenize(engine, tok).get("count") or 0)
-    return json_response({"input_tokens": count} if route.api == "anthropic" else {"totalTokens": count})
+    return json_response(module.count_body(count))
 
 
-def _normalize(route: Route, body: dict, info: SessionInfo) -> Normalized:
-    if route.api == "anthropic":
-        return anthropic.normalize(body)
-    if route.api == "chat":
-        return chat.normalize(body)
-    if route.api == "gemini":
-        return gemini.normalize(body, gemini.model_from_path(route.model or "default"), route.stream)
-    history = None
-    prev = body.get("previous_response_id")
-    if prev is not None:
-        if not isinstance(prev, str):
-            raise GatewayError("invalid_request", "previous_response_id: expected a string",
-                               param="previous_response_id")
-        try:
-            history = record.response_history(info.episode_id, prev)
-        except LookupError:
-            raise GatewayError("invalid_request", f"Previous response with id '{prev}' not found.",
-                               param="previous_response_id") from None
-    return responses.normalize(body, history)
+def _normalize(module: ApiModule, route: Route, body: dict, info: SessionInfo) -> Normalized:
+    ctx = CallContext(model=route.model or "default", stream=route.stream,
+                      history=lambda response_id: record.response_history(info.episode_id, response_id))
+    return module.normalize(body, ctx)
 
 
 def _has_control(text: str) -> bool:
@@ -263,7 +152,10 @@ MODEL_MAX_CHARS = 255  # the recorded model name's column (`Completion.model`)
 
 
 def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float) -> Response:
-    norm = _normalize(route, body, info)
+    """Answer one model call: normalize, splice, ask the engine, answer in the caller's API (a
+    JSON body or an SSE stream), record."""
+    module = REGISTRY[route.api]
+    norm = _normalize(module, route, body, info)
     if len(norm.model or "") > MODEL_MAX_CHARS:  # checked before the engine is asked, never at record time
         raise GatewayError("invalid_request", f"model: at most {MODEL_MAX_CHARS} characters", param="model")
     up = get_upstream()
@@ -295,11 +187,11 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
                      "query": record.scrub_query(request.args),
                      "headers": record.scrub_headers(request.headers), "body": body, "splice": spliced.report},
         normalized_request=upstream_body, policy_version_fallback=info.policy_version, engine_id=engine.id, t0=t0)
-    resp_id = ID_PREFIX[route.api] + new_id("", 12) if route.api != "gemini" else new_id("", 10)
-    module = MODULES[route.api]
+    resp_id = module.response_id()
     if not norm.stream:
-        _hold_while_reloading(engine, cap)
-        result = collect_answer(up, engine, upstream_body, info.episode_id, cap, norm)
+        relay.hold_while_reloading(engine, cap)
+        result = relay.collect_answer(up, engine, upstream_body, info.episode_id, cap, norm,
+                                      client_gone_probe(request.environ))
         body_out = module.render(result, norm, resp_id)
         try:
             record.write_completion(cap, result, body_out, resp_id, partial=False)
@@ -310,80 +202,21 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     writer = module.Stream(norm, resp_id)
     if weight_gate.is_reloading(engine.url):
         # The engine is loading new weights: answer 200 now, send keep-alives while held, then relay.
-        return Response(guarded(held_stream(writer, up, engine, upstream_body, info.episode_id, cap, resp_id,
-                                            history_call_ids(norm)), writer, route.api),
-                        mimetype="text/event-stream", headers=SSE_HEADERS, direct_passthrough=True)
+        return relay.sse_response(relay.guarded(relay.held_stream(
+            writer, up, engine, upstream_body, info.episode_id, cap, resp_id, relay.history_call_ids(norm)),
+            writer, module))
     # Wait briefly for the engine to accept: a rejection (context overflow...) is then a plain
     # HTTP error in the client's shape.  An engine that says nothing while it prefills gets a
     # 200 stream with keep-alives instead, and any later rejection arrives in-stream.
     opening = up.open_stream(engine, upstream_body, info.episode_id, gateway_settings().keepalive_s)
     outcome = opening.result
     if isinstance(outcome, GatewayError):
-        if route.api != "responses":
+        if not module.ERRORS_IN_STREAM:
             raise outcome
-        # Codex reads errors from the stream: response.created, then response.failed.
         frames = writer.opening() + writer.fail(outcome, ChunkNormalizer().result)
-        return Response(iter(frames), mimetype="text/event-stream", headers=SSE_HEADERS)
-    return Response(guarded(stream_answer(writer, opening, cap, resp_id, taken=history_call_ids(norm)),
-                            writer, route.api),
-                    mimetype="text/event-stream", headers=SSE_HEADERS, direct_passthrough=True)
-
-
-def guarded(frames: Iterator[bytes], writer, api: str) -> Iterator[bytes]:
-    """A stream whose production fails after the 200 head still ends in its API's own error
-    shape (Anthropic `error` event, Chat error chunk + [DONE], Responses `response.failed`,
-    Gemini error chunk), never as a cut chunked body."""
-    try:
-        yield from frames
-    except Exception:  # noqa: BLE001 - a bug must still end the stream in the caller's shape
-        log.exception("gateway error while streaming a %s answer", api)
-        if writer.done:
-            return
-        err = GatewayError("internal", "Internal gateway error while streaming the answer")
-        try:
-            out = writer.fail(err, Result())
-        except Exception:  # noqa: BLE001
-            out = [frame(error_body(api, err))]
-        yield b"".join(out)
-
-
-class ClientGone(Exception):
-    """The client closed its connection while its non-stream answer was being generated."""
-
-
-def collect_answer(up, engine, body: dict, episode_id: int, cap: record.Capture, norm: Normalized) -> Result:
-    """A non-stream answer, asked of the engine as a non-stream answer and read on this thread
-    while watching the client every 0.25 s of engine silence: if the client leaves, the engine
-    connection is closed (vLLM, the embedded and the scripted engine abort the request) and
-    nothing is recorded, since no sampled token reached the gateway.
-
-    Raises:
-        GatewayError: the engine refused or failed (its own error), its answer is not a chat
-            completion, or the client left (status 499, nobody reads it).
-    """
-    gone = client_gone_probe(request.environ)
-
-    def idle() -> None:
-        if gone():
-            raise ClientGone()
-
-    try:
-        answer = up.complete(engine, body, episode_id, idle=idle, idle_s=0.25)
-    except ClientGone:
-        log.info("client left before its non-stream answer was ready; engine request closed")
-        raise GatewayError("invalid_request", "client disconnected", status=499) from None
-    _accepted(cap, None)  # the engine's answer head came with the whole answer: no queue time
-    if isinstance(answer.get("error"), dict) or answer.get("object") == "error":
-        err = answer["error"] if isinstance(answer.get("error"), dict) else answer
-        raise GatewayError("upstream", f"The engine reported an error: {err.get('message')}")
-    choices = answer.get("choices")
-    if not (isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices)):
-        raise GatewayError("upstream", "The engine's answer holds no choices the gateway could read")
-    try:
-        return result_from_completion(answer, history_call_ids(norm))
-    except Exception:  # noqa: BLE001 - an answer that breaks the reader is the engine's fault
-        log.exception("unreadable engine answer")
-        raise GatewayError("upstream", "The engine sent an answer the gateway could not read") from None
+        return relay.sse_response(iter(frames), passthrough=False)
+    return relay.sse_response(relay.guarded(
+        relay.stream_answer(writer, opening, cap, resp_id, taken=relay.history_call_ids(norm)), writer, module))
 
 
 def _splice(info: SessionInfo, api: str, up, engine, body: dict) -> splice.Splice:
@@ -396,140 +229,3 @@ def _splice(info: SessionInfo, api: str, up, engine, body: dict) -> splice.Splic
     except Exception:  # noqa: BLE001 - a splice bug must not fail the call: render from text instead
         log.exception("splice failed; rendering the request from text")
         return splice.Splice(report={"miss": "internal_error"})
-
-
-def _accepted(cap: record.Capture, t_accepted: float | None) -> None:
-    """The engine accepted the request (at `t_accepted`, perf_counter): stamp the time; the request
-    body was sent, so the spliced prompt ids leave the record (the engine's own prompt ids are
-    recorded instead)."""
-    cap.t_accepted = t_accepted
-    cap.normalized_request.pop("prompt_token_ids", None)
-    cap.normalized_request.pop("kv_transfer_params", None)
-
-
-def _hold_while_reloading(engine, cap: record.Capture) -> None:
-    """Non-stream: wait (bounded) for the engine's weight reload to finish before sending."""
-    if not weight_gate.is_reloading(engine.url):
-        return
-    t0 = time.perf_counter()
-    weight_gate.wait_open(engine.url, weight_gate.GATE_TTL_S)
-    held = time.perf_counter() - t0
-    cap.raw_request["reload_held_ms"] = round(held * 1000, 1)
-    weight_gate.record_hold(engine.url, held)
-
-
-def held_stream(writer, up, engine, body: dict, episode_id: int, cap: record.Capture, resp_id: str,
-                taken: set[str] | frozenset = frozenset()) -> Iterator[bytes]:
-    """Stream whose request arrived during a weight reload: opening frames and keep-alives
-    while the gate is closed, then the normal relay (errors after this point go in-stream)."""
-    t0 = time.perf_counter()
-    keepalive = gateway_settings().keepalive_s
-    yield from writer.opening()
-    while not weight_gate.wait_open(engine.url, keepalive):
-        yield writer.keepalive()
-    held = time.perf_counter() - t0
-    cap.raw_request["reload_held_ms"] = round(held * 1000, 1)
-    weight_gate.record_hold(engine.url, held)
-    opening = up.open_stream(engine, body, episode_id, keepalive)
-    yield from stream_answer(writer, opening, cap, resp_id, opened=True, taken=taken)
-
-
-def _upstream_item(item, r, error: GatewayError | None) -> tuple[GatewayError | None, bool]:
-    """(error, finished) for one item from the upstream reader; finished=False means a chunk."""
-    if item is DONE:
-        return error, True
-    if item is EOF:
-        if r.finish_reason is None:
-            return GatewayError("upstream", "The engine closed the stream before it finished"), True
-        return error, True
-    if isinstance(item, Exception):
-        return GatewayError("upstream", f"The engine stream failed: {item}"), True
-    if isinstance(item.get("error"), dict) or item.get("object") == "error":
-        err = item.get("error") if isinstance(item.get("error"), dict) else item
-        return GatewayError("upstream", f"The engine reported an error: {err.get('message')}"), True
-    return error, False
-
-
-def _consume(item, r, error: GatewayError | None, feed, cap: record.Capture):
-    """(error, finished, what `feed` returned) for one upstream item.
-
-    A chunk goes to `feed` (the answer reader); a chunk that breaks it is the engine's fault
-    and ends the answer with an upstream error.  The first sampled token stamps `cap.t_first`.
-    """
-    error, finished = _upstream_item(item, r, error)
-    if finished:
-        return error, True, None
-    try:
-        fed = feed(item)
-    except Exception:  # noqa: BLE001 - a chunk that breaks the reader is the engine's fault
-        log.exception("unreadable engine chunk")
-        return GatewayError("upstream", "The engine sent a chunk the gateway could not read"), True, None
-    if cap.t_first is None and r.sampled_ids:
-        cap.t_first = time.perf_counter()
-    return error, False, fed
-
-
-def history_call_ids(norm: Normalized) -> set[str]:
-    """The tool-call ids already used in this conversation (as the engine knows them)."""
-    return {tc.get("id") for m in norm.chat.get("messages") or [] for tc in m.get("tool_calls") or []}
-
-
-def stream_answer(writer, opening: PendingStream, cap: record.Capture, resp_id: str,
-                  opened: bool = False, taken: set[str] | frozenset = frozenset()) -> Iterator[bytes]:
-    """Engine stream -> client SSE frames, with keep-alives while the engine is silent.
-
-    The completion is recorded before the terminal frames are sent; if the client goes
-    away first (GeneratorExit at a yield), the finally path records what was sampled
-    so far with partial=True and closes the upstream stream so the engine aborts.
-    """
-    norm = ChunkNormalizer(taken)
-    r = norm.result
-    keepalive = gateway_settings().keepalive_s
-    try:
-        if not opened:  # held_stream already sent the opening frames
-            yield from writer.opening()
-        error: GatewayError | None = None
-        while (handle := opening.wait(keepalive)) is None:
-            yield writer.keepalive()
-        _accepted(cap, opening.t_done)
-        if isinstance(handle, GatewayError):
-            error, handle = handle, None
-        finished = handle is None
-        while not finished:
-            items = handle.poll(keepalive)  # everything received so far, relayed in one write
-            if items is None:
-                yield writer.keepalive()
-                continue
-            frames = []
-            for item in items:
-                error, finished, events = _consume(item, r, error, norm.feed, cap)
-                if finished:
-                    break
-                frames += writer.start(r)
-                for ev in events:
-                    frames += writer.on_event(ev, r)
-            if frames:
-                yield b"".join(frames)
-        if error is None:
-            frames = []
-            for ev in norm.finish():
-                frames += writer.on_event(ev, r)
-            frames += writer.finish(r)
-        else:
-            frames = writer.fail(error, r)
-        if not norm.first_chunk_seen:
-            cap.written = True  # the engine never started this answer: nothing to record
-        try:
-            record.write_completion(cap, r, writer.final_body(r), resp_id, partial=error is not None,
-                                    error=error.message if error else None)
-        except Exception:  # noqa: BLE001 - the answer is already on the wire; keep the stream well-formed
-            log.exception("could not record streamed completion")
-        yield b"".join(frames)
-    finally:
-        opening.cancel()
-        if not cap.written and norm.first_chunk_seen:
-            try:
-                record.write_completion(cap, r, writer.final_body(r), resp_id, partial=True,
-                                        error="client disconnected before the answer was complete")
-            except Exception:  # noqa: BLE001
-                log.exception("could not record partial completion")

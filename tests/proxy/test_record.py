@@ -63,3 +63,20 @@ def test_a_session_key_carries_its_attempt(any_database):
         second = issue_session(s, ep)
     forget(None)
     assert resolve_session_info(second).attempt == 2 and resolve_session_info(first) is None
+
+
+def test_once_accepted_the_record_keeps_its_own_copy_without_the_spliced_ids():
+    """Until the engine accepts, the record is the body being sent (the engine client clamps
+    `max_tokens` in place, and the record shows the clamp); from then on the two are separate and
+    the spliced prompt ids (recorded as the engine's own `prompt_ids`) leave the record only."""
+    wire = {"messages": [], "max_tokens": 100, "prompt_token_ids": [1, 2],
+            "kv_transfer_params": {"prompt_token_ids": [1, 2]}}
+    cap = Capture(episode_id=1, api="chat", model="m", stream=True, request_key="k", raw_request={},
+                  normalized_request=wire, policy_version_fallback=0)
+    wire["max_tokens"] = 40  # clamped by the engine client before sending
+    cap.accepted(12.5)
+    assert cap.t_accepted == 12.5
+    assert cap.normalized_request == {"messages": [], "max_tokens": 40}
+    assert wire["prompt_token_ids"] == [1, 2] and "kv_transfer_params" in wire  # the wire body is untouched
+    wire["max_tokens"] = 1
+    assert cap.normalized_request["max_tokens"] == 40

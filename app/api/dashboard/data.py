@@ -16,6 +16,7 @@ from sqlalchemy import Integer, cast, func, select
 from sqlalchemy.orm import Session
 
 from app.config import get_settings
+from app.proxy.apis import REGISTRY
 from app.tables import EPISODE_STATES, Completion, Episode, Run, TaskInstance, TrainingStep, Trajectory, utcnow
 
 TERMINAL_RUN = ("completed", "failed", "cancelled")
@@ -322,32 +323,12 @@ def message_view(msg: dict) -> dict:
 
 
 def answer_view(api: str, response: dict | None) -> dict | None:
-    """The assistant's answer from a response in the harness's own API shape (chat, anthropic,
-    responses, gemini): {text, tool_calls}; None when the shape is not recognised."""
-    if not isinstance(response, dict):
-        return None
-    if response.get("choices"):
-        msg = (response["choices"][0] or {}).get("message") or {}
-        return {"text": _content_text(msg.get("content")), "tool_calls": _tool_calls(msg.get("tool_calls"))}
-    if isinstance(response.get("content"), list):  # Anthropic Messages
-        texts = [b.get("text", "") for b in response["content"] if b.get("type") == "text"]
-        calls = [{"name": b.get("name"), "arguments": b.get("input"), "id": b.get("id")}
-                 for b in response["content"] if b.get("type") == "tool_use"]
-        return {"text": "\n".join(texts), "tool_calls": calls}
-    if isinstance(response.get("output"), list):  # OpenAI Responses
-        texts, calls = [], []
-        for item in response["output"]:
-            if item.get("type") == "message":
-                texts += [p.get("text", "") for p in item.get("content") or []]
-            elif item.get("type") == "function_call":
-                calls.append({"name": item.get("name"), "arguments": item.get("arguments"), "id": item.get("call_id")})
-        return {"text": "\n".join(texts), "tool_calls": calls}
-    if response.get("candidates"):  # Gemini generateContent
-        parts = ((response["candidates"][0] or {}).get("content") or {}).get("parts") or []
-        return {"text": "\n".join(p["text"] for p in parts if "text" in p),
-                "tool_calls": [{"name": p["functionCall"].get("name"), "arguments": p["functionCall"].get("args")}
-                               for p in parts if "functionCall" in p]}
-    return None
+    """The assistant's answer in a recorded `response` of `api` (that API's own wire shape), read
+    by the API's gateway module (`app.proxy.apis`, the reader the splice uses too): a
+    `message_view`; None when the API is unknown or the body holds no answer."""
+    module = REGISTRY.get(api)
+    answer = module.answer_of(response) if module is not None else None
+    return message_view(answer) if answer is not None else None
 
 
 def conversation(completions: list[Completion]) -> list[dict]:
