@@ -44,12 +44,6 @@ def get_redis() -> redis_lib.Redis:
     return _client
 
 
-def reset_redis() -> None:
-    """Forget the client (the next `get_redis` connects anew)."""
-    global _client, _client_key
-    _client, _client_key = None, None
-
-
 @contextlib.contextmanager
 def held_lock(name: str, timeout_s: float = 30.0) -> Iterator[bool]:
     """Try once to take the Redis lock `name`; yield whether this caller holds it.

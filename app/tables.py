@@ -35,6 +35,15 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
+def aware_utc(value: dt.datetime | None) -> dt.datetime | None:
+    """`value` with its time zone: SQLite returns naive datetimes for the timezone-aware columns
+    (stored as UTC), PostgreSQL aware ones, so this makes either comparable with `utcnow()`.
+    None stays None; an aware value is returned unchanged."""
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=dt.timezone.utc)
+    return value
+
+
 class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSONType, list[Any]: JSONType}
 
@@ -42,7 +51,14 @@ class Base(DeclarativeBase):
 # --- runs ---------------------------------------------------------------------------
 
 RUN_KINDS = ("train", "eval", "collect")
-RUN_STATES = ("queued", "running", "cancelling", "completed", "failed", "cancelled")
+RUN_STATES = (
+    "queued",      # created; control.start_run not yet done
+    "running",     # episodes and steps in progress
+    "cancelling",  # cancel requested; live episodes being stopped
+    "completed",   # every episode terminal (and every step trained)
+    "failed",      # gave up (error says why)
+    "cancelled",   # cancel finished
+)
 
 
 class Run(Base):

@@ -14,6 +14,11 @@ from sqlalchemy.orm import Session
 
 from app.tables import Episode, Run, TrainingStep, utcnow
 
+# The states no transition leaves, the same for runs and episodes (tests check it against the
+# tables below: none of them is an allowed predecessor).  A training step ends in `STEP_TERMINAL`.
+TERMINAL: tuple[str, ...] = ("completed", "failed", "cancelled")
+STEP_TERMINAL: tuple[str, ...] = ("completed", "failed")
+
 # Allowed predecessors of each target state.
 RUN_TRANSITIONS: dict[str, tuple[str, ...]] = {
     "running": ("queued",),
@@ -38,6 +43,9 @@ STEP_TRANSITIONS: dict[str, tuple[str, ...]] = {
     "completed": ("training",),
     "failed": ("pending", "training"),
 }
+
+# A run may be cancelled from these states (the predecessors of `cancelling`).
+RUN_CANCELLABLE: tuple[str, ...] = RUN_TRANSITIONS["cancelling"]
 
 _TABLES = {Run: RUN_TRANSITIONS, Episode: EPISODE_TRANSITIONS, TrainingStep: STEP_TRANSITIONS}
 

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from app.db import session_scope
-from app.tables import Completion, Episode, Run, TaskInstance
-from app.transitions import InvalidTransition, transition
+from app.tables import EPISODE_STATES, RUN_STATES, STEP_STATES, Completion, Episode, Run, TaskInstance
+from app.transitions import (EPISODE_TRANSITIONS, RUN_CANCELLABLE, RUN_TRANSITIONS, STEP_TERMINAL, STEP_TRANSITIONS,
+                             TERMINAL, InvalidTransition, transition)
 
 
 def _episode(s) -> Episode:
@@ -74,3 +75,28 @@ def test_compare_and_set_only_one_winner(any_database):
         assert s.get(Episode, ep_id).status == "grading"
         with pytest.raises(InvalidTransition):
             transition(s, Episode, ep_id, "exploded")
+
+
+def _left(table: dict[str, tuple[str, ...]]) -> set[str]:
+    """States some transition of `table` leaves (an allowed predecessor of some target)."""
+    return {state for preds in table.values() for state in preds}
+
+
+def test_terminal_states_are_the_ones_no_transition_leaves():
+    for table, states, terminal in ((RUN_TRANSITIONS, RUN_STATES, TERMINAL),
+                                    (EPISODE_TRANSITIONS, EPISODE_STATES, TERMINAL),
+                                    (STEP_TRANSITIONS, STEP_STATES, STEP_TERMINAL)):
+        assert set(table) | _left(table) == set(states)  # the tables name exactly the column's states
+        assert set(states) - _left(table) == set(terminal)
+    assert set(RUN_CANCELLABLE) == set(RUN_STATES) - set(TERMINAL) - {"cancelling"}
+
+
+def test_no_transition_leaves_a_terminal_state(any_database):
+    with session_scope() as s:
+        ep_id = _episode(s).id
+    with session_scope() as s:
+        assert transition(s, Episode, ep_id, "cancelled")
+    with session_scope() as s:
+        assert not any(transition(s, Episode, ep_id, target) for target in EPISODE_TRANSITIONS)
+    with session_scope() as s:
+        assert s.get(Episode, ep_id).status == "cancelled"

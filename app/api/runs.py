@@ -22,7 +22,7 @@ from app.db import new_session, session_scope
 from app.tables import EPISODE_STATES, Completion, Episode, Run, TrainingStep, Trajectory
 from app.runconfig import RunConfig
 from app.text import text_problem
-from app.transitions import transition
+from app.transitions import TERMINAL, transition
 
 bp = Blueprint("api", __name__)
 
@@ -131,9 +131,9 @@ def create_run():
         session.add(run)
         session.flush()
         run_id = run.id
-    from app.tasks.control import start_run
+    from app.tasks.send import send_start_run  # on first use: importing app.celery reads the settings once
 
-    start_run.apply_async(args=[run_id], priority=priority)
+    send_start_run(run_id, priority)
     with session_scope() as session:
         payload = run_to_dict(session.get(Run, run_id))
     resp = jsonify(payload)
@@ -184,12 +184,12 @@ def get_run(run_id: int):
 def cancel_run(run_id: int):
     with session_scope() as session:
         run = _get_run(session, run_id)
-        if run.status in ("completed", "failed", "cancelled"):
+        if run.status in TERMINAL:
             raise ApiError(409, f"run {run_id} is already {run.status}")
         transition(session, Run, run_id, "cancelling")
-    from app.tasks.control import cancel_run as cancel_task
+    from app.tasks.send import send_cancel_run
 
-    cancel_task.apply_async(args=[run_id], priority=9)
+    send_cancel_run(run_id)
     with session_scope() as session:
         return jsonify(run_to_dict(session.get(Run, run_id))), 202
 

@@ -9,10 +9,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+from app.tables import RUN_KINDS, RUN_STATES, STEP_STATES
+
 # Stored run configs are returned as stored (validated at creation); the OpenAPI document
 # points this field at the RunConfig schema (`app.api.openapi`).
 StoredRunConfig = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-schema": "RunConfig"})]
-RunStatus = Literal["queued", "running", "cancelling", "completed", "failed", "cancelled"]
+RunStatus = Literal[RUN_STATES]  # type: ignore[valid-type]
 
 
 class _Out(BaseModel):
@@ -39,7 +41,7 @@ class Step(_Out):
     """One GRPO training step."""
 
     step: int
-    status: Literal["pending", "training", "completed", "failed"]
+    status: Literal[STEP_STATES]  # type: ignore[valid-type]
     policy_version: int | None
     episode_ids: list[int] | None
     metrics: dict[str, Any] | None = Field(description="loss, rewards, merge and scheduling metrics (see README)")
@@ -53,7 +55,7 @@ class Run(_Out):
     """A run: train, eval or collect."""
 
     id: int
-    kind: Literal["train", "eval", "collect"]
+    kind: Literal[RUN_KINDS]  # type: ignore[valid-type]
     status: RunStatus
     policy_version: int
     priority: int

@@ -32,6 +32,7 @@ from rich.console import Console
 
 from app.cli.report import make_console
 from app.config import get_settings
+from app.paths import RunPaths
 
 MOVING_AVERAGE = 3  # steps in the trailing moving average of the training reward
 
@@ -182,17 +183,17 @@ def cmd_learn(args) -> int:
         samples = [samples_of(client.get(f"/api/runs/{r['id']}/episodes").raise_for_status().json()["episodes"])
                    for r in (before, after)]
     result = compare_samples(*samples, seed=0)
-    out_dir = get_settings().var_dir / "runs" / str(train["id"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(str(out_dir / "compare.json"), before, after, *samples, result)
-    png = draw(out_dir / "learning.png", train, json.loads((out_dir / "compare.json").read_text()))
+    paths = RunPaths(train["id"])
+    paths.root.mkdir(parents=True, exist_ok=True)
+    write_json(str(paths.compare), before, after, *samples, result)
+    png = draw(paths.learning_png, train, json.loads(paths.compare.read_text()))
     console.print(comparison_table(before, after, *samples, result))
     _, rewards, losses = step_series(train)
     s = slope(rewards)
     console.print(f"training reward per step: {', '.join(f'{r:.3f}' for r in rewards)} (slope "
                   f"{'-' if s is None else f'{s:+.4f}'} per step); loss per step: "
                   f"{', '.join('-' if x is None else f'{x:.4g}' for x in losses)}")
-    console.print(f"figure: {png}\ncomparison: {out_dir / 'compare.json'}")
+    console.print(f"figure: {png}\ncomparison: {paths.compare}")
     return 0
 
 
@@ -202,7 +203,7 @@ def cmd_plot(args) -> int:
     with _client() as client:
         train = client.get(f"/api/runs/{args.train_run}").raise_for_status().json()
     comparison = json.loads(Path(args.compare).read_text()) if args.compare else None
-    out = Path(args.output) if args.output else get_settings().var_dir / "runs" / str(train["id"]) / "learning.png"
+    out = Path(args.output) if args.output else RunPaths(train["id"]).learning_png
     print(draw(out, train, comparison))
     return 0
 

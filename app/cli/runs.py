@@ -14,9 +14,8 @@ from rich.table import Table
 
 from app.cli.report import make_console
 from app.config import get_settings
+from app.paths import RunPaths
 
-TERMINAL = ("completed", "failed", "cancelled")
-STATES = ("queued", "preparing", "ready", "running", "grading", "completed", "failed", "cancelled")
 
 
 def _client() -> httpx.Client:
@@ -126,8 +125,10 @@ def _progress_table(run: dict) -> Table:
     table = Table(title=f"run {run['id']} ({run['kind']}) — {run['status']}", expand=False)
     for col in ("state", "episodes"):
         table.add_column(col)
+    from app.tables import EPISODE_STATES  # lazily: a CLI command that shows no progress loads no SQL models
+
     counts = run.get("episodes_by_status", {})
-    for state in STATES:
+    for state in EPISODE_STATES:
         if counts.get(state):
             table.add_row(state, str(counts[state]))
     live = run.get("live") or {}
@@ -151,9 +152,11 @@ def _progress_table(run: dict) -> Table:
 
 def progress_line(run: dict) -> str:
     """One line of progress for logs and pipes: status, episodes by state, steps, reward, age."""
+    from app.tables import EPISODE_STATES
+
     counts = run.get("episodes_by_status") or {}
     parts = [f"run {run['id']} {run['status']}",
-             "episodes " + (", ".join(f"{k} {counts[k]}" for k in STATES if counts.get(k)) or "none yet")]
+             "episodes " + (", ".join(f"{k} {counts[k]}" for k in EPISODE_STATES if counts.get(k)) or "none yet")]
     if run["kind"] == "train":
         done = sum(1 for st in run.get("steps") or [] if st["status"] == "completed")
         parts.append(f"steps {done}/{run['config'].get('steps')}")
@@ -200,6 +203,8 @@ class FollowInterrupted(KeyboardInterrupt):
 
 
 def _poll(client, run_id: int, poll_s: float, timeout_s: float | None, started: float, show) -> dict:
+    from app.transitions import TERMINAL
+
     while True:
         run = client.get(f"/api/runs/{run_id}").raise_for_status().json()
         show(run)
@@ -313,7 +318,7 @@ def cmd_demo(args) -> int:
                   f"{', '.join(config.get('instances') or [config.get('task_set')])}, "
                   f"group {config.get('group_size')} x {config.get('tasks_per_step')} tasks x {config.get('steps')} steps")
     final = follow_run(run["id"], timeout_s=args.timeout, console=console)
-    export_path = get_settings().var_dir / "runs" / str(run["id"]) / "trajectories.jsonl"
+    export_path = RunPaths(run["id"]).trajectories
     export_path.parent.mkdir(parents=True, exist_ok=True)
     cmd_export(argparse.Namespace(run_id=run["id"], output=str(export_path)))
     summary = final.setdefault("summary", {}) or {}

@@ -34,6 +34,7 @@ from app.harnesses import get_preset
 from app.harnesses.base import CHECK_CONTENT, CHECK_FILE, shared_tools_dir
 from app.tables import Base, Completion, Episode, Run
 from app.tasksets import load_task_set
+from app.transitions import TERMINAL
 
 SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key")
 
@@ -182,7 +183,7 @@ def run_pipeline_checks(names: list[str], *, redis_url: str, task_set: str = "sy
             while time.monotonic() < deadline:
                 with Session(engine) as s:
                     statuses = s.execute(select(Run.status).where(Run.id.in_(run_ids.values()))).scalars().all()
-                if all(st in ("completed", "failed", "cancelled") for st in statuses):
+                if all(st in TERMINAL for st in statuses):
                     break
                 time.sleep(1.0)
         reports = []

@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session
 
 from app.config import get_settings
 from app.db import session_scope
-from app.tables import Episode, utcnow
+from app.tables import Episode, aware_utc, utcnow
 
 log = logging.getLogger("turnstile.lease")
 
@@ -84,7 +84,7 @@ def claim(session: Session, episode_id: int, stage: str, owner: str, *, where: d
     if row.lease_owner is None:
         conditions.append(Episode.lease_owner.is_(None))
     else:
-        expires = _aware(row.lease_expires_at)
+        expires = aware_utc(row.lease_expires_at)
         if expires is not None and expires > now:
             return False  # a live holder: this message is a duplicate
         if row.redeliveries >= get_settings().max_redeliveries:
@@ -155,10 +155,3 @@ class Heartbeat:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-
-
-def _aware(value: dt.datetime | None) -> dt.datetime | None:
-    """SQLite returns naive datetimes (stored as UTC); make them comparable with `utcnow()`."""
-    if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=dt.timezone.utc)
-    return value

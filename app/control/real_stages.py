@@ -21,6 +21,7 @@ from app.config import get_settings
 from app.control.preflight import check_installation
 from app.control.stages import HARNESS_FAILED, Claim, GradeOutcome, HarnessOutcome
 from app.db import session_scope
+from app.paths import RunPaths
 from app.tables import Completion, Run
 from app.runconfig import RunConfig
 
@@ -76,13 +77,6 @@ def sandbox_limit_failure(limit_hit: str, log_text: str, log_path: Path) -> str:
     memory, disk): `SANDBOX_LIMIT`, the cap, then the tail of the harness log.  Such an attempt is
     failed, not graded: the command was killed or refused by the deployment's limits."""
     return f"{SANDBOX_LIMIT}{limit_hit}\n--- harness log tail ({log_path}) ---\n{log_text[-LOG_TAIL_CHARS:]}"
-
-
-def episode_dir(run_id: int, episode_id: int) -> Path:
-    """`<var_dir>/runs/<run>/episodes/<episode>/` (created): harness logs of every attempt."""
-    path = get_settings().var_dir / "runs" / str(run_id) / "episodes" / str(episode_id)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 class RealStages:
@@ -206,7 +200,8 @@ class RealStages:
                              stdin="", path_prepend=preset.path_prepend(),
                              should_stop=cancelled)  # a cancelled episode's harness is killed at once
         patch = runtime.patch()
-        log_path = episode_dir(claim.run_id, claim.episode_id) / f"harness-attempt{claim.attempt}.log"
+        log_path = RunPaths(claim.run_id).harness_log(claim.episode_id, claim.attempt)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         limit = f"sandbox limit: {result.limit_hit}\n" if result.limit_hit else ""
         log_text = (f"$ {preset.name} (exit {result.exit_code}, {result.duration_s:.1f} s, confined={runtime.confined})\n"
                     f"{limit}--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}\n"

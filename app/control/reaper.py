@@ -28,7 +28,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import or_, select, update
 
 from app.config import get_settings
 from app.control import lease, redis_state
@@ -204,12 +204,4 @@ def _resend_unclaimed(run_id: int, priority: int, queued: set[tuple[str, int]]) 
                       .values(lease_expires_at=lease.expiry(now)).execution_options(synchronize_session=False))
             out.append([episode_id, stage])
     return out
-
-
-def stuck_episodes(now: dt.datetime) -> int:
-    """Episodes of running runs in a stage state whose lease expired (0 after a healthy pass)."""
-    with session_scope() as s:
-        return int(s.scalar(select(func.count()).select_from(Episode).join(Run, Run.id == Episode.run_id).where(
-            Run.status == "running", Episode.status.in_(lease.STAGE_STATES),
-            or_(Episode.lease_expires_at.is_(None), Episode.lease_expires_at < now))) or 0)
 

@@ -19,6 +19,7 @@ from app.control.real_stages import RealStages
 from app.control.simulated_stages import SimulatedStages
 from app.control.stages import Stages
 from app.db import session_scope
+from app.paths import RunPaths
 from app.tables import Run, utcnow
 from app.runconfig import RunConfig
 from app.transitions import transition
@@ -90,8 +91,8 @@ def claim_run_dir(run_id: int, created_at: str) -> None:
     records which database and creation time it belongs to.
     """
     settings = get_settings()
-    root = settings.var_dir / "runs" / str(run_id)
-    marker = root / "run.json"
+    paths = RunPaths(run_id, settings.var_dir)
+    root, marker = paths.root, paths.identity
     identity = {"database": settings.database_url, "created_at": created_at}
     if root.exists():
         try:

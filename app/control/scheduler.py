@@ -39,11 +39,9 @@ from app.control.tracking import log_run_summary
 from app.db import session_scope
 from app.tables import Completion, Episode, Group, Run, TrainingStep, utcnow
 from app.runconfig import RunConfig
-from app.transitions import transition
+from app.transitions import TERMINAL, transition
 
 log = logging.getLogger("turnstile.scheduler")
-
-TERMINAL = ("completed", "failed", "cancelled")
 
 
 def tick(run_id: int) -> Plan:

@@ -10,7 +10,7 @@ from sqlalchemy import Integer, cast, func, select
 from sqlalchemy.orm import Session
 
 from app.control.stages import HARNESS_FAILED, harness_failure_cause
-from app.tables import Completion, Episode, Group, TrainingStep
+from app.tables import Completion, Episode, Group, TrainingStep, aware_utc
 
 
 def _duration(a, b) -> float | None:
@@ -153,20 +153,20 @@ def scheduling_metrics(s: Session, run_id: int, slots: int, lags: list[int], rea
 
     now = utcnow()
     steps = s.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id).order_by(TrainingStep.step)).all()
-    window_start = _aware(steps[-1].created_at) if steps else None
+    window_start = aware_utc(steps[-1].created_at) if steps else None
     eps = s.scalars(select(Episode).where(Episode.run_id == run_id, Episode.started_at.is_not(None))).all()
     if window_start is None:
-        window_start = min((_aware(e.started_at) for e in eps), default=now)
+        window_start = min((aware_utc(e.started_at) for e in eps), default=now)
     window = max(1e-9, (now - window_start).total_seconds())
     busy_s = 0.0
     durations = []
     for e in eps:
-        start, end = _aware(e.started_at), _aware(e.rollout_finished_at or e.finished_at) or now
+        start, end = aware_utc(e.started_at), aware_utc(e.rollout_finished_at or e.finished_at) or now
         overlap = (min(end, now) - max(start, window_start)).total_seconds()
         busy_s += max(0.0, overlap)
-        if e.rollout_finished_at is not None and _aware(e.rollout_finished_at) >= window_start:
+        if e.rollout_finished_at is not None and aware_utc(e.rollout_finished_at) >= window_start:
             durations.append((end - start).total_seconds())
-    spans = [(_aware(st.started_at), _aware(st.finished_at)) for st in steps if st.started_at and st.finished_at]
+    spans = [(aware_utc(st.started_at), aware_utc(st.finished_at)) for st in steps if st.started_at and st.finished_at]
     trainer_busy = None
     if spans:
         total = (now - spans[0][0]).total_seconds()
@@ -185,11 +185,3 @@ def scheduling_metrics(s: Session, run_id: int, slots: int, lags: list[int], rea
         "episodes_cancelled": s.scalar(select(func.count()).where(Episode.run_id == run_id, Episode.status == "cancelled")),
         "episodes_harness_failed": harness_failed_count(s, run_id),
     }
-
-
-def _aware(value):
-    if value is not None and value.tzinfo is None:
-        import datetime as dt
-
-        return value.replace(tzinfo=dt.timezone.utc)
-    return value

@@ -23,7 +23,7 @@ from app.config import get_settings
 from app.control import reaper
 from app.control.plan import Plan
 from app.db import session_scope
-from app.tables import Episode, Run, TrainingStep, utcnow
+from app.tables import Episode, Run, TrainingStep, aware_utc, utcnow
 
 log = logging.getLogger("turnstile.watchdog")
 
@@ -47,9 +47,7 @@ def find_orphaned_steps(now: dt.datetime, in_workers: set[tuple[int, int]], queu
             .where(Run.status == "running", TrainingStep.status.in_(("pending", "training")))
         ).all()
     for run_id, step, started_at, created_at in rows:
-        since = started_at or created_at
-        if since.tzinfo is None:
-            since = since.replace(tzinfo=dt.timezone.utc)
+        since = aware_utc(started_at or created_at)
         if (run_id, step) in in_workers or (now - since).total_seconds() < STEP_GRACE_S:
             continue
         orphans.append((run_id, step))

@@ -206,10 +206,6 @@ class LocalRuntime:
         port = self._gateway_port()
         return port if port >= 1024 else 18100
 
-    def add_ro_bind(self, host_path: str | Path, sandbox_path: str | None = None) -> None:
-        """Make `host_path` visible read-only at `sandbox_path` (default: same path) in later runs."""
-        self._state["ro_binds"] += _with_resolved([(host_path, sandbox_path or str(host_path))])
-
     # --- running ----------------------------------------------------------------------
 
     def environment(self, env: dict[str, str] | None = None, path_prepend: Sequence[str] = ()) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Send a control `Plan`: the one place that turns the control loop's decisions into Celery messages.
+"""Every Celery message Turnstile sends: a control `Plan`'s, and the API's start and cancel of a run.
 
 Messages are sent by task name (`app.send_task`), so this module imports no task module and
 the control code never imports Celery.  Callers send only after their transaction committed.
@@ -34,3 +34,13 @@ def send_train_step(run_id: int, step: int) -> None:
         link=celery_app.signature("control.tick", args=[run_id], immutable=True),
         link_error=celery_app.signature("control.step_failed", args=[run_id, step]),
     )
+
+
+def send_start_run(run_id: int, priority: int) -> None:
+    """Send `control.start_run` for a run the API just created (committed), at Celery priority `priority`."""
+    celery_app.send_task("control.start_run", args=[run_id], priority=priority)
+
+
+def send_cancel_run(run_id: int) -> None:
+    """Send `control.cancel_run` for a run the API just moved to `cancelling` (committed)."""
+    celery_app.send_task("control.cancel_run", args=[run_id], priority=9)

@@ -1,6 +1,6 @@
-"""Run directories and atomic, resumable checkpoints.
+"""Atomic, resumable checkpoints and the run's training lock.
 
-Layout under `<var_dir>/runs/<run_id>/`:
+Layout under `<var_dir>/runs/<run_id>/` (the paths themselves: `app.paths.RunPaths`):
 
     checkpoints/step_<k>/model/               weights after step k (what engines load)
     checkpoints/step_<k>/optimizer.pt         AdamW state (resume)
@@ -25,27 +25,15 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
-from app.config import get_settings
+from app.paths import RunPaths
 
 KEEP_CHECKPOINTS = 3  # newest complete checkpoints kept; older ones are deleted after each step
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def run_dir(run_id: int) -> Path:
-    return get_settings().var_dir / "runs" / str(run_id)
-
-
-def checkpoint_dir(run_id: int, step: int) -> Path:
-    return run_dir(run_id) / "checkpoints" / f"step_{step}"
-
-
-def tensorboard_dir(run_id: int) -> Path:
-    return run_dir(run_id) / "tensorboard"
-
-
 def complete_checkpoints(run_id: int) -> list[tuple[int, Path]]:
     """`(step, path)` of every complete checkpoint of the run, oldest first."""
-    root = run_dir(run_id) / "checkpoints"
+    root = RunPaths(run_id).checkpoints
     if not root.is_dir():
         return []
     found = []
@@ -54,11 +42,6 @@ def complete_checkpoints(run_id: int) -> list[tuple[int, Path]]:
         if match and (entry / "trainer_state.json").is_file():
             found.append((int(match.group(1)), entry))
     return sorted(found)
-
-
-def latest_checkpoint(run_id: int) -> tuple[int, Path] | None:
-    found = complete_checkpoints(run_id)
-    return found[-1] if found else None
 
 
 def resolve_checkpoint(spec: str) -> tuple[Path, int]:
@@ -71,7 +54,7 @@ def resolve_checkpoint(spec: str) -> tuple[Path, int]:
         run_id = spec.removeprefix("run:")
         if not run_id.isdigit():
             raise FileNotFoundError(f"{spec}: expected run:<id> with a numeric run id")
-        root = run_dir(int(run_id)) / "checkpoints"
+        root = RunPaths(int(run_id)).checkpoints
         steps = sorted((p for p in root.glob("step_*") if (p / "model").is_dir() and _STEP_DIR.match(p.name)),
                        key=lambda p: int(p.name.removeprefix("step_")))
         if not steps:
@@ -111,7 +94,7 @@ def write_checkpoint(final: Path, write: Callable[[Path], None]) -> Path:
 
 def prune_checkpoints(run_id: int, keep: int = KEEP_CHECKPOINTS) -> None:
     """Delete all but the newest `keep` complete checkpoints and any leftover temporaries."""
-    root = run_dir(run_id) / "checkpoints"
+    root = RunPaths(run_id).checkpoints
     for _step, path in complete_checkpoints(run_id)[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
     if root.is_dir():
@@ -129,7 +112,7 @@ def run_lock(run_id: int) -> Iterator[bool]:
     The kernel drops the lock when the holder dies, so a killed gpu worker never leaves a
     stale lock behind, while a second live process cannot train the same run concurrently.
     """
-    path = run_dir(run_id) / "train.lock"
+    path = RunPaths(run_id).train_lock
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as handle:
         try:

@@ -32,6 +32,7 @@ from sqlalchemy import select, update
 
 from app.config import get_settings
 from app.db import session_scope
+from app.paths import RunPaths
 from app.tables import Episode, Group, Run, TrainingStep, utcnow
 from app.transitions import transition
 from app.training import checkpoints
@@ -181,7 +182,7 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
         state = {"run_id": run_id, "step": step, "policy_version": policy_version, "episode_ids": episode_ids,
                  "metrics": metrics, "config": config.to_dict(), "model": spec}
         saved = time.perf_counter()
-        path = checkpoints.write_checkpoint(checkpoints.checkpoint_dir(run_id, step), lambda tmp: trainer.save(tmp, state))
+        path = checkpoints.write_checkpoint(RunPaths(run_id).checkpoint(step), lambda tmp: trainer.save(tmp, state))
         metrics["checkpoint_time_s"] = time.perf_counter() - saved
         _RESIDENT.step, _RESIDENT.policy_version = step, policy_version
 

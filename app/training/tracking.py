@@ -12,15 +12,11 @@ Tracking never fails a step or a run: errors are logged and swallowed.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from app.config import get_settings
+from app.paths import RunPaths
 
 log = logging.getLogger("turnstile.tracking")
-
-
-def run_dir(run_id: int) -> Path:
-    return get_settings().var_dir / "runs" / str(run_id)
 
 
 def log_scalars(run_id: int, scalars: dict[str, float], step: int, config: dict | None = None) -> None:
@@ -32,7 +28,7 @@ def log_scalars(run_id: int, scalars: dict[str, float], step: int, config: dict 
     try:
         from tensorboard.summary import Writer
 
-        writer = Writer(str(run_dir(run_id) / "tensorboard"))
+        writer = Writer(str(RunPaths(run_id).tensorboard))
         try:
             for tag, value in scalars.items():
                 writer.add_scalar(tag, value, step=step)
@@ -50,7 +46,7 @@ def _log_wandb(run_id: int, scalars: dict[str, float], step: int, config: dict |
     try:
         import wandb
 
-        folder = run_dir(run_id)
+        folder = RunPaths(run_id).root  # W&B writes its files to `<folder>/wandb/`
         folder.mkdir(parents=True, exist_ok=True)
         run = wandb.init(project=project, id=f"turnstile-{run_id}", name=f"run {run_id}", resume="allow",
                          mode=mode, dir=str(folder), config=config or {}, reinit="finish_previous",

@@ -17,9 +17,9 @@ from sqlalchemy import func, select
 
 from app.db import session_scope
 from app.engines.modeling import build_tiny_model
+from app.paths import RunPaths
 from app.tables import Episode, Run, Trajectory, TrainingStep
 from app.training import steps
-from app.training.checkpoints import checkpoint_dir, tensorboard_dir
 
 
 def weights(model) -> dict[str, torch.Tensor]:
@@ -50,14 +50,14 @@ def test_train_step_end_to_end_records_everything_and_is_idempotent(var_dir, eng
     for key in ("loss", "clip_fraction", "kl", "advantage_mean", "advantage_std", "grad_norm", "step_time_s"):
         assert key in metrics
 
-    ckpt = checkpoint_dir(run_id, 0)
+    ckpt = RunPaths(run_id).checkpoint(0)
     for name in ("model/model.safetensors", "model/config.json", "optimizer.pt", "trainer_state.json"):
         assert (ckpt / name).is_file(), name
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from tensorboard.util.tensor_util import make_ndarray
 
-    events = EventAccumulator(str(tensorboard_dir(run_id)))
+    events = EventAccumulator(str(RunPaths(run_id).tensorboard))
     events.Reload()
     scalars = events.Tags()["tensors"]  # TensorBoard's torch-free writer stores scalars as tensor summaries
     for tag in ("train/loss", "train/reward_mean", "train/logprob_gap_max_abs", "train/merge/chains"):
@@ -117,18 +117,18 @@ def test_worker_killed_during_weight_sync_resumes_without_retraining(var_dir, da
         with session_scope() as s:
             row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id))
             assert row.status == "training" and s.get(Run, run_id).policy_version == 0
-        saved = json.loads((checkpoint_dir(run_id, 0) / "trainer_state.json").read_text())
-        mtime = (checkpoint_dir(run_id, 0) / "trainer_state.json").stat().st_mtime_ns
+        saved = json.loads((RunPaths(run_id).checkpoint(0) / "trainer_state.json").read_text())
+        mtime = (RunPaths(run_id).checkpoint(0) / "trainer_state.json").stat().st_mtime_ns
 
         metrics = steps.train_step(run_id, 0)  # the step is sent again to a new worker
 
         assert metrics["resumed_from_checkpoint"] is True
         assert metrics["loss"] == saved["metrics"]["loss"]  # not retrained: the saved result is used
-        assert (checkpoint_dir(run_id, 0) / "trainer_state.json").stat().st_mtime_ns == mtime
+        assert (RunPaths(run_id).checkpoint(0) / "trainer_state.json").stat().st_mtime_ns == mtime
         with session_scope() as s:
             row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id))
             assert row.status == "completed" and s.get(Run, run_id).policy_version == 1
-        assert engine.loaded[-1] == (str(checkpoint_dir(run_id, 0) / "model"), 1)
+        assert engine.loaded[-1] == (str(RunPaths(run_id).checkpoint(0) / "model"), 1)
     finally:
         hold.set()
         engine.close()

@@ -14,7 +14,8 @@ import struct
 import pytest
 
 from app import config
-from app.training.tracking import log_scalars, run_dir
+from app.paths import RunPaths
+from app.training.tracking import log_scalars
 
 
 @pytest.fixture
@@ -75,7 +76,7 @@ def test_offline_wandb_run_gets_every_step_from_separate_calls(var, monkeypatch)
 
     def both_steps() -> bool:
         try:
-            return len(_wandb_history(run_dir(3))) >= 2
+            return len(_wandb_history(RunPaths(3).root)) >= 2
         except Exception:  # noqa: BLE001 - a record still being written
             return False
 
@@ -83,13 +84,13 @@ def test_offline_wandb_run_gets_every_step_from_separate_calls(var, monkeypatch)
         wait_for(both_steps, 30, 0.5)
     except AssertionError:
         pass  # the assertion below shows what was written
-    history = _wandb_history(run_dir(3))
+    history = _wandb_history(RunPaths(3).root)
     assert [(h["_step"], h["train/loss"]) for h in history] == [(0, 0.5), (1, 0.125)]
     assert history[0]["train/reward_mean"] == 0.25
-    assert list((run_dir(3) / "tensorboard").glob("events.out.tfevents*"))
+    assert list(RunPaths(3).tensorboard.glob("events.out.tfevents*"))
 
 
 def test_wandb_is_off_by_default(var):
     log_scalars(4, {"eval/pass_at_k": 1.0}, step=0)
-    assert not (run_dir(4) / "wandb").exists()
-    assert list((run_dir(4) / "tensorboard").glob("events.out.tfevents*"))
+    assert not RunPaths(4).wandb.exists()
+    assert list(RunPaths(4).tensorboard.glob("events.out.tfevents*"))

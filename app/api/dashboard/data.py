@@ -16,26 +16,20 @@ from sqlalchemy import Integer, cast, func, select
 from sqlalchemy.orm import Session
 
 from app.config import get_settings
+from app.paths import RunPaths
 from app.proxy.apis import REGISTRY
-from app.tables import EPISODE_STATES, Completion, Episode, Run, TaskInstance, TrainingStep, Trajectory, utcnow
+from app.tables import (EPISODE_STATES, Completion, Episode, Run, TaskInstance, TrainingStep, Trajectory, aware_utc,
+                        utcnow)
+from app.transitions import TERMINAL
 
-TERMINAL_RUN = ("completed", "failed", "cancelled")
-TERMINAL_EPISODE = ("completed", "failed", "cancelled")
 LOG_TAIL_BYTES = 64 * 1024
 LOG_TAIL_LINES = 200
 
 
 # --- small helpers ----------------------------------------------------------------------
 
-def _aware(value: dt.datetime | None) -> dt.datetime | None:
-    """SQLite returns naive datetimes for timezone-aware columns; they are UTC."""
-    if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=dt.timezone.utc)
-    return value
-
-
 def seconds_between(a: dt.datetime | None, b: dt.datetime | None) -> float | None:
-    a, b = _aware(a), _aware(b)
+    a, b = aware_utc(a), aware_utc(b)
     return (b - a).total_seconds() if a is not None and b is not None else None
 
 
@@ -109,7 +103,7 @@ def runs_overview(s: Session, status: str | None = None, kind: str | None = None
         cfg = r.config or {}
         by_status = counts.get(r.id, {})
         total = sum(by_status.values())
-        done = sum(by_status.get(k, 0) for k in TERMINAL_EPISODE)
+        done = sum(by_status.get(k, 0) for k in TERMINAL)
         n_graded, reward, resolved = graded.get(r.id, (0, None, 0))
         inst = solved.get(r.id, [])
         rows.append({
@@ -234,8 +228,8 @@ def run_detail(s: Session, run_id: int, status: str | None = None, instance: str
     cfg = run.config or {}
     return {
         "run": run, "config": cfg, "counts": counts, "total": sum(counts.values()),
-        "terminal": run.status in TERMINAL_RUN, "age": age(run.created_at),
-        "duration_s": seconds_between(run.started_at, run.finished_at or (None if run.status in TERMINAL_RUN else utcnow())),
+        "terminal": run.status in TERMINAL, "age": age(run.created_at),
+        "duration_s": seconds_between(run.started_at, run.finished_at or (None if run.status in TERMINAL else utcnow())),
         "graded": graded, "reward": float(reward) if reward is not None else None,
         "resolved_rate": int(resolved or 0) / graded if graded else None,
         "completions": n_calls, "sampled_tokens": int(sampled_bytes) // 4,
@@ -253,16 +247,14 @@ def run_detail(s: Session, run_id: int, status: str | None = None, instance: str
 
 def harness_logs(run_id: int, episode_id: int) -> list[dict]:
     """Tails of `<var_dir>/runs/<run>/episodes/<episode>/harness-attempt*.log`, latest attempt first."""
-    folder = get_settings().var_dir / "runs" / str(run_id) / "episodes" / str(episode_id)
     logs = []
-    for path in folder.glob("harness-attempt*.log"):
-        attempt = path.stem.removeprefix("harness-attempt")
+    for attempt, path in RunPaths(run_id).harness_logs(episode_id):
         size = path.stat().st_size
         with open(path, "rb") as fh:
             fh.seek(max(0, size - LOG_TAIL_BYTES))
             text = fh.read().decode("utf-8", errors="replace")
         lines = text.splitlines()
-        logs.append({"attempt": int(attempt) if attempt.isdigit() else attempt, "path": str(path), "size": size,
+        logs.append({"attempt": attempt, "path": str(path), "size": size,
                      "truncated": size > LOG_TAIL_BYTES or len(lines) > LOG_TAIL_LINES,
                      "tail": "\n".join(lines[-LOG_TAIL_LINES:])})
     return sorted(logs, key=lambda log: str(log["attempt"]).zfill(6), reverse=True)

@@ -9,6 +9,7 @@ from app.api.dashboard.form import run_config_form
 from app.api.openapi import openapi_spec
 from app.db import session_scope
 from app.tables import RUN_KINDS, RUN_STATES, Run
+from app.transitions import RUN_CANCELLABLE, TERMINAL
 
 bp = Blueprint("dashboard", __name__, template_folder="templates", static_folder="static",
                static_url_path="/dashboard/static")
@@ -58,7 +59,8 @@ def run_page(run_id: int):
         if view is None:
             abort(404, f"run {run_id} not found")
         return render_template("dashboard/run.html", v=view, f={"status": status, "instance": _arg("instance"),
-                                                                 "outcome": outcome})
+                                                                 "outcome": outcome},
+                               terminal_states=TERMINAL, cancellable=RUN_CANCELLABLE)
 
 
 @bp.get("/episodes/<id:episode_id>")

@@ -38,6 +38,7 @@ function signature(status, counts, version, stepStates, completions) {
 function liveRun(page) {
   const runId = page.dataset.runId;
   const rendered = JSON.parse(document.getElementById("run-state").textContent);
+  const terminalStates = page.dataset.terminalStates.split(" "); // rendered by the server (app.transitions)
   let last = signature(rendered.status, rendered.episodes_by_status, rendered.policy_version, rendered.steps,
                        rendered.completions);
   async function tick() {
@@ -53,7 +54,7 @@ function liveRun(page) {
                           (run.steps || []).map((s) => s.status), (run.live || {}).completions);
     if (sig !== last) await refreshSections();
     last = sig;
-    if (["completed", "failed", "cancelled"].includes(run.status)) return; // the last refresh showed the end
+    if (terminalStates.includes(run.status)) return; // the last refresh showed the end
     schedule();
   }
   function schedule() { setTimeout(tick, 2000); }
