@@ -4,7 +4,7 @@
 # address-in-use errors from every process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! .venv/bin/python -m app.cli.ports; then
+if ! .venv/bin/python -m workers.ports; then
   exit 1
 fi
 # `-e /dev/null`: honcho must not parse .env itself; every process reads it through app.config.

@@ -22,7 +22,7 @@ stop() {
 }
 trap stop EXIT
 echo "processes starting (logs: $LOG)"
-.venv/bin/python -m app.cli.wait --timeout 300 \
+.venv/bin/python -m workers.wait --timeout 300 \
   api="$API_URL/api/health" gateway="$GATEWAY_URL/health" engine="http://127.0.0.1:$ENGINE_PORT/health" \
   || { tail -50 "$LOG"; exit 1; }
 echo "dashboard: $API_URL/ (sign in with the API token: .venv/bin/python -m app token)"

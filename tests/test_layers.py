@@ -37,6 +37,18 @@ def test_a_control_module_that_imports_celery_breaks_the_contracts(tmp_path):
     assert "Only the task layer knows Celery BROKEN" in result.stdout
 
 
+def test_a_cli_command_that_imports_another_breaks_the_contracts(tmp_path):
+    """Command modules share app.cli.client and app.cli.report only: `learn` importing `runs` is refused."""
+    shutil.copytree(ROOT / "app", tmp_path / "app", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / ".importlinter", tmp_path / ".importlinter")
+    learning = tmp_path / "app" / "cli" / "learning.py"
+    learning.write_text(learning.read_text() + "\nfrom app.cli.runs import cmd_export  # noqa: E402\n")
+    result = _lint(tmp_path)
+    assert result.returncode == 1
+    assert "CLI command modules do not import one another" in result.stdout and "BROKEN" in result.stdout
+    assert "app.cli.learning is not allowed to import app.cli.runs" in result.stdout
+
+
 def test_no_import_loop_between_packages():
     """Squashed to app's packages (app.control, app.proxy, ...), the import graph has no cycle."""
     graph = grimp.build_graph("app")

@@ -1,15 +1,18 @@
-"""Command line: submit and follow runs, list them, export them, and the demo.
+"""Command line: submit and follow runs, list them, export them, compare them, and the demo.
 
-Talks to the REST API (TURNSTILE_API_URL), so it works against a remote
-deployment as well as the local one.  Settings, `.env` included, come from
-`app.config` like in every other process.  Sub-command modules register themselves
-in `COMMANDS` (name -> (add_arguments, handler)).
+Talks to the REST API (TURNSTILE_API_URL), so it works against a remote deployment as well as
+the local one.  Settings, `.env` included, come from `app.config` like in every other process.
+Each command module has a `register(sub)` that adds its sub-commands; they share
+`app.cli.client` (API client, run configs, following runs) and `app.cli.report` (what is
+printed), never each other.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+from app.cli import compare as compare_cmds
+from app.cli import harness as harness_cmds
 from app.cli import learning as learning_cmds
 from app.cli import model as model_cmds
 from app.cli import runs as runs_cmds
@@ -18,19 +21,11 @@ from app.cli import token as token_cmds
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `python -m app` parser: every command module's sub-commands, in help order."""
     parser = argparse.ArgumentParser(prog="python -m app", description="Turnstile: GRPO for unmodified coding agents")
     sub = parser.add_subparsers(dest="command", required=True)
-    runs_cmds.register(sub)
-    model_cmds.register(sub)
-    tasks_cmds.register(sub)
-    learning_cmds.register(sub)
-    token_cmds.register(sub)
-    try:
-        from app.cli import harness as harness_cmds
-    except ImportError:  # pragma: no cover - harness presets not installed in this checkout
-        harness_cmds = None
-    if harness_cmds is not None:
-        harness_cmds.register(sub)
+    for module in (runs_cmds, compare_cmds, model_cmds, tasks_cmds, learning_cmds, token_cmds, harness_cmds):
+        module.register(sub)
     return parser
 
 

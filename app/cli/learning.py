@@ -11,11 +11,12 @@ budget for the eval runs, default the train run's), `warm_start` (optional: hype
 `app.training.warmstart.WarmStartConfig`).  Steps, in order:
 
 0. with `warm_start`: supervised warm start on the train instances' fixes (cached by its
-   inputs), which becomes `model.checkpoint` of every run below except the last;
+   inputs; `app.training.warmstart.warm_start_folder`, in a child process), which becomes
+   `model.checkpoint` of every run below except the last;
 1. eval run on the held-out instances with the starting policy (pass@1 over k samples each);
 2. the train run on the train instances, from the same policy;
 3. eval run on the held-out instances with the train run's newest checkpoint (`run:<id>`);
-4. `compare` of 1 and 3 (95% bootstrap intervals, `app/cli/compare.py`), saved as
+4. `compare` of 1 and 3 (95% bootstrap intervals, `app/stats.py`), saved as
    `var/runs/<train id>/compare.json`, and the figure `var/runs/<train id>/learning.png`:
    the training reward per step (every episode drawn for it) with its moving average, and held-out pass@1 before and
    after with their 95% intervals.
@@ -23,15 +24,13 @@ budget for the eval runs, default the train run's), `warm_start` (optional: hype
 from __future__ import annotations
 
 import json
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from rich.console import Console
 
-from app.cli.report import make_console
-from app.config import get_settings
+from app.cli import client
+from app.cli.report import comparison_table, make_console, write_json
 from app.paths import RunPaths
 
 MOVING_AVERAGE = 3  # steps in the trailing moving average of the training reward
@@ -106,63 +105,26 @@ def draw(path: Path, train_run: Mapping, comparison: Mapping | None) -> Path:
     return path
 
 
-def _ids(spec: str | Sequence[str]) -> list[str]:
-    """Instance ids from a list, or from "starter:train" / "starter:heldout" (the starter set's `split` field)."""
-    if not isinstance(spec, str):
-        return list(spec)
-    name, _, split = spec.partition(":")
-    from app.tasksets import load_task_set
-    from app.cli.starter import split_ids
-
-    ids = split_ids(load_task_set(name).raw, split)
-    if not ids:
-        raise ValueError(f"learn: {spec!r} names no instance (task set {name!r} has no split {split!r})")
-    return ids
-
-
 def _run(config: dict, console: Console, timeout_s: float | None) -> dict:
-    from app.cli.runs import follow_run, print_summary, submit_run
-
-    run = submit_run(config)
+    run = client.submit_run(config)
     console.print(f"run {run['id']} submitted: {config['kind']} on {len(config['instances'])} instance(s), "
                   f"group {config['group_size']}")
-    final = follow_run(run["id"], timeout_s=timeout_s, console=console)
-    print_summary(final, console)
+    final = client.follow_run(run["id"], timeout_s=timeout_s, console=console)
+    client.print_summary(final, console)
     if final["status"] != "completed":
         raise SystemExit(f"run {run['id']} ended {final['status']}: {final.get('error') or 'see its page'}")
     return final
 
 
-def warm_start_folder(config: dict, section: Mapping, default_instances: str | Sequence[str]) -> Path:
-    """Run (or reuse) the supervised warm start described by `section`; its model folder.
-
-    `section` holds `app.training.warmstart.WarmStartConfig` fields and optionally `instances`
-    (ids or a starter split such as "starter:train"; default `default_instances`), the task set's
-    instances whose fixes are demonstrated.  The base model and harness are the run config's.
-    """
-    from app.harnesses import get_preset
-    from app.tasksets import load_task_set
-    from app.training.warmstart import WarmStartConfig, warm_start
-
-    settings = dict(section)
-    names = _ids(settings.pop("instances", default_instances))
-    task_set = load_task_set(config["task_set"])
-    records = [task_set.get(name) for name in names]
-    base = (config.get("model") or {}).get("name", "smollm2")
-    args = (base, get_preset(config["harness"]), records, WarmStartConfig.from_dict(settings), get_settings().var_dir / "models")
-    # In a child process: the model, its gradients and AdamW state (~4 GB for SmolLM2) go back to the
-    # OS when it exits, instead of staying in this process for the hour it then follows the runs.
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(warm_start, *args).result()
-
-
 def cmd_learn(args) -> int:
-    from app.cli.compare import compare_samples, comparison_table, samples_of, write_json
-    from app.cli.runs import _client, read_config_file
+    from app.stats import compare_samples
+    from app.tasksets.starter import instance_ids
+    from app.training.warmstart import warm_start_folder
 
-    config = read_config_file(args.config)
+    config = client.read_config_file(args.config)
     learn = config.pop("learn", None) or {}
-    heldout, train_ids = _ids(learn.get("heldout", "starter:heldout")), _ids(learn.get("train", "starter:train"))
+    heldout = instance_ids(learn.get("heldout", "starter:heldout"))
+    train_ids = instance_ids(learn.get("train", "starter:train"))
     k = int(learn.get("eval_samples", 4))
     console = make_console()
     config["model"] = dict(config.get("model") or {})
@@ -179,9 +141,8 @@ def cmd_learn(args) -> int:
     after_cfg = json.loads(json.dumps(eval_base))
     after_cfg["model"]["checkpoint"] = f"run:{train['id']}"
     after = _run(after_cfg, console, args.timeout)
-    with _client() as client:
-        samples = [samples_of(client.get(f"/api/runs/{r['id']}/episodes").raise_for_status().json()["episodes"])
-                   for r in (before, after)]
+    with client.api_client() as api:
+        samples = [client.run_samples(api, r["id"]) for r in (before, after)]
     result = compare_samples(*samples, seed=0)
     paths = RunPaths(train["id"])
     paths.root.mkdir(parents=True, exist_ok=True)
@@ -198,10 +159,8 @@ def cmd_learn(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from app.cli.runs import _client
-
-    with _client() as client:
-        train = client.get(f"/api/runs/{args.train_run}").raise_for_status().json()
+    with client.api_client() as api:
+        train = api.get(f"/api/runs/{args.train_run}").raise_for_status().json()
     comparison = json.loads(Path(args.compare).read_text()) if args.compare else None
     out = Path(args.output) if args.output else RunPaths(train["id"]).learning_png
     print(draw(out, train, comparison))
@@ -209,9 +168,9 @@ def cmd_plot(args) -> int:
 
 
 def cmd_warm_start(args) -> int:
-    from app.cli.runs import read_config_file
+    from app.training.warmstart import warm_start_folder
 
-    config = read_config_file(args.config)
+    config = client.read_config_file(args.config)
     learn = config.pop("learn", None) or {}
     if learn.get("warm_start") is None:
         raise SystemExit(f"{args.config}: no learn.warm_start section")

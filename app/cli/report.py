@@ -1,8 +1,17 @@
-"""The end-of-run summary printed by `submit --follow`, `follow` and the demo."""
+"""What the CLI prints and writes about runs: the end-of-run summary (`submit --follow`, `follow`,
+the demo, `learn`) and the held-out comparison (`compare`, `learn`).  Rendering only: the numbers
+come from the API and `app.stats`.
+"""
 from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Mapping
 
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:  # numpy stays unloaded for commands that print no comparison
+    from app.stats import Comparison, Samples
 
 
 def make_console() -> Console:
@@ -23,7 +32,18 @@ def _fmt(value, spec: str = ".3f") -> str:
     return str(value)
 
 
+def solved_of(summary: Mapping | None) -> dict[str, bool]:
+    """{instance id: some sample resolved it} of a run summary (API shape); {} when it has none.
+
+    Summaries written before the field was named `solved` call it `pass_at_k`; both are read.
+    """
+    summary = summary or {}
+    found = summary.get("solved")
+    return dict(found if found is not None else summary.get("pass_at_k") or {})
+
+
 def render_summary(run: dict, console: Console) -> None:
+    """Print the summary of a finished run (API shape): steps, solved instances, totals."""
     summary = run.get("summary") or {}
     console.print(f"\n[bold]Run {run['id']}[/bold] ({run['kind']}, harness {run['config'].get('harness')}, "
                   f"model {run['config'].get('model', {}).get('name')}) finished: [bold]{run['status']}[/bold]")
@@ -44,11 +64,12 @@ def render_summary(run: dict, console: Console) -> None:
                           _fmt(st.get("reward_mean")), *drawn, _fmt(st.get("resolved_rate")), _fmt(m.get("loss"), ".4f"),
                           _fmt(m.get("logprob_gap_max_abs"), ".1e"), _fmt(m.get("tokens_trained")), _fmt(st.get("train_s"), ".1f"))
         console.print(table)
-    if summary.get("pass_at_k") and run["kind"] != "train":
-        table = Table(title=f"pass@{run['config'].get('group_size')} per instance")
+    solved = solved_of(summary)
+    if solved and run["kind"] != "train":
+        table = Table(title=f"instances solved ({run['config'].get('group_size')} samples each)")
         table.add_column("instance")
         table.add_column("resolved by any sample")
-        for name, ok in summary["pass_at_k"].items():
+        for name, ok in solved.items():
             table.add_row(name, "yes" if ok else "no")
         console.print(table)
     facts = Table(show_header=False, title="totals")
@@ -79,3 +100,37 @@ def render_summary(run: dict, console: Console) -> None:
     if summary.get("export_path"):
         facts.add_row("exported trajectories", summary["export_path"])
     console.print(facts)
+
+
+def comparison_table(before_run: Mapping, after_run: Mapping, before: Samples, after: Samples, result: Comparison) -> Table:
+    """The before/after table: pass@1 per instance, then overall with intervals and the difference."""
+    from app.stats import wilson
+
+    def label(run: Mapping) -> str:
+        model = run["config"].get("model", {})
+        return f"run {run['id']} ({model.get('checkpoint') or model.get('name')})"
+
+    table = Table(title=f"held-out pass@1: run {before_run['id']} (before) vs run {after_run['id']} (after)")
+    for col in ("instance", f"before: {label(before_run)}", f"after: {label(after_run)}"):
+        table.add_column(col)
+    for name in sorted(set(before) | set(after)):
+        table.add_row(name, *(f"{sum(d[name])}/{len(d[name])}" if d.get(name) else "-" for d in (before, after)))
+    table.add_section()
+    table.add_row("pass@1 [95% CI]", str(result.before), str(result.after))
+    table.add_row("after - before [95% CI]", "", str(result.difference))
+    table.add_row("instances / samples", f"{result.instances} / {result.samples_before}",
+                  f"{result.instances} / {result.samples_after}")
+    pooled = []
+    for d in (before, after):
+        flags = [f for name in sorted(set(before) & set(after)) for f in d[name]]
+        low, high = wilson(sum(flags), len(flags))
+        pooled.append(f"{sum(flags)}/{len(flags)} [{low:.3f}, {high:.3f}]")
+    table.add_row("resolved samples [Wilson 95%]", *pooled)
+    return table
+
+
+def write_json(path: str, before_run: Mapping, after_run: Mapping, before: Samples, after: Samples, result: Comparison) -> None:
+    """The comparison as JSON (what `learning.png` and the README table are made from)."""
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({"before_run": before_run["id"], "after_run": after_run["id"], **result.to_dict(),
+                   "per_instance": {"before": before, "after": after}}, fh, indent=2)

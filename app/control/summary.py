@@ -10,18 +10,12 @@ from sqlalchemy import Integer, cast, func, select
 from sqlalchemy.orm import Session
 
 from app.control.stages import HARNESS_FAILED, harness_failure_cause
+from app.stats import percentile
 from app.tables import Completion, Episode, Group, TrainingStep, aware_utc
 
 
 def _duration(a, b) -> float | None:
     return (b - a).total_seconds() if a is not None and b is not None else None
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]
 
 
 def _harness_failed(run_id: int):
@@ -59,7 +53,12 @@ def harness_never_worked(s: Session, run_id: int, harness: str, group_size: int)
 
 
 def summarize_run(s: Session, run_id: int) -> dict:
-    """Aggregate a run: steps, rewards, pass@k per instance, captures, stage times, trainer busy fraction."""
+    """Aggregate a run: steps, rewards, instances solved, captures, stage times, trainer busy fraction.
+
+    `solved` maps each graded instance to whether any of its samples resolved it (summaries
+    stored before this name call it `pass_at_k`; readers accept both).  pass@k proper, Chen's
+    estimator, is `app.stats.pass_at_k`.
+    """
     eps = s.scalars(select(Episode).where(Episode.run_id == run_id)).all()
     steps = s.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id).order_by(TrainingStep.step)).all()
     groups = s.scalars(select(Group).where(Group.run_id == run_id)).all()
@@ -88,7 +87,7 @@ def summarize_run(s: Session, run_id: int) -> dict:
             "metrics": st.metrics,
         })
 
-    # pass@k per instance (eval): an instance passes when any of its k samples resolved.
+    # Instances solved (eval): an instance is solved when any of its samples resolved it.
     per_instance: dict[str, list[bool]] = {}
     for e in graded:
         per_instance.setdefault(e.instance.instance_id, []).append(bool(e.resolved))
@@ -126,7 +125,7 @@ def summarize_run(s: Session, run_id: int) -> dict:
         "logprob_gap_max_abs": max(gaps) if gaps else None,
         "reward_mean": statistics.fmean([e.reward for e in graded]) if graded else None,
         "resolved_rate": (sum(1 for e in graded if e.resolved) / len(graded)) if graded else None,
-        "pass_at_k": {k: any(v) for k, v in sorted(per_instance.items())},
+        "solved": {k: any(v) for k, v in sorted(per_instance.items())},
         "steps": per_step,
         "groups_by_status": {st: sum(1 for g in groups if g.status == st) for st in {g.status for g in groups}},
         "completions": int(n_completions or 0),
@@ -135,8 +134,8 @@ def summarize_run(s: Session, run_id: int) -> dict:
         "timed_out_episodes": sum(1 for e in eps if e.timed_out),
         "episodes_harness_failed": sum(1 for e in eps if e.status == "failed" and harness_failure_cause(e.error)),
         "stage_seconds": {
-            "prepare_p50": _pct(prepare_s, 0.5), "rollout_p50": _pct(rollout_s, 0.5),
-            "rollout_p99": _pct(rollout_s, 0.99), "grade_p50": _pct(grade_s, 0.5),
+            "prepare_p50": percentile(prepare_s, 0.5), "rollout_p50": percentile(rollout_s, 0.5),
+            "rollout_p99": percentile(rollout_s, 0.99), "grade_p50": percentile(grade_s, 0.5),
         },
         "trainer_busy_fraction": busy,
     }
@@ -175,9 +174,9 @@ def scheduling_metrics(s: Session, run_id: int, slots: int, lags: list[int], rea
     return {
         "trainer_busy_fraction": trainer_busy,
         "rollout_slot_occupancy": min(1.0, busy_s / (slots * window)),
-        "ready_wait_s": {"n": len(ready_waits), "p50": _pct(ready_waits, 0.5), "max": max(ready_waits, default=None)},
-        "episode_duration_s": {"n": len(durations), "p50": _pct(durations, 0.5), "p90": _pct(durations, 0.9),
-                               "p99": _pct(durations, 0.99), "max": max(durations, default=None)},
+        "ready_wait_s": {"n": len(ready_waits), "p50": percentile(ready_waits, 0.5), "max": max(ready_waits, default=None)},
+        "episode_duration_s": {"n": len(durations), "p50": percentile(durations, 0.5), "p90": percentile(durations, 0.9),
+                               "p99": percentile(durations, 0.99), "max": max(durations, default=None)},
         "staleness_hist": {str(k): lags.count(k) for k in sorted(set(lags))},
         "groups_dropped": groups.count("dropped"),
         "groups_rejected": groups.count("rejected"),

@@ -12,19 +12,19 @@ from app.training.tracking import log_scalars
 def run_scalars(kind: str, summary: dict) -> dict[str, float]:
     """{tag: value} of a run summary (`app.control.summary.summarize_run`) for TensorBoard.
 
-    Tags: `<kind>/reward_mean`, `<kind>/resolved_rate`, `<kind>/pass_at_k` (the fraction of
-    instances with at least one resolved sample) and `<kind>/instance/<id>/pass_at_k`; None
-    values are left out.
+    Tags: `<kind>/reward_mean`, `<kind>/resolved_rate`, `<kind>/solved_fraction` (the fraction
+    of instances with at least one resolved sample) and `<kind>/instance/<id>/solved` (1 or 0);
+    None values are left out.
     """
     out: dict[str, float] = {}
     for key in ("reward_mean", "resolved_rate"):
         if summary.get(key) is not None:
             out[f"{kind}/{key}"] = float(summary[key])
-    per_instance = summary.get("pass_at_k") or {}
+    per_instance = summary.get("solved") or {}
     if per_instance:
-        out[f"{kind}/pass_at_k"] = sum(1 for v in per_instance.values() if v) / len(per_instance)
-        for instance_id, passed in per_instance.items():
-            out[f"{kind}/instance/{instance_id}/pass_at_k"] = float(bool(passed))
+        out[f"{kind}/solved_fraction"] = sum(1 for v in per_instance.values() if v) / len(per_instance)
+        for instance_id, solved in per_instance.items():
+            out[f"{kind}/instance/{instance_id}/solved"] = float(bool(solved))
     return out
 
 

@@ -61,7 +61,7 @@ from app.grading.patching import (
     files_of_test_ids,
 )
 from app.runtimes.errors import RuntimeSetupError
-from app.runtimes.gitutil import git
+from app.gitutil import git
 from app.tasksets.swebench_compat import grading_module, make_test_spec
 from app.runtimes.local import LocalRuntime
 from app.runtimes.paths import RuntimePaths

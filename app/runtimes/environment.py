@@ -33,7 +33,7 @@ from pathlib import Path
 
 from app.config import get_settings
 from app.runtimes.errors import RuntimeSetupError
-from app.runtimes.gitutil import git
+from app.gitutil import git
 from app.runtimes.paths import RuntimePaths, build_lock
 from app.runtimes.sandbox import Limits, Mount, bwrap_argv, execute
 from app.tasksets.schema import InstanceRecord

@@ -37,7 +37,7 @@ from app.runtimes.environment import (
     plain_runtime_venv,
 )
 from app.runtimes.errors import RuntimeClosed, RuntimeSetupError
-from app.runtimes.gitutil import git
+from app.gitutil import git
 from app.runtimes.materialize import materialize_base
 from app.runtimes.patch import patch_from_workspace
 from app.runtimes.paths import RuntimePaths

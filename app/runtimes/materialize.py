@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from app.runtimes.errors import RuntimeSetupError
-from app.runtimes.gitutil import SDIST_IDENTITY, git, git_env, write_excludes
+from app.gitutil import SDIST_IDENTITY, git, git_env, write_excludes
 from app.runtimes.paths import RuntimePaths, build_lock
 from app.runtimes.sdist import fetch_sdist, unpack_sdist
 from app.tasksets.schema import InstanceRecord

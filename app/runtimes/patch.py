@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from app.runtimes.gitutil import git_env
+from app.gitutil import git_env
 
 # Config that decides what a diff looks like or runs a program, pinned on the command
 # line, which wins over every config file (https://git-scm.com/docs/git#Documentation/git.txt--cltnamegtltvaluegt).

@@ -2,7 +2,7 @@
 
 Named sets:
   * `synthetic` (default): `data/tasks/synthetic.jsonl`, bundled (PROVENANCE.md there).
-  * `starter`: `data/tasks/starter.jsonl`, bundled, written by `scripts/make_starter_tasks.py`
+  * `starter`: `data/tasks/starter.jsonl`, bundled, written by `python -m app.tasksets.starter`
     (one-line bugs in small generated packages, easy enough for SmolLM2 to solve some).
   * `swebench-real`: `../shared/tasks/swebench-real.jsonl` relative to the repository
     root; never copied into the project, so it exists only where that folder does.

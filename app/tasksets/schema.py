@@ -53,7 +53,7 @@ class InlineSource(BaseModel):
     """The repository is `files` (relative POSIX path -> UTF-8 text), written by a generator in the project.
 
     For task families whose packages are generated rather than downloaded (the `starter` set,
-    `scripts/make_starter_tasks.py`): built like an sdist (files written, `bug_patch` applied,
+    `python -m app.tasksets.starter`): built like an sdist (files written, `bug_patch` applied,
     one commit with the fixed sdist identity), so `sdist_base_commit` pins the tree.
     """
 

@@ -14,6 +14,8 @@ harness's submit command.  Held-out instances are never seen.
 assistant tokens only, merges them into the weights, and writes a model folder (the
 `save_weights` layout) that a run loads with `model.checkpoint`.  The folder is keyed by a hash
 of everything that determines it, so a second call with the same inputs reuses it.
+`warm_start_folder` runs it for a run config's `warm_start` section (what `make demo` and
+`make learn` call) in a child process of its own.
 """
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ import hashlib
 import json
 import random
 import time
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -186,3 +190,32 @@ def warm_start(base: str, harness, records: Sequence, config: WarmStartConfig, o
     meta = {"policy_version": 0, "warm_start": {"base": base, "harness": harness.name, "config": asdict(config),
                                                 "instances": [d[0] for d in demos], "format": FORMAT_VERSION}}
     return modeling.save_weights(merged, folder, metadata=meta)
+
+
+def warm_start_folder(config: Mapping, section: Mapping, default_instances: str | Sequence[str]) -> Path:
+    """Run (or reuse) the supervised warm start described by `section`; its model folder.
+
+    `config` is a run config (`task_set`, `harness`, optional `model.name`, default "smollm2"):
+    its base model and harness are the warm start's.  `section` holds `WarmStartConfig` fields
+    and optionally `instances` (ids, or a split such as "starter:train"; default
+    `default_instances`), the task set's instances whose fixes are demonstrated.  The folder is
+    `<var_dir>/models/warmstart-<cache_key>/`.
+
+    The training runs in a spawned child process: the model, its gradients and AdamW state
+    (~4 GB for SmolLM2) go back to the OS when it exits, instead of staying in the calling
+    process (the CLI, which then follows runs for an hour).  Raises ValueError for unknown
+    settings or instances, and what `warm_start` raises.
+    """
+    from app.config import get_settings
+    from app.harnesses import get_preset
+    from app.tasksets import load_task_set
+    from app.tasksets.starter import instance_ids
+
+    settings = dict(section)
+    names = instance_ids(settings.pop("instances", default_instances))
+    task_set = load_task_set(config["task_set"])
+    records = [task_set.get(name) for name in names]
+    base = (config.get("model") or {}).get("name", "smollm2")
+    args = (base, get_preset(config["harness"]), records, WarmStartConfig.from_dict(settings), get_settings().var_dir / "models")
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(warm_start, *args).result()

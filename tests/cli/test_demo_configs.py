@@ -2,14 +2,13 @@
 a typo in them would otherwise surface as a 400 after minutes of setup and a warm start."""
 from __future__ import annotations
 
-from pathlib import Path
 
 from app.config import ROOT
 
 import pytest
 
-from app.cli.learning import _ids
-from app.cli.runs import read_config_file
+from app.tasksets.starter import instance_ids as _ids
+from app.cli.client import read_config_file
 from app.runconfig import RunConfig
 from app.tasksets import load_task_set
 from app.training.warmstart import WarmStartConfig

@@ -8,6 +8,7 @@ import pytest
 
 from app import create_app
 from app.cli import main
+from app.cli import client as cli_client
 from app.cli import runs as runs_cli
 from app.db import session_scope
 from app.tables import Episode, Run, TaskInstance
@@ -20,7 +21,7 @@ REDIS_DB = 10
 def api(database, redis_db, monkeypatch):
     """The CLI's HTTP client talks to `create_app()` in-process."""
     flask_app = create_app({"TESTING": True})
-    monkeypatch.setattr(runs_cli, "_client", lambda: httpx.Client(transport=httpx.WSGITransport(app=flask_app),
+    monkeypatch.setattr(cli_client, "api_client", lambda: httpx.Client(transport=httpx.WSGITransport(app=flask_app),
                                                                   base_url="http://api", headers=AUTH))
     return flask_app
 
@@ -85,7 +86,7 @@ def test_follow_prints_progress_lines_when_not_a_terminal_with_the_runs_age(api,
             with session_scope() as s:
                 s.get(Run, run_id).status = "completed"
 
-    monkeypatch.setattr(runs_cli.time, "sleep", finish)
+    monkeypatch.setattr(cli_client.time, "sleep", finish)
     assert main(["follow", str(run_id)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"run {run_id} ")]
     assert len(lines) == 2, lines  # printed on change only: running (twice polled), then completed
@@ -101,7 +102,7 @@ def test_ctrl_c_in_follow_says_the_run_continues(api, capsys, monkeypatch):
     def interrupt(_seconds):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runs_cli.time, "sleep", interrupt)
+    monkeypatch.setattr(cli_client.time, "sleep", interrupt)
     assert main(["follow", str(run_id)]) == 130
     err = capsys.readouterr().err
     assert f"run {run_id} continues" in err
@@ -139,29 +140,6 @@ def test_a_config_file_that_does_not_parse_is_named(api, tmp_path, capsys, name,
     assert main(["submit", "--config", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(path) in err and len(err.splitlines()) == 1
-
-
-def test_make_up_refuses_to_start_twice_with_one_line(monkeypatch):
-    """`make up` checks the configured ports first: a second stack gets one line naming them."""
-    import socket
-    import subprocess
-    import sys
-
-    from support import ROOT
-
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = listener.getsockname()[1]
-        env = {"PATH": "/usr/bin:/bin", "TURNSTILE_API_BIND": f"127.0.0.1:{port}", "TURNSTILE_VAR_DIR": "/tmp"}
-        busy = subprocess.run([sys.executable, "-m", "app.cli.ports"], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=60)
-    assert busy.returncode == 1
-    assert busy.stderr.count("\n") == 1 and f"api :{port}" in busy.stderr and "already running" in busy.stderr
-    free = subprocess.run([sys.executable, "-m", "app.cli.ports"], cwd=ROOT, timeout=60, capture_output=True, text=True,
-                          env={**env, "TURNSTILE_ENGINE_PORT": "1", "TURNSTILE_FLOWER_PORT": "2",
-                               "TURNSTILE_TENSORBOARD_PORT": "3", "TURNSTILE_GATEWAY_BIND": "127.0.0.1:4"})
-    assert free.returncode == 0, free.stderr
 
 
 def test_the_run_summary_shows_filtered_groups_and_the_drawn_reward_only_when_dynamic_sampling_acted():

@@ -145,7 +145,7 @@ def test_killed_gpu_pool_child_leaves_the_step_to_the_watchdog(env, spawn, monke
 
 
 def test_an_eval_run_writes_its_figures_to_tensorboard(env, spawn):
-    """Eval runs appear in TensorBoard too: pass@k, resolved rate and reward mean at the end."""
+    """Eval runs appear in TensorBoard too: instances solved, resolved rate and reward mean at the end."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from app.config import get_settings
@@ -166,7 +166,7 @@ def test_an_eval_run_writes_its_figures_to_tensorboard(env, spawn):
     def value(tag):
         return float(make_ndarray(events.Tensors(tag)[0].tensor_proto))
 
-    assert {"eval/reward_mean", "eval/resolved_rate", "eval/pass_at_k"} <= set(tags), tags
+    assert {"eval/reward_mean", "eval/resolved_rate", "eval/solved_fraction"} <= set(tags), tags
     assert value("eval/resolved_rate") == pytest.approx(summary["resolved_rate"])
-    passed = sum(1 for v in summary["pass_at_k"].values() if v) / len(summary["pass_at_k"])
-    assert value("eval/pass_at_k") == pytest.approx(passed)
+    solved = sum(1 for v in summary["solved"].values() if v) / len(summary["solved"])
+    assert value("eval/solved_fraction") == pytest.approx(solved)

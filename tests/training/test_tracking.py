@@ -91,6 +91,6 @@ def test_offline_wandb_run_gets_every_step_from_separate_calls(var, monkeypatch)
 
 
 def test_wandb_is_off_by_default(var):
-    log_scalars(4, {"eval/pass_at_k": 1.0}, step=0)
+    log_scalars(4, {"eval/solved_fraction": 1.0}, step=0)
     assert not RunPaths(4).wandb.exists()
     assert list(RunPaths(4).tensorboard.glob("events.out.tfevents*"))

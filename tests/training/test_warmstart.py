@@ -121,7 +121,7 @@ def test_a_train_run_with_a_checkpoint_trains_from_those_weights(var_dir, engine
 
 
 def test_warm_start_section_of_a_config_names_its_instances_and_rejects_unknown_settings(project_tools, var_dir):
-    from app.cli.learning import warm_start_folder
+    from app.training.warmstart import warm_start_folder
 
     config = {"task_set": "starter", "harness": "mini-swe-agent", "model": {"name": "tiny"}}
     section = {"instances": ["starter__mathkit-1"], "epochs": 1, "lora_r": 2, "lora_alpha": 4}

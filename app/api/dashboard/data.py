@@ -16,6 +16,7 @@ from sqlalchemy import Integer, cast, func, select
 from sqlalchemy.orm import Session
 
 from app.config import get_settings
+from app.stats import pass_at_k, wilson
 from app.paths import RunPaths
 from app.proxy.apis import REGISTRY
 from app.tables import (EPISODE_STATES, Completion, Episode, Run, TaskInstance, TrainingStep, Trajectory, aware_utc,
@@ -44,35 +45,11 @@ def age(value: dt.datetime | None, now: dt.datetime | None = None) -> str:
     return f"{max(s, 0):.0f} s"
 
 
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
-    """Wilson score interval for a binomial proportion (95% by default); None when n is 0.
-
-    Chosen over the normal approximation because it stays inside [0, 1] and is sensible for the
-    small n (a few samples per instance) and proportions near 0 or 1 that evals produce.
-    """
-    if n <= 0:
-        return None
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def pass_at_k(n: int, c: int, k: int) -> float | None:
-    """Unbiased pass@k estimator (Chen et al. 2021, "Evaluating Large Language Models Trained on
-    Code"): 1 - C(n-c, k) / C(n, k) from n samples of which c resolved; None when n < k."""
-    if n < k or k <= 0:
-        return None
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
 # --- runs list ----------------------------------------------------------------------------
 
 def runs_overview(s: Session, status: str | None = None, kind: str | None = None, limit: int = 100) -> list[dict]:
-    """One row per run, newest first: status, kind, harness, model, progress, reward, resolved, pass@k, age."""
+    """One row per run, newest first: status, kind, harness, model, progress, reward, resolved rate,
+    solved instances (`(solved, graded)`: instances with a resolved sample, of those graded), age."""
     q = select(Run).order_by(Run.id.desc()).limit(limit)
     if status:
         q = q.where(Run.status == status)
@@ -114,7 +91,7 @@ def runs_overview(s: Session, status: str | None = None, kind: str | None = None
             "steps_done": steps_done.get(r.id, 0) if r.kind == "train" else None, "steps_total": cfg.get("steps"),
             "reward": float(reward) if reward is not None else None,
             "resolved_rate": resolved / n_graded if n_graded else None,
-            "pass_at_k": (sum(inst), len(inst)) if inst and r.kind != "train" else None,
+            "solved_instances": (sum(inst), len(inst)) if inst and r.kind != "train" else None,
             "age": age(r.created_at, now), "created_at": r.created_at, "error": r.error,
         })
     return rows
@@ -472,7 +449,8 @@ def compare_runs(s: Session, a_id: int, b_id: int) -> dict | None:
         c = sum(v[1] for v in res.values())
         estimates = [p for v in res.values() if (p := pass_at_k(v[0], v[1], k)) is not None]
         solved = sum(1 for v in res.values() if v[1] > 0)
-        overall.append({"n": n, "c": c, "instances": len(res), "pass1": c / n if n else None, "pass1_ci": wilson(c, n),
+        overall.append({"n": n, "c": c, "instances": len(res), "pass1": c / n if n else None,
+                        "pass1_ci": wilson(c, n) if n else None,
                         "passk": sum(estimates) / len(estimates) if estimates else None,
                         "passk_ci": wilson(solved, len(res)) if len(res) else None})
     return {"runs": [a, b], "k": k, "rows": rows, "overall": overall}

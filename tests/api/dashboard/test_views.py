@@ -51,7 +51,7 @@ def test_runs_page_lists_runs_and_filters(browser, site, shots):
     assert "completed" in train and "train" in train and "mini-swe-agent" in train and "smollm2" in train
     assert "0.636" in train and "64%" in train and "12/12 episodes, 3/3 steps" in train
     trained_eval = browser.find_element(By.CSS_SELECTOR, f'tr[data-run="{ids["eval_trained"]}"]').text
-    assert "3/3" in trained_eval and f"run:{ids['train']}" in trained_eval  # pass@k: every instance solved once
+    assert "3/3" in trained_eval and f"run:{ids['train']}" in trained_eval  # solved instances: every instance resolved by some sample
     browser.save_screenshot(str(shots / "runs.png"))
     Select(browser.find_element(By.NAME, "kind")).select_by_value("eval")
     browser.find_element(By.CSS_SELECTOR, "#run-filters button").click()

@@ -14,7 +14,8 @@ from app import config
 from app.config import get_settings
 from app.runtimes import RuntimePaths, materialize_base
 from app.tasksets import InstanceRecord, load_task_set
-from app.cli import starter
+from app.tasksets import starter
+from app.tasksets.starter import generate
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def test_bundled_records_match_the_generator_definitions():
     records = load_task_set("starter").raw
     assert [r["instance_id"] for r in records] == [b.instance_id for b in starter.BUGS]
     for record, bug in zip(records, starter.BUGS):
-        assert record["source"]["files"] == starter.PACKAGES[bug.package]
+        assert record["source"]["files"] == starter.package_files(bug.package)  # same files, same order
         assert record["problem_statement"] == starter.problem_statement(bug)
         assert f"+    {bug.bad}\n" in record["bug_patch"] and f"+    {bug.good}\n" in record["patch"]
         assert record["split"] == bug.split
@@ -54,6 +55,24 @@ def test_splits_are_disjoint_and_heldout_has_packages_absent_from_train():
     assert {package[i] for i in heldout} - {package[i] for i in train} == {"tempkit", "checkkit"}
 
 
+def test_package_files_are_read_from_the_packages_folder():
+    files = starter.package_files("tempkit")
+    assert list(files) == ["tempkit/__init__.py", "tempkit/convert.py", "test_tempkit.py"]
+    assert "    return c <= 0\n" in files["tempkit/convert.py"]
+    files["tempkit/convert.py"] = ""  # a copy: the next call reads the real text again
+    assert starter.package_files("tempkit")["tempkit/convert.py"]
+    with pytest.raises(ValueError, match="no starter package 'nokit'"):
+        starter.package_files("nokit")
+
+
+def test_instance_ids_reads_a_split_or_passes_a_list_through():
+    records = load_task_set("starter").raw
+    assert starter.instance_ids("starter:heldout") == starter.split_ids(records, "heldout")
+    assert starter.instance_ids(("a", "b")) == ["a", "b"]
+    with pytest.raises(ValueError, match="names no instance"):
+        starter.instance_ids("starter:nosplit")
+
+
 @pytest.mark.parametrize("path", ["/etc/passwd", "../up.py", "a//b.py", ".git/config", "pkg/../../x"])
 def test_inline_file_paths_must_stay_inside_the_repository(path):
     rec = load_task_set("starter").raw[0]
@@ -65,7 +84,7 @@ def test_inline_file_paths_must_stay_inside_the_repository(path):
 def test_a_buggy_line_that_is_not_unique_is_refused():
     bug = starter.Bug("mathkit", 9, "add", "return a + b", "return a - b", "add(2, 3)", "-1", "5", "fix", "train")
     with pytest.raises(ValueError, match="must be unique"):
-        starter._buggy_files(bug)
+        generate._buggy_files(bug)
 
 
 def test_gold_patch_resolves_and_empty_patch_does_not(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""`python -m app.cli.ports`: are the ports of this deployment's processes free? (used by `make up`).
+"""`python -m workers.ports`: are the ports of this deployment's processes free? (used by `make up`).
 
 Exit status 0 when every TCP port the Procfile's servers bind (API, gateway, engine, Flower,
 TensorBoard; from the same settings they read) is free; otherwise one line naming the ports

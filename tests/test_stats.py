@@ -1,9 +1,12 @@
-"""`python -m app compare`: pass@1 and its paired, clustered bootstrap intervals (pure functions, no server)."""
+"""`app.stats`: pass@1, Chen's pass@k, the Wilson interval, the paired clustered bootstrap, the percentile."""
 from __future__ import annotations
+
+import itertools
+import math
 
 import pytest
 
-from app.cli.compare import compare_samples, pass_at_1, samples_of
+from app.stats import compare_samples, pass_at_1, pass_at_k, percentile, wilson
 
 
 def test_pass_at_1_is_the_mean_of_per_instance_rates():
@@ -46,19 +49,43 @@ def test_bad_inputs_are_clear_errors():
         compare_samples({"a": [True]}, {"a": [True]}, replicates=10)
 
 
-def test_failed_episodes_count_as_unresolved_and_cancelled_ones_are_left_out():
-    episodes = [{"instance_id": "a", "status": "completed", "resolved": True},
-                {"instance_id": "a", "status": "failed", "resolved": None},
-                {"instance_id": "a", "status": "cancelled", "resolved": None},
-                {"instance_id": "b", "status": "running", "resolved": None}]
-    assert samples_of(episodes) == {"a": [True, False]}
-
-
 def test_wilson_interval_stays_open_where_the_bootstrap_collapses():
-    from app.cli.compare import wilson
-
     low, high = wilson(0, 18)
     assert low == 0.0 and high == pytest.approx(0.1759, abs=1e-3)
     low, high = wilson(5, 10)
     assert low == pytest.approx(0.2366, abs=1e-3) and high == pytest.approx(0.7634, abs=1e-3)
     assert wilson(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError, match="within"):
+        wilson(3, 2)
+
+
+def test_wilson_uses_the_exact_95_percent_quantile():
+    # z = 1.959964 (not 1.96): at 1 of 2 the bounds are 0.0945 and 0.9055 (Wilson 1927)
+    low, high = wilson(1, 2)
+    assert low == pytest.approx(0.094531, abs=1e-6) and high == pytest.approx(0.905469, abs=1e-6)
+
+
+def _pass_at_k_by_subsets(n: int, c: int, k: int) -> float:
+    """The definition behind Chen et al.'s estimator: over every k-subset of the n samples,
+    the fraction that holds at least one resolved sample."""
+    flags = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(flags[i] for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n,c,k", [(4, 1, 1), (4, 1, 2), (5, 2, 3), (6, 0, 2), (6, 6, 3), (7, 3, 7)])
+def test_pass_at_k_is_the_fraction_of_k_subsets_with_a_resolved_sample(n, c, k):
+    assert pass_at_k(n, c, k) == pytest.approx(_pass_at_k_by_subsets(n, c, k))
+
+
+def test_pass_at_k_at_k_1_is_the_resolved_fraction_and_undefined_for_too_few_samples():
+    assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
+    assert pass_at_k(3, 1, 4) is None and pass_at_k(3, 1, 0) is None
+    assert pass_at_k(200, 1, 100) == pytest.approx(1 - math.comb(199, 100) / math.comb(200, 100))
+
+
+def test_percentile_is_the_nearest_rank_value():
+    assert percentile([], 0.5) is None
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 3.0  # index round(1.5) = 2
+    assert percentile([5.0, 1.0], 0.99) == 5.0 and percentile([5.0, 1.0], 0.0) == 1.0

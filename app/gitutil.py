@@ -1,11 +1,26 @@
-"""Running git with a fixed, config-free environment (so commit ids are reproducible)."""
+"""Running git with a fixed, config-free environment (so commit ids are reproducible).
+
+A bottom-layer module: the runtimes build instance repositories with it, and the starter task
+set's generator (`app.tasksets.starter`) builds the same commits offline.
+"""
 from __future__ import annotations
 
 import os
 import subprocess
 from pathlib import Path
 
-from app.runtimes.errors import RuntimeSetupError
+
+class RuntimeSetupError(RuntimeError):
+    """A runtime could not be prepared (download, hash, unpack, bug_patch, commit id, venv install).
+
+    `stage` names the step that failed; the message carries the command output when there is one.
+    Defined here, beside `git` which raises it, and re-exported by `app.runtimes.errors`, so a
+    failed git command is the same error whichever layer ran it.
+    """
+
+    def __init__(self, stage: str, message: str):
+        self.stage = stage
+        super().__init__(f"{stage}: {message}")
 
 # The identity and date of the single base commit of an sdist repository: fixed, so the same
 # sdist always gives the same commit id on every machine.
@@ -51,6 +66,7 @@ def git(repo: Path, *args: str, stage: str = "git", input: str | None = None,
 
 
 def write_excludes(repo: Path) -> None:
+    """Append `EXCLUDE_PATTERNS` to `repo`'s `.git/info/exclude` (created if missing)."""
     info = repo / ".git" / "info"
     info.mkdir(parents=True, exist_ok=True)
     with open(info / "exclude", "a", encoding="utf-8") as fh:

@@ -1,4 +1,4 @@
-"""`python -m app.cli.wait NAME=URL …`: wait until every health URL answers 200 (used by scripts/demo.sh)."""
+"""`python -m workers.wait NAME=URL …`: wait until every health URL answers 200 (used by scripts/with_stack.sh)."""
 from __future__ import annotations
 
 import argparse

@@ -1,0 +1,217 @@
+"""What every CLI command shares: the REST API client, run configs, submitting and following runs.
+
+The command modules (`runs`, `compare`, `learning`, …) import this module and `app.cli.report`,
+never each other (an import-linter `independence` contract checks it).  Everything here goes
+through the REST API (TURNSTILE_API_URL), so it works against a remote deployment too.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import httpx
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from app.cli.report import make_console, render_summary
+from app.config import get_settings
+
+
+def api_client() -> httpx.Client:
+    """An HTTP client of the REST API that sends the API token (`app.auth.api_token`)."""
+    from app.auth import auth_header
+
+    return httpx.Client(base_url=get_settings().api_url, timeout=30, headers=auth_header())
+
+
+def read_config_file(path: str) -> dict:
+    """A run config from a JSON, YAML (`.yaml`/`.yml`) or TOML (`.toml`) file, by its suffix.
+
+    Raises ValueError naming the file on a parse error or when the top level is not a mapping,
+    OSError when it cannot be read.
+    """
+    import tomllib
+
+    import yaml
+
+    text = Path(path).read_text()
+    suffix = Path(path).suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            config = yaml.safe_load(text)
+        elif suffix == ".toml":
+            config = tomllib.loads(text)
+        else:
+            config = json.loads(text)
+    except yaml.MarkedYAMLError as exc:  # multi-line by default: keep the problem and its position
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{path}: not valid YAML: {exc.problem or exc.context}{where}") from None
+    except (json.JSONDecodeError, yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        kind = {".yaml": "YAML", ".yml": "YAML", ".toml": "TOML"}.get(suffix, "JSON")
+        raise ValueError(f"{path}: not valid {kind}: {' '.join(str(exc).split())}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a run config must be a mapping of options, got {type(config).__name__}")
+    return config
+
+
+def submit_run(config: dict) -> dict:
+    """POST the config; returns the created run, or raises SystemExit with the API's error message."""
+    with api_client() as client:
+        resp = client.post("/api/runs", json=config)
+    if resp.status_code != 202:
+        err = resp.json().get("error", {}) if resp.headers.get("content-type", "").startswith("application/json") else {}
+        details = err.get("details") or []
+        if len(details) > 1:  # every problem of the request, not only the first
+            lines = [f"  {d['field']}: {d['message']}" if d.get("field") else f"  {d['message']}" for d in details]
+            raise SystemExit(f"run rejected ({resp.status_code}): {len(details)} problems in the run config\n" + "\n".join(lines))
+        raise SystemExit(f"run rejected ({resp.status_code}): {err.get('message', resp.text)}")
+    return resp.json()
+
+
+def _age_s(run: dict) -> float:
+    """Seconds since the run was created (its age), whenever the command attached to it."""
+    import datetime as dt
+
+    created = run.get("created_at")
+    if not created:
+        return 0.0
+    when = dt.datetime.fromisoformat(created)
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return max(0.0, (dt.datetime.now(dt.timezone.utc) - when).total_seconds())
+
+
+def _progress_table(run: dict) -> Table:
+    table = Table(title=f"run {run['id']} ({run['kind']}) — {run['status']}", expand=False)
+    for col in ("state", "episodes"):
+        table.add_column(col)
+    from app.tables import EPISODE_STATES  # lazily: a CLI command that shows no progress loads no SQL models
+
+    counts = run.get("episodes_by_status", {})
+    for state in EPISODE_STATES:
+        if counts.get(state):
+            table.add_row(state, str(counts[state]))
+    live = run.get("live") or {}
+    steps = run.get("steps") or []
+    done = [s for s in steps if s["status"] == "completed"]
+    table.add_section()
+    table.add_row("policy version", str(run.get("policy_version")))
+    table.add_row("steps done", f"{len(done)}/{run['config'].get('steps')}" if run["kind"] == "train" else "-")
+    if done and done[-1].get("metrics"):
+        m = done[-1]["metrics"]
+        if m.get("reward_mean") is not None:
+            table.add_row("last step reward", f"{m['reward_mean']:.3f}")
+    if live.get("reward_mean") is not None:
+        table.add_row("reward (graded)", f"{live['reward_mean']:.3f} over {live['graded']}")
+    table.add_row("completions", str(live.get("completions", 0)))
+    elapsed = max(1e-6, _age_s(run))
+    table.add_row("sampled tokens/s", f"{live.get('sampled_tokens', 0) / elapsed:.1f}")
+    table.add_row("elapsed", f"{elapsed:.0f} s")
+    return table
+
+
+def progress_line(run: dict) -> str:
+    """One line of progress for logs and pipes: status, episodes by state, steps, reward, age."""
+    from app.tables import EPISODE_STATES
+
+    counts = run.get("episodes_by_status") or {}
+    parts = [f"run {run['id']} {run['status']}",
+             "episodes " + (", ".join(f"{k} {counts[k]}" for k in EPISODE_STATES if counts.get(k)) or "none yet")]
+    if run["kind"] == "train":
+        done = sum(1 for st in run.get("steps") or [] if st["status"] == "completed")
+        parts.append(f"steps {done}/{run['config'].get('steps')}")
+    live = run.get("live") or {}
+    if live.get("reward_mean") is not None:
+        parts.append(f"reward {live['reward_mean']:.3f} over {live['graded']}")
+    parts.append(f"elapsed {_age_s(run):.0f} s")
+    return "; ".join(parts)
+
+
+def follow_run(run_id: int, poll_s: float = 1.0, timeout_s: float | None = None, console: Console | None = None) -> dict:
+    """Poll the run and show live progress until it ends; returns the final run dict.
+
+    On a terminal the progress is a live table; otherwise (a pipe, a log file, CI) one line is
+    printed whenever the progress changes.  Ctrl-C stops following, not the run: it raises
+    `FollowInterrupted`, whose message says how to follow again or cancel.
+    """
+    console = console or make_console()
+    started = time.monotonic()
+    try:
+        with api_client() as client:
+            if console.is_terminal:
+                with Live(console=console, refresh_per_second=2, transient=False) as live:
+                    return _poll(client, run_id, poll_s, timeout_s, started, lambda run: live.update(_progress_table(run)))
+            last: list[str] = []
+
+            def show(run: dict) -> None:
+                line = progress_line(run)
+                if [line.rsplit("; elapsed", 1)[0]] != last:  # print on change, not every poll
+                    last[:] = [line.rsplit("; elapsed", 1)[0]]
+                    print(line, flush=True)
+
+            return _poll(client, run_id, poll_s, timeout_s, started, show)
+    except KeyboardInterrupt:
+        raise FollowInterrupted(run_id) from None
+
+
+class FollowInterrupted(KeyboardInterrupt):
+    """Ctrl-C while following: the run goes on; the message says how to get back to it."""
+
+    def __init__(self, run_id: int):
+        super().__init__(f"stopped following; run {run_id} continues. Follow it again with `python -m app follow {run_id}`, "
+                         f"cancel it with `python -m app cancel {run_id}`.")
+
+
+def _poll(client, run_id: int, poll_s: float, timeout_s: float | None, started: float, show) -> dict:
+    from app.transitions import TERMINAL
+
+    while True:
+        run = client.get(f"/api/runs/{run_id}").raise_for_status().json()
+        show(run)
+        if run["status"] in TERMINAL:
+            return run
+        if timeout_s is not None and time.monotonic() - started > timeout_s:
+            raise SystemExit(f"run {run_id} still {run['status']} after {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
+def print_summary(run: dict, console: Console | None = None) -> None:
+    """Print the end-of-run summary of `run` (API shape) to `console` (default: the CLI's)."""
+    render_summary(run, console or make_console())
+
+
+def follow_to_end(run_id: int, timeout_s: float | None) -> int:
+    """Follow, then print the summary; 0 when the run completed, 1 when not, 130 on Ctrl-C."""
+    try:
+        final = follow_run(run_id, timeout_s=timeout_s)
+    except FollowInterrupted as exc:
+        print(exc, file=sys.stderr)
+        return 130
+    print_summary(final)
+    return 0 if final["status"] == "completed" else 1
+
+
+def samples_of(episodes: Sequence[Mapping]) -> dict[str, list[bool]]:
+    """Resolved flags per instance from a run's episodes (API shape): completed by `resolved`, failed as False.
+
+    Every episode that ended counts as one sample: `failed` ones (harness failure, setup error)
+    as not resolved, so the metric is the resolved rate of what the policy was asked to do.
+    Cancelled and unfinished episodes are left out.
+    """
+    out: dict[str, list[bool]] = {}
+    for ep in episodes:
+        if ep.get("status") == "completed":
+            out.setdefault(ep["instance_id"], []).append(bool(ep.get("resolved")))
+        elif ep.get("status") == "failed":
+            out.setdefault(ep["instance_id"], []).append(False)
+    return out
+
+
+def run_samples(client: httpx.Client, run_id: int) -> dict[str, list[bool]]:
+    """`samples_of` the episodes of run `run_id`, read from the API."""
+    return samples_of(client.get(f"/api/runs/{run_id}/episodes").raise_for_status().json()["episodes"])
