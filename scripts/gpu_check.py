@@ -107,7 +107,7 @@ def pick_model(tmp: Path) -> tuple[str, str]:
         for repo in ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen3-0.6B"):
             try:
                 return snapshot_download(repo, local_files_only=True), f"{repo} (HF cache)"
-            except Exception:
+            except Exception:  # noqa: BLE001 (not in the cache: try the next model)
                 continue
     except ImportError:
         pass
@@ -172,7 +172,7 @@ def check_vllm(tmp: Path) -> dict:
         checks["reload_followed"] = diff_b.max().item() < 1e-2
         out["checks"] = checks
         out["ok"] = all(checks.values())
-    except Exception as exc:  # report, never hang the device
+    except Exception as exc:  # noqa: BLE001 (report, never hang the device)
         out["ok"] = False
         out["error"] = f"{type(exc).__name__}: {exc}"
         log.flush()

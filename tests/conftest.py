@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -28,13 +25,13 @@ os.environ.setdefault("TURNSTILE_TASK_DIRS", tempfile.gettempdir())
 # One API token for the API, engines and CLI of the whole session (support.API_TOKEN reads it back).
 os.environ.setdefault("TURNSTILE_API_TOKEN", "turnstile-test-api-token-0123456789")
 
-import pytest
-import redis as redis_lib
-from sqlalchemy import create_engine, text
+import pytest  # noqa: E402 (after the environment above is set)
+import redis as redis_lib  # noqa: E402 (after the environment above is set)
+from sqlalchemy import create_engine, text  # noqa: E402 (after the environment above is set)
 
-from app import config, db
-from app.tables import Base
-from support import REDIS_BASE, Proc
+from app import config, db  # noqa: E402 (after the environment above is set)
+from app.tables import Base  # noqa: E402 (after the environment above is set)
+from support import REDIS_BASE, Proc  # noqa: E402 (after the environment above is set)
 
 PG_ADMIN_URL = os.environ.get("TURNSTILE_TEST_PG_ADMIN", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 

@@ -89,7 +89,7 @@ def prepare(episode_id: int) -> Plan:
     try:
         with lease.Heartbeat(episode_id, "preparing", owner):
             runtime = stages.prepare(record, episode_id, cfg)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (any prepare error fails the episode with its reason)
         return fail(episode_id, f"prepare failed: {type(exc).__name__}: {exc}", owner)
     with session_scope() as s:
         won = transition(s, Episode, episode_id, "ready", expect=("preparing",), where={"lease_owner": owner},
@@ -151,7 +151,7 @@ def rollout(episode_id: int) -> Plan:
                 claim = _fresh_runtime(claim, owner)
             outcome = stages_for(claim.cfg).rollout(
                 claim, token, cancelled=lambda: beat.lost or redis_state.cancel_polled(episode_id))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (any rollout error fails the episode with its reason)
         redis_state.free_slot(claim.run_id)
         return fail(episode_id, f"rollout failed: {type(exc).__name__}: {exc}", owner)
     if not lease.holds(episode_id, owner):
@@ -239,7 +239,7 @@ def grade(episode_id: int) -> Plan:
     try:
         with lease.Heartbeat(episode_id, "grading", owner):
             outcome = stages_for(cfg).grade(record, ep.patch or "", episode_id, cfg)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (any grading error fails the episode with its reason)
         return fail(episode_id, f"grading failed: {type(exc).__name__}: {exc}", owner)
     with session_scope() as s:
         transition(s, Episode, episode_id, "completed", expect=("grading",), where={"lease_owner": owner},

@@ -65,7 +65,7 @@ def start_run(run_id: int) -> Plan:
         try:
             stages.setup_engines(run_id, cfg, _runs_sharing_engines(run_id) if stages.uses_engines else [])
             instance_ids = stages.load_instances(cfg)
-        except Exception as exc:  # a bad task set or engine fails the run with the reason, not silently
+        except Exception as exc:  # noqa: BLE001 (a bad task set or engine fails the run with the reason, not silently)
             with session_scope() as s:
                 transition(s, Run, run_id, "failed", error=f"starting the run: {exc}"[:1000], finished_at=utcnow())
             return Plan()

@@ -42,7 +42,8 @@ def _run(chunks):
 
 
 def test_b19_three_id_conventions_give_identical_calls():
-    fn = lambda name=None, args="": {k: v for k, v in (("name", name), ("arguments", args)) if v is not None}
+    def fn(name=None, args=""):
+        return {k: v for k, v in (("name", name), ("arguments", args)) if v is not None}
     a = [_chunk([{"index": 0, "id": "c1", "type": "function", "function": fn("f", "")}]),
          _chunk([{"index": 0, "function": fn(args='{"x":')}]), _chunk([{"index": 0, "function": fn(args="1}")}]),
          _chunk([{"index": 1, "id": "c2", "type": "function", "function": fn("g", "{}")}])]

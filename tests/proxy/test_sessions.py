@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 from support.gateway import completions, make_episode
-from support.gateway_calls import APIS, ask, post, request_for
+from support.gateway_calls import APIS, ask, request_for
 from sqlalchemy import select, text
 
 from app import db

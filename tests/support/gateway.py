@@ -16,7 +16,7 @@ import httpx
 from app import db
 from app.tables import Completion, Episode, Run, TaskInstance
 from support.gateway_grammar import VALIDATORS, api_of_path
-from support import free_port
+from support import free_port as free_port  # re-exported for the gateway tests
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:

@@ -6,10 +6,8 @@ scheduling, queues, acknowledgement and compare-and-set paths.
 """
 from __future__ import annotations
 
-import sys
 import time
 
-import httpx
 import pytest
 from sqlalchemy import func, select
 

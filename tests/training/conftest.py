@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 from app.config import ROOT
 from types import SimpleNamespace

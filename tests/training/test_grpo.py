@@ -194,7 +194,8 @@ def test_merged_chain_reproduces_per_request_logprobs():
     merged = prefix_merging(records).sequences
     singles = per_request(records).sequences
     assert len(merged) == 1 and len(singles) == 4
-    as_step = lambda s: StepSequence(s.token_ids, s.loss_mask, s.logprobs, 1.0)
+    def as_step(s):
+        return StepSequence(s.token_ids, s.loss_mask, s.logprobs, 1.0)
     chain_lp = trainer.logprobs([as_step(merged[0])])[0]
     single_lp = torch.cat(trainer.logprobs([as_step(s) for s in singles]))
     assert torch.allclose(chain_lp, single_lp, atol=1e-5)
@@ -283,5 +284,6 @@ def test_chunked_lm_head_gives_same_logprobs_and_gradients():
         lp.sum().backward()
         results.append((lp.detach(), model.lm_head.weight.grad.clone()))
     assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
-    diff = (results[0][1] - results[1][1]).abs().max(); scale = results[0][1].abs().max()
+    diff = (results[0][1] - results[1][1]).abs().max()
+    scale = results[0][1].abs().max()
     assert diff <= 1e-5 * scale, (diff, scale)

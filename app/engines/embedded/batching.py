@@ -203,7 +203,7 @@ class BatchScheduler:
             self.policy_version = version
             self.stats["reloads"] += 1
             log.info("loaded weights for policy version %d in %.2fs", version, time.perf_counter() - started)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (handed to the waiting reload request, which raises it)
             box["error"] = exc
         finally:
             self._pending_reload = None

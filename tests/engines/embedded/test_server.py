@@ -260,7 +260,7 @@ def test_procfile_engine_runs_under_gunicorn(spawn):
 
     from support import ROOT, free_port, wait_for
 
-    line = next(l for l in (ROOT / "Procfile").read_text().splitlines() if l.startswith("engine:"))
+    line = next(ln for ln in (ROOT / "Procfile").read_text().splitlines() if ln.startswith("engine:"))
     argv = shlex.split(line.split(":", 1)[1])
     assert "gunicorn" in argv[argv.index("workers.launch") + 1]
     port = free_port()
