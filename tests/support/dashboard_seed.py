@@ -126,7 +126,7 @@ def _step_metrics(step: int, rewards: list[float], rng: random.Random) -> dict:
 
 def seed() -> dict:
     """Write the runs; returns their ids and the ids of notable episodes."""
-    from app.api.dashboard.data import smollm2_tokenizer
+    from app.api.dashboard.episode import smollm2_tokenizer
 
     tok = smollm2_tokenizer()
     rng = random.Random(7)

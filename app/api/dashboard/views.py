@@ -1,10 +1,10 @@
-"""Dashboard routes.  Each page reads SQL through `data.py` and renders one template."""
+"""Dashboard routes.  Each page reads SQL through `data.py` (runs, steps, compare) or `episode.py` and renders one template."""
 from __future__ import annotations
 
 from flask import Blueprint, abort, render_template, request
 from sqlalchemy import select
 
-from app.api.dashboard import data
+from app.api.dashboard import data, episode
 from app.api.dashboard.form import run_config_form
 from app.api.openapi import openapi_spec
 from app.db import session_scope
@@ -66,7 +66,7 @@ def run_page(run_id: int):
 @bp.get("/episodes/<id:episode_id>")
 def episode_page(episode_id: int):
     with session_scope() as s:
-        view = data.episode_detail(s, episode_id)
+        view = episode.episode_detail(s, episode_id)
         if view is None:
             abort(404, f"episode {episode_id} not found")
         return render_template("dashboard/episode.html", v=view)

@@ -215,7 +215,7 @@ def test_unknown_pages_answer_an_html_404_and_the_api_keeps_json(browser, site):
 
 def test_tokens_shown_match_the_stored_sequence(site):
     """The token view's sampled pieces are exactly the trajectory's mask-1 tokens, in order."""
-    from app.api.dashboard.data import token_view
+    from app.api.dashboard.episode import token_view
 
     with session_scope() as s:
         traj = s.query(Trajectory).filter_by(episode_id=site["ids"]["merged_episode"]).one()

@@ -1,0 +1,211 @@
+"""What the episode page shows, read from SQL and the episode's harness logs as plain dicts: the
+grading report, the patch as a diff, the harness logs' tails, every model call as a conversation,
+and the token view of each trained sequence.  Nothing here renders HTML.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.config import get_settings
+from app.paths import RunPaths
+from app.proxy.apis import REGISTRY
+from app.api.dashboard.data import seconds_between
+from app.tables import Completion, Episode, Trajectory
+
+LOG_TAIL_BYTES = 64 * 1024
+LOG_TAIL_LINES = 200
+
+
+def harness_logs(run_id: int, episode_id: int) -> list[dict]:
+    """Tails of `<var_dir>/runs/<run>/episodes/<episode>/harness-attempt*.log`, latest attempt first."""
+    logs = []
+    for attempt, path in RunPaths(run_id).harness_logs(episode_id):
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            fh.seek(max(0, size - LOG_TAIL_BYTES))
+            text = fh.read().decode("utf-8", errors="replace")
+        lines = text.splitlines()
+        logs.append({"attempt": attempt, "path": str(path), "size": size,
+                     "truncated": size > LOG_TAIL_BYTES or len(lines) > LOG_TAIL_LINES,
+                     "tail": "\n".join(lines[-LOG_TAIL_LINES:])})
+    return sorted(logs, key=lambda log: str(log["attempt"]).zfill(6), reverse=True)
+
+
+def grading_tests(report: dict | None) -> list[dict]:
+    """FAIL_TO_PASS / PASS_TO_PASS tests with outcomes, from swebench's `tests_status`."""
+    rows = []
+    for group, outcomes in ((report or {}).get("tests_status") or {}).items():
+        for outcome in ("failure", "success"):
+            for test in (outcomes or {}).get(outcome) or []:
+                rows.append({"group": group, "test": test, "passed": outcome == "success"})
+    return rows
+
+
+def diff_lines(patch: str | None) -> list[tuple[str, str]]:
+    """(css class, line) for each line of a unified diff."""
+    out = []
+    for line in (patch or "").splitlines():
+        if line.startswith(("+++", "---", "diff ", "index ")):
+            kind = "file"
+        elif line.startswith("@@"):
+            kind = "hunk"
+        elif line.startswith("+"):
+            kind = "add"
+        elif line.startswith("-"):
+            kind = "del"
+        else:
+            kind = "ctx"
+        out.append((kind, line))
+    return out
+
+
+def _content_text(content: Any) -> str:
+    """Chat Completions message content (a string or a list of parts) as text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return str(content)
+
+
+def _tool_calls(calls: Any) -> list[dict]:
+    out = []
+    for call in calls or []:
+        fn = (call or {}).get("function") or {}
+        out.append({"name": fn.get("name") or call.get("name"), "arguments": fn.get("arguments") or call.get("arguments"),
+                    "id": call.get("id")})
+    return out
+
+
+def message_view(msg: dict) -> dict:
+    """One Chat Completions message as {role, text, tool_calls, tool_call_id}."""
+    return {"role": msg.get("role", "?"), "text": _content_text(msg.get("content")),
+            "tool_calls": _tool_calls(msg.get("tool_calls")), "tool_call_id": msg.get("tool_call_id")}
+
+
+def answer_view(api: str, response: dict | None) -> dict | None:
+    """The assistant's answer in a recorded `response` of `api` (that API's own wire shape), read
+    by the API's gateway module (`app.proxy.apis`, the reader the splice uses too): a
+    `message_view`; None when the API is unknown or the body holds no answer."""
+    module = REGISTRY.get(api)
+    answer = module.answer_of(response) if module is not None else None
+    return message_view(answer) if answer is not None else None
+
+
+def conversation(completions: list[Completion]) -> list[dict]:
+    """Every model call in order, showing only the messages new since the previous call.
+
+    Harnesses resend the whole history each call; when the previous call's messages are not a
+    prefix of this one's (compaction, a sub-agent, a rewritten history) all are shown and the
+    call is flagged `rewritten`.
+    """
+    calls, previous = [], []
+    for c in completions:
+        messages = list((c.normalized_request or {}).get("messages") or [])
+        prefix = previous == messages[:len(previous)]
+        new = messages[len(previous):] if prefix else messages
+        calls.append({
+            "completion": c, "new_messages": [message_view(m) for m in new], "rewritten": not prefix and bool(previous),
+            "history": len(messages) - len(new), "answer": answer_view(c.api, c.response),
+            "prompt_tokens": len(c.prompt_ids or []), "sampled_tokens": len(c.sampled_ids or []),
+        })
+        previous = messages
+    return calls
+
+
+# Where `app.engines.modeling.load_tokenizer` caches SmolLM2's tokenizer (the embedded models' vocabulary).
+TOKENIZER_FILE = Path("models") / "smollm2-135m-instruct-tokenizer" / "tokenizer.json"
+
+
+@lru_cache(maxsize=1)
+def smollm2_tokenizer():
+    """The embedded models' tokenizer, read with the `tokenizers` library from the cache
+    `load_tokenizer()` writes: 0.2 s to import instead of torch + transformers (~6 s and
+    hundreds of MB in each API worker).  Builds the cache through `load_tokenizer()` when absent."""
+    from tokenizers import Tokenizer
+
+    path = get_settings().var_dir / TOKENIZER_FILE
+    if not path.is_file():
+        from app.engines.modeling import load_tokenizer  # writes the cache (torch, transformers: once)
+
+        load_tokenizer()
+    return Tokenizer.from_file(str(path))
+
+
+def _decoder(model_name: str | None):
+    """A token-id -> text function for the run's model, loaded on first use; None when this
+    installation has no tokenizer for it (the view then shows ids)."""
+    if model_name not in ("tiny", "smollm2"):
+        return None
+    tok = smollm2_tokenizer()
+    return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
+
+
+def logprob_colour(logprob: float) -> str:
+    """Background for a sampled token: hue from red (p≈0) through yellow to green (p≈1)."""
+    p = math.exp(max(min(logprob, 0.0), -50.0))
+    return f"hsl({120 * p:.0f}, 75%, 80%)"
+
+
+def token_view(traj: Trajectory, decode) -> list[dict]:
+    """A trajectory as display pieces: runs of context tokens (mask 0) as one grey piece each,
+    every sampled token (mask 1) as its own piece coloured by its rollout logprob.  `call`
+    marks where a completion's sampled span starts (index into `traj.completion_ids`)."""
+    ids, mask, lps = list(traj.token_ids), list(traj.loss_mask), list(traj.logprobs)
+    starts = {int(a): i for i, (a, _b) in enumerate((traj.meta or {}).get("spans") or [])}
+    pieces: list[dict] = []
+    i = 0
+    while i < len(ids):
+        if mask[i]:
+            text = decode([ids[i]]) if decode else f"⟨{ids[i]}⟩"
+            pieces.append({"sampled": True, "text": text, "id": ids[i], "logprob": lps[i],
+                           "colour": logprob_colour(lps[i]), "call": starts.get(i)})
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and not mask[j]:
+            j += 1
+        text = decode(ids[i:j]) if decode else " ".join(f"⟨{t}⟩" for t in ids[i:j])
+        pieces.append({"sampled": False, "text": text, "n": j - i, "start": i})
+        i = j
+    return pieces
+
+
+def episode_detail(s: Session, episode_id: int) -> dict | None:
+    """The episode page: grading report, patch, harness log tails, the conversation and the token view."""
+    e = s.get(Episode, episode_id)
+    if e is None:
+        return None
+    run = e.run
+    cfg = run.config or {}
+    builder = (cfg.get("training") or {}).get("builder") or "prefix_merging"
+    trajs = s.scalars(select(Trajectory).where(Trajectory.episode_id == episode_id)
+                      .order_by(Trajectory.builder, Trajectory.chain_index)).all()
+    decode = _decoder((cfg.get("model") or {}).get("name")) if trajs else None
+    sequences = []
+    for t in trajs:
+        sampled = [lp for lp, m in zip(t.logprobs, t.loss_mask) if m]
+        sequences.append({"traj": t, "pieces": token_view(t, decode), "tokens": len(t.token_ids),
+                          "sampled": len(sampled), "mean_logprob": sum(sampled) / len(sampled) if sampled else None,
+                          "completion_ids": t.completion_ids})
+    comps = list(e.completions)
+    seq_of = {c.id: c.seq for c in comps}
+    return {
+        "episode": e, "run": run, "config": cfg, "instance": e.instance.instance_id if e.instance else None,
+        "duration_s": seconds_between(e.started_at, e.rollout_finished_at or e.finished_at),
+        "grade_s": seconds_between(e.rollout_finished_at, e.finished_at),
+        "report": e.grading_report or {}, "tests": grading_tests(e.grading_report),
+        "diff": diff_lines(e.patch), "logs": harness_logs(run.id, e.id),
+        "calls": conversation(comps), "sequences": sequences, "builder": builder,
+        "merge": (e.merge_stats or {}), "decoded": decode is not None, "seq_of": seq_of,
+    }
+
+
