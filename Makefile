@@ -4,7 +4,7 @@ SHELL := /bin/bash
 BIN := .venv/bin
 export PYTHONUNBUFFERED := 1
 # Test processes (pytest-xdist, whole files per process; each process gets its own Redis server and
-# var folder: tests/support/worker_isolation.py).  Much of the suite waits on real subprocesses (Celery
+# var folder: tests/worker_isolation.py).  Much of the suite waits on real subprocesses (Celery
 # workers, engines, harness CLIs), so 3 processes beat 1 even on 2 cores: 18.5 min vs 46 min for the
 # whole suite on this 2-core box under the same background load (2026-11-30).
 TEST_WORKERS ?= 3

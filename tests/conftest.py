@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 # This process's own var folder, and under pytest-xdist its own Redis server (before settings are read).
-from support.worker_isolation import isolate_test_process
+from worker_isolation import isolate_test_process  # a top-level module: importing the support package first would read its settings too early
 
 isolate_test_process()
 

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from app.config import ROOT
+ROOT = Path(__file__).resolve().parent.parent  # no app import here: settings must not be read before isolation
 
 
 def _free_port() -> int:
