@@ -235,6 +235,16 @@ class Settings(BaseSettings):
     pyenv_root: Path | None = Field(None, **_env("PYENV_ROOT"),
                                     description="pyenv root searched for task Python versions (also ~/.pyenv).")
 
+    # --- image runtimes (app/runtimes/images.py, oci.py) --------------------------------
+    image_cache_bytes: int = Field(50 * 1024 ** 3, ge=1, **_env("TURNSTILE_IMAGE_CACHE_BYTES"),
+                                   description="Disk the unpacked image cache (<cache>/images/rootfs) may use, bytes; "
+                                               "least recently used images not in use are removed past it.")
+    image_tls_verify: bool = Field(True, **_env("TURNSTILE_IMAGE_TLS_VERIFY"),
+                                   description="Verify registry TLS when pulling images (loopback registries "
+                                               "127.0.0.1/localhost are always pulled without TLS).")
+    image_pull_timeout_s: int = Field(3600, ge=1, **_env("TURNSTILE_IMAGE_PULL_TIMEOUT_S"),
+                                      description="Longest one image pull (skopeo copy) or unpack may take, seconds.")
+
     # --- sandbox limits (per episode command; app/runtimes/sandbox.py) -------------------
     sandbox_max_processes: int = Field(512, ge=8, **_env("TURNSTILE_SANDBOX_MAX_PROCESSES"),
                                        description="Most processes (threads included) one sandboxed command may "

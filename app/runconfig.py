@@ -17,6 +17,8 @@ AdvantageMode = Literal["mean", "leave_one_out"]
 LossAggregation = Literal["token", "sequence"]
 Builder = Literal["prefix_merging", "per_request"]
 KLEstimator = Literal["k3", "k2"]
+RuntimeKind = Literal["auto", "local", "oci", "docker", "podman"]
+RUNTIME_KINDS: tuple[str, ...] = get_args(RuntimeKind)
 ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
 LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 BUILDERS: tuple[str, ...] = get_args(Builder)
@@ -182,6 +184,11 @@ class RunConfig(BaseModel):
     instances: list[Annotated[str, Field(min_length=1, max_length=255)]] | None = Field(
         None, min_length=1, max_length=100_000, description="subset of instance ids (default: all)")
     harness: str = "mini-swe-agent"
+    runtime: RuntimeKind = Field(
+        "auto", description="where episodes and grades run: 'local' (a working copy and venv on the host), 'oci' "
+                            "(the instance's container image, rootless: skopeo + umoci + bubblewrap), 'docker' or "
+                            "'podman' (the image through that engine), or 'auto': 'oci' for an instance that names "
+                            "an image, else 'local'")
     model: ModelChoice = Field(default_factory=ModelChoice)
     group_size: int = Field(4, ge=1, le=1024, strict=True)
     tasks_per_step: int = Field(2, ge=1, le=1024, strict=True)

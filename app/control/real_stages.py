@@ -158,22 +158,27 @@ class RealStages:
     # --- episode stages -----------------------------------------------------------------
 
     def prepare(self, record: dict, episode_id: int, cfg: RunConfig) -> dict:
-        """Materialize the instance (cached base + venv) into a fresh runtime; returns its JSON state.
+        """Prepare the instance's runtime (`cfg.runtime`: local, or its image: pulled and unpacked
+        here, so the READY buffer holds ready images); returns its JSON state.
 
-        The harness's tools folder is mounted read-only into the sandbox so the CLI can run there.
-        Raises `RuntimeSetupError` when the base, the venv or the sandbox cannot be built.
+        The harness's tools are mounted read-only so the CLI can run there (in an image: its
+        install folder, its interpreter and, for npm CLIs, Node, at fixed paths).
+        Raises `RuntimeSetupError` when the base, the venv, the image or the sandbox cannot be built,
+        or the harness cannot run in the instance's image.
         """
         from app.harnesses import get_preset
-        from app.runtimes.local import LocalRuntime
+        from app.runtimes.choice import HarnessMounts, prepare_runtime, runtime_kind
 
-        tools = get_preset(cfg.harness).tools_dir()
-        runtime = LocalRuntime.prepare(record, ro_binds=[(tools, str(tools))], purpose="episode")
-        return runtime.describe()
+        preset = get_preset(cfg.harness)
+        image_kind = runtime_kind(cfg.runtime, record) == "oci"
+        mounts = HarnessMounts(preset.name, preset.tools_dir(), preset.image_binds() if image_kind else [],
+                               preset.image_programs() if image_kind else [])
+        return prepare_runtime(record, cfg.runtime, mounts, purpose="episode").describe()
 
     def release(self, runtime: dict) -> None:
-        from app.runtimes.local import LocalRuntime
+        from app.runtimes import attach_runtime
 
-        LocalRuntime.attach(runtime).close()
+        attach_runtime(runtime).close()
 
     def rollout(self, claim: Claim, token: str, cancelled: Callable[[], bool]) -> HarnessOutcome:
         """Run the claim's harness preset headless in its runtime, every call through the gateway.
@@ -187,17 +192,18 @@ class RealStages:
         there is nothing to reward.
         """
         from app.harnesses import get_preset
-        from app.runtimes.local import LocalRuntime
+        from app.runtimes import attach_runtime
 
         cfg = claim.cfg
         preset = get_preset(cfg.harness)
-        runtime = LocalRuntime.attach(claim.runtime)
+        runtime = attach_runtime(claim.runtime)
+        path_prepend = preset.image_path_prepend() if runtime.kind == "oci" else preset.path_prepend()
         model = cfg.model.name
         preset.write_config(runtime.home, runtime.gateway_url, token, model, cfg.budget)
         env = preset.env(Path(runtime.home_dir), runtime.gateway_url, token, model)
         command = preset.command(claim.record["problem_statement"], cfg.budget)
         result = runtime.run(command, env=env, timeout_s=cfg.timeouts.agent_s, network="gateway",
-                             stdin="", path_prepend=preset.path_prepend(),
+                             stdin="", path_prepend=path_prepend,
                              should_stop=cancelled)  # a cancelled episode's harness is killed at once
         patch = runtime.patch()
         log_path = RunPaths(claim.run_id).harness_log(claim.episode_id, claim.attempt)

@@ -52,6 +52,10 @@ COMMON_ENV = {
 }
 
 
+# Where an npm CLI's `node` is mounted inside a task's image (its scripts start with `#!/usr/bin/env node`).
+IMAGE_NODE_BIN = "/opt/turnstile/node/bin"
+
+
 class HarnessInstallError(RuntimeError):
     """Installing a harness failed; the message names the package, the command and its output tail."""
 
@@ -215,6 +219,53 @@ class HarnessPreset:
             return []
         node = shutil.which("node")
         return [str(Path(node).parent)] if node else []
+
+    # --- inside a task's container image (app.runtimes.oci) -------------------------------
+
+    def image_binds(self) -> list[tuple[str, str]]:
+        """(host path, path inside) read-only mounts that let this CLI run inside any glibc image
+        with nothing installed there: the install folder at its own path (its scripts name it
+        absolutely), plus the interpreter: the Python prefix the venv was made from (at its own
+        path, which must be outside /usr) or the `node` binary at `IMAGE_NODE_BIN`.
+        Raises `HarnessInstallError` when the interpreter cannot be mounted."""
+        binds = [(str(self.root), str(self.root))]
+        real = self.root.resolve()
+        if real != self.root:
+            binds.append((str(real), str(real)))  # the venv's own links name the resolved path
+        if self.ecosystem == "npm":
+            node = shutil.which("node")
+            if node is None:
+                raise HarnessInstallError(f"{self.name}: node is required (Debian packages nodejs, npm)")
+            binds.append((str(Path(node).resolve()), f"{IMAGE_NODE_BIN}/node"))
+        else:
+            prefix = self._venv_base_prefix()
+            if str(prefix).startswith("/usr"):
+                raise HarnessInstallError(
+                    f"{self.name}: its venv is built on {prefix}, under /usr, which an image replaces; "
+                    "reinstall it with a Python outside /usr (pyenv or a standalone build) to run it in images")
+            binds.append((str(prefix), str(prefix)))
+        return binds
+
+    def image_programs(self) -> list[Path]:
+        """Host executables of `image_binds` that must run on the image's C library."""
+        if self.ecosystem == "npm":
+            node = shutil.which("node")
+            return [Path(node).resolve()] if node else []
+        return [(self.root / "venv" / "bin" / "python").resolve()]
+
+    def image_path_prepend(self) -> list[str]:
+        """PATH entries inside an image (what `path_prepend` is on the host)."""
+        return [IMAGE_NODE_BIN] if self.ecosystem == "npm" else []
+
+    def _venv_base_prefix(self) -> Path:
+        cfg = self.root / "venv" / "pyvenv.cfg"
+        try:
+            home = next(line.split("=", 1)[1].strip() for line in cfg.read_text().splitlines()
+                        if line.split("=", 1)[0].strip() == "home")
+        except (OSError, StopIteration):
+            self.require_installed()
+            raise HarnessInstallError(f"{self.name}: {cfg} names no base Python (`home`)") from None
+        return Path(home).resolve().parent
 
     # --- per-episode hooks (subclasses) ------------------------------------------------
 

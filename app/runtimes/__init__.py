@@ -1,21 +1,23 @@
 """Runtimes: where an episode's repository lives and its commands run.
 
 `LocalRuntime` (git working copy + cached venv, bubblewrap when installed) and
-`DockerRuntime` (SWE-bench images, where a Docker engine exists).  Both offer
+`OciRuntime` (a task's container image, rootless: skopeo + umoci + bubblewrap) and
+`DockerRuntime` (SWE-bench images, where a Docker engine exists).  All offer
 `prepare(record) → describe()/attach(state) → run(cmd, ...) → patch() → close()`.
 """
 from app.runtimes.docker import DockerRuntime, docker_available
 from app.runtimes.errors import RuntimeClosed, RuntimeSetupError
 from app.runtimes.local import LocalRuntime, cleanup_stale_runtimes
 from app.runtimes.materialize import materialize_base
+from app.runtimes.oci import OciRuntime
 from app.runtimes.patch import PatchError, patch_from_workspace
 from app.runtimes.paths import RuntimePaths
 from app.runtimes.sandbox import Limits, Mount, RunResult, bwrap_available
 
 
-def attach_runtime(state: dict) -> "LocalRuntime | DockerRuntime":
+def attach_runtime(state: dict) -> "LocalRuntime | OciRuntime | DockerRuntime":
     """Re-open a runtime from its `describe()` state, whichever kind it is."""
-    kinds = {LocalRuntime.kind: LocalRuntime, DockerRuntime.kind: DockerRuntime}
+    kinds = {LocalRuntime.kind: LocalRuntime, OciRuntime.kind: OciRuntime, DockerRuntime.kind: DockerRuntime}
     try:
         return kinds[state["kind"]].attach(state)
     except KeyError:
@@ -23,7 +25,7 @@ def attach_runtime(state: dict) -> "LocalRuntime | DockerRuntime":
 
 
 __all__ = [
-    "LocalRuntime", "DockerRuntime", "docker_available", "bwrap_available", "RuntimeSetupError",
+    "LocalRuntime", "OciRuntime", "DockerRuntime", "docker_available", "bwrap_available", "RuntimeSetupError",
     "RuntimeClosed", "materialize_base", "patch_from_workspace", "PatchError", "RuntimePaths", "Limits",
     "Mount", "RunResult", "attach_runtime", "cleanup_stale_runtimes",
 ]

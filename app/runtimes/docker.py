@@ -27,13 +27,20 @@ from app.tasksets.schema import InstanceRecord
 WORKDIR = "/testbed"
 
 
-@functools.lru_cache(maxsize=1)
-def docker_available() -> bool:
-    """True when the docker CLI exists *and* an engine answers `docker info`."""
-    if not shutil.which("docker"):
+ENGINES = ("docker", "podman")  # CLIs with the same `run`/`exec`/`rm` surface
+
+
+@functools.lru_cache(maxsize=2)
+def docker_available(engine: str = "docker") -> bool:
+    """True when the `engine` CLI (docker or podman) exists *and* answers `<engine> info`.
+
+    `podman info` also answers where podman cannot start a container (Debian 12's crun refuses
+    hybrid cgroup v1/v2 hosts: "cgroups in hybrid mode not supported"); `prepare` then fails with
+    the engine's message."""
+    if not shutil.which(engine):
         return False
     try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=15).returncode == 0
+        return subprocess.run([engine, "info"], capture_output=True, timeout=15).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -55,20 +62,23 @@ class DockerRuntime:
 
     @classmethod
     def prepare(cls, record: InstanceRecord | dict, *, image: str | None = None, docker_network: str | None = None,
-                memory_mb: int = 8192, cpus: float = 2.0, pids: int = 4096) -> "DockerRuntime":
-        """Start a container (`docker run -d`); raises `RuntimeSetupError("docker")` when it cannot."""
+                memory_mb: int = 8192, cpus: float = 2.0, pids: int = 4096, engine: str = "docker") -> "DockerRuntime":
+        """Start a container (`<engine> run -d`, engine docker or podman); raises
+        `RuntimeSetupError(engine)` when it cannot."""
         rec = record if isinstance(record, InstanceRecord) else InstanceRecord.model_validate(record)
-        if not docker_available():
-            raise RuntimeSetupError("docker", "no Docker engine reachable (`docker info` failed)")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
+        if not docker_available(engine):
+            raise RuntimeSetupError(engine, f"no {engine} engine usable here (`{engine} info` failed)")
         name = f"turnstile-{uuid.uuid4().hex[:12]}"
         img = image or swebench_image(rec)
-        argv = ["docker", "run", "-d", "--name", name, "--network", docker_network or "none",
+        argv = [engine, "run", "-d", "--name", name, "--network", docker_network or "none",
                 f"--memory={memory_mb}m", f"--cpus={cpus}", f"--pids-limit={pids}", "-w", WORKDIR,
                 img, "tail", "-f", "/dev/null"]
         proc = subprocess.run(argv, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeSetupError("docker", f"docker run {img}: {proc.stderr.strip()[-2000:]}")
-        return cls({"kind": cls.kind, "id": name, "container": proc.stdout.strip(), "image": img,
+            raise RuntimeSetupError(engine, f"{engine} run {img}: {proc.stderr.strip()[-2000:]}")
+        return cls({"kind": cls.kind, "engine": engine, "id": name, "container": proc.stdout.strip(), "image": img,
                     "instance_id": rec.instance_id, "base_commit": rec.base_commit, "confined": True})
 
     @classmethod
@@ -89,7 +99,7 @@ class DockerRuntime:
             raise RuntimeClosed(f"runtime {self.id} is closed")
         shell = cmd if isinstance(cmd, str) else " ".join(_quote(c) for c in cmd)
         script = f"source /opt/miniconda3/bin/activate testbed 2>/dev/null || true; {shell}"
-        argv = ["docker", "exec", *(["-i"] if stdin is not None else []), "-w", WORKDIR]
+        argv = [self._state.get("engine", "docker"), "exec", *(["-i"] if stdin is not None else []), "-w", WORKDIR]
         for k, v in (env or {}).items():
             argv += ["-e", f"{k}={v}"]
         argv += [self._state["container"], "timeout", "-k", "5", str(int(timeout_s)), "/bin/bash", "-c", script]
@@ -113,7 +123,8 @@ class DockerRuntime:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            subprocess.run(["docker", "rm", "-f", self._state["container"]], capture_output=True)
+            subprocess.run([self._state.get("engine", "docker"), "rm", "-f", self._state["container"]],
+                           capture_output=True)
 
     def __enter__(self) -> "DockerRuntime":
         return self

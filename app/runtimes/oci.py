@@ -1,0 +1,446 @@
+"""`OciRuntime`: an episode (or a grade) inside its task's container image, rootless, no daemon.
+
+    rt = OciRuntime.prepare(record, image="docker://127.0.0.1:5000/swe/requests:2.27")
+    state = rt.describe()                        # JSON, like LocalRuntime's
+    rt = OciRuntime.attach(state)
+    rt.run("python -m pytest -x", timeout_s=600, network="gateway")
+    patch = rt.patch()
+    rt.close()
+
+The image is pulled with skopeo and unpacked once per node by `app.runtimes.images` (a cache
+keyed by manifest digest, shared read-only by every runtime of that image).  Each runtime gets:
+
+* its own copy of the repository folder (`record.repo_dir`, default /testbed, else the image's
+  WorkingDir), bound read-write over the shared rootfs;
+* a scratch HOME at /home/agent;
+* the host programs it was given read-only at fixed paths (`ro_binds`: a harness's tools folder,
+  the Python its venv points to, Node), checked against the image's C library first
+  (`rootfs.libc_check`: a musl image or one with an older glibc is refused, naming the image).
+
+Commands run under bubblewrap as in `app.runtimes.sandbox` (fresh namespaces, every capability
+dropped, cgroup caps, `network="gateway"` reaching only the gateway through the bridged Unix
+socket), over a tmpfs root rebuilt from the image's rootfs (`rootfs.layout_args`), with the
+image config's Env, WorkingDir and User.  The image's conda-style env `testbed`
+(/opt/miniconda3/envs/testbed, as SWE-bench images have it) is first on PATH when present.
+
+Host layout `<var_dir>/runtimes/<id>/`: `workspace/` (the repository copy), `home/`,
+`base/` (a private snapshot repository when the image's folder has no git history),
+`untracked.exclude` (files untracked in the image, kept out of patches), `gateway.sock`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+from app.config import Settings, get_settings
+from app.gitutil import EXCLUDE_PATTERNS, git_env
+from app.runtimes.bridge import GatewayBridge
+from app.runtimes.errors import RuntimeClosed, RuntimeSetupError
+from app.runtimes.images import Image, ImageCache, remove_tree
+from app.runtimes.patch import HARDENED_GIT_OPTIONS, patch_from_workspace
+from app.runtimes.paths import RuntimePaths
+from app.runtimes.rootfs import layout_args, libc_check, resolve_inside
+from app.runtimes.sandbox import (
+    BRIDGE_SOCKET,
+    INIT_PATH,
+    INIT_SOURCE,
+    MIB,
+    Limits,
+    Mount,
+    Network,
+    RunResult,
+    bwrap_available,
+    execute,
+)
+from app.tasksets.schema import InstanceRecord
+
+SANDBOX_HOME = "/home/agent"
+DEFAULT_REPO_DIR = "/testbed"
+TESTBED_ENV = "/opt/miniconda3/envs/testbed"
+_BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _as_record(record: InstanceRecord | dict) -> InstanceRecord:
+    return record if isinstance(record, InstanceRecord) else InstanceRecord.model_validate(record)
+
+
+def host_python() -> tuple[Path, Path]:
+    """(executable, prefix) of the Python this worker runs on: it starts the sandbox's gateway
+    listener, mounted at its own path.  Raises `RuntimeSetupError("sandbox")` when it lives under
+    /usr (the image's /usr takes that place)."""
+    prefix = Path(sys.base_prefix).resolve()
+    exe = prefix / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if str(prefix).startswith("/usr"):
+        raise RuntimeSetupError("sandbox", f"the worker's Python ({prefix}) is under /usr, which an image replaces; "
+                                           "run Turnstile on a Python outside /usr (pyenv, a standalone build)")
+    return exe, prefix
+
+
+class OciRuntime:
+    """A runtime whose root filesystem is a container image (state: image digest, workspace, ...)."""
+
+    kind = "oci"
+
+    def __init__(self, state: dict[str, Any], limits: Limits | None = None):
+        self._state = dict(state)
+        self.limits = limits or Limits(**state.get("limits", {}))
+        self._closed = not Path(state["root"]).exists()
+
+    # --- construction ---------------------------------------------------------------
+
+    @classmethod
+    def prepare(
+        cls,
+        record: InstanceRecord | dict,
+        *,
+        image: str | None = None,
+        settings: Settings | None = None,
+        paths: RuntimePaths | None = None,
+        limits: Limits | None = None,
+        gateway_url: str | None = None,
+        ro_binds: Sequence[tuple[str | Path, str]] = (),
+        programs: Sequence[str | Path] = (),
+        harness: str | None = None,
+        purpose: str = "episode",
+        cache: ImageCache | None = None,
+    ) -> "OciRuntime":
+        """Pull and unpack the image (cached per node), then a fresh repository copy and HOME.
+
+        `image`: a reference (`app.runtimes.images.parse_reference`); default `record.image`.
+        `ro_binds`: (host path, sandbox path) read-only mounts (harness tools, Node, Python).
+        `programs`: host executables among them that must run on the image's C library
+        (`harness` names them in the error).  Raises `RuntimeSetupError`: stage "image" (pull or
+        unpack failed: skopeo's or the registry's answer), "image cache", "repository" (the
+        repository folder is not in the image), "harness" (the harness cannot run in this image),
+        "sandbox" (no usable bubblewrap).
+        """
+        rec = _as_record(record)
+        settings = settings or get_settings()
+        paths = paths or RuntimePaths.from_settings(settings)
+        ref = image or rec.image
+        if not ref:
+            raise RuntimeSetupError("image", f"instance {rec.instance_id} names no image")
+        if not bwrap_available():
+            raise RuntimeSetupError("sandbox", "bubblewrap (`bwrap`) is required for image runtimes; "
+                                               "install the Debian package `bubblewrap`")
+        t0 = time.monotonic()
+        rid = f"{purpose[:5]}-{uuid.uuid4().hex[:12]}"
+        root = paths.runtimes / rid
+        root.mkdir(parents=True)
+        cache = cache or ImageCache(settings, paths)
+        try:
+            img = cache.ensure(ref, user=rid, user_root=root)
+            t1 = time.monotonic()
+            if programs:
+                why = _checked(img, [Path(p) for p in programs])
+                if why:
+                    raise RuntimeSetupError("harness", f"{harness or 'the harness'} cannot run in image {ref}: {why}")
+            repo_dir = _repo_dir(rec, img)
+            base = resolve_inside(img.rootfs, repo_dir)
+            if base is None or not base.is_dir() or base == img.rootfs:
+                raise RuntimeSetupError("repository", f"image {ref} has no folder {repo_dir} "
+                                                      f"(instance {rec.instance_id}'s repository)")
+            workspace, home = root / "workspace", root / "home"
+            subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(workspace)], check=True, capture_output=True)
+            home.mkdir()
+            (home / ".gitconfig").write_text("[user]\n\tname = agent\n\temail = agent@localhost\n[safe]\n\tdirectory = *\n")
+            base_repo, base_commit, untracked = _repository_facts(img, repo_dir, base, root)
+            (root / "untracked.exclude").write_text(untracked)
+            exe, prefix = host_python()
+        except BaseException:
+            cache.release(_digest_or_empty(locals().get("img")), rid)
+            remove_tree(root)
+            raise
+        t2 = time.monotonic()
+        state = {
+            "kind": cls.kind, "id": rid, "instance_id": rec.instance_id, "root": str(root),
+            "workspace": str(workspace), "home": str(home), "image": ref, "digest": img.digest,
+            "bundle": str(img.bundle), "repo_dir": repo_dir, "base_repo": str(base_repo),
+            "base_commit": base_commit, "image_env": img.config.env, "image_cwd": img.config.cwd,
+            "uid": img.config.uid, "gid": img.config.gid, "cache_root": str(cache.root),
+            "python_executable": str(exe), "python_prefix": str(prefix), "confined": True,
+            "gateway_url": gateway_url or settings.gateway_url,
+            "ro_binds": [[str(h), s] for h, s in ro_binds],
+            "limits": (limits or Limits.for_episodes(settings)).__dict__,
+            "timings": {"image_s": round(t1 - t0, 3), "workspace_s": round(t2 - t1, 3)},
+        }
+        return cls(state, limits or Limits.for_episodes(settings))
+
+    @classmethod
+    def attach(cls, state: dict[str, Any]) -> "OciRuntime":
+        """Re-open a runtime from `describe()` output (e.g. in another worker process)."""
+        if state.get("kind") != cls.kind:
+            raise ValueError(f"not an oci runtime state: kind={state.get('kind')!r}")
+        return cls(state)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-serializable state for `attach` and the episode row."""
+        return dict(self._state)
+
+    # --- properties -----------------------------------------------------------------
+
+    id = property(lambda self: self._state["id"])
+    instance_id = property(lambda self: self._state["instance_id"])
+    root = property(lambda self: Path(self._state["root"]))
+    workspace = property(lambda self: Path(self._state["workspace"]), doc="host path of the repository copy")
+    home = property(lambda self: Path(self._state["home"]), doc="host path of the scratch HOME")
+    confined = property(lambda self: True)
+    base_commit = property(lambda self: self._state["base_commit"])
+    image = property(lambda self: self._state["image"])
+    digest = property(lambda self: self._state["digest"])
+    rootfs = property(lambda self: Path(self._state["bundle"]) / "rootfs")
+    timings = property(lambda self: dict(self._state.get("timings", {})))
+    workdir = property(lambda self: self._state["repo_dir"], doc="the repository's path inside")
+    home_dir = property(lambda self: SANDBOX_HOME, doc="HOME as commands see it")
+
+    @property
+    def gateway_url(self) -> str:
+        """The gateway's URL as seen inside (`network="gateway"` runs): http://127.0.0.1:<port><path>."""
+        url = urlsplit(self._state["gateway_url"])
+        return urlunsplit(("http", f"127.0.0.1:{self._inside_port()}", url.path, url.query, ""))
+
+    def _gateway_port(self) -> int:
+        url = urlsplit(self._state["gateway_url"])
+        return url.port or (443 if url.scheme == "https" else 80)
+
+    def _inside_port(self) -> int:
+        port = self._gateway_port()
+        return port if port >= 1024 else 18100
+
+    def add_ro_bind(self, host_path: str | Path, sandbox_path: str | None = None) -> None:
+        """Make `host_path` visible read-only at `sandbox_path` (default: same path) in later runs."""
+        self._state["ro_binds"].append([str(host_path), sandbox_path or str(host_path)])
+
+    # --- running ----------------------------------------------------------------------
+
+    def environment(self, env: dict[str, str] | None = None, path_prepend: Sequence[str] = ()) -> dict[str, str]:
+        """The full environment of a command: the image's Env, then HOME/TMPDIR/..., then `env`.
+
+        PATH is `path_prepend`, the image's `testbed` env when it has one, then the image's PATH."""
+        out = dict(self._state["image_env"])
+        path = [*path_prepend]
+        if resolve_inside(self.rootfs, TESTBED_ENV + "/bin") is not None:
+            path.append(TESTBED_ENV + "/bin")
+            out.update(VIRTUAL_ENV=TESTBED_ENV, CONDA_DEFAULT_ENV="testbed", CONDA_PREFIX=TESTBED_ENV)
+        path.append(out.get("PATH") or _BASE_PATH)
+        out.update(PATH=":".join(path), HOME=SANDBOX_HOME, TMPDIR="/tmp", TERM="dumb", PYTHONUNBUFFERED="1",
+                   PIP_DISABLE_PIP_VERSION_CHECK="1")
+        out.setdefault("LANG", "C.UTF-8")
+        out.update(env or {})
+        return out
+
+    def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 600,
+        network: Network = "none",
+        stdin: str | bytes | None = None,
+        path_prepend: Sequence[str] = (),
+        extra_mounts: Sequence[Mount] = (),
+        should_stop: Callable[[], bool] | None = None,
+        workdir: str | None = None,
+    ) -> RunResult:
+        """Run `cmd` (a shell string for the image's /bin/bash -c, or an argv) in the repository.
+
+        Same contract as `LocalRuntime.run`: network "none" or "gateway"; exit 124 + timed_out on
+        timeout; `should_stop` kills at once.  `extra_mounts` (e.g. a grade's test files) are
+        mounted after the image.  Raises `RuntimeClosed`.
+        """
+        if self._closed:
+            raise RuntimeClosed(f"runtime {self.id} is closed")
+        if network not in ("none", "gateway"):
+            raise ValueError(f"network must be 'none' or 'gateway', not {network!r}")
+        argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        repo = self._state["repo_dir"]
+        mounts = [Mount(self.workspace, repo, True), Mount(self.home, SANDBOX_HOME, True)]
+        mounts += [Mount(Path(h), s, False) for h, s in self._state["ro_binds"]]
+        prefix = Path(self._state["python_prefix"])
+        if network == "gateway":
+            mounts.append(Mount(prefix, str(prefix), False))
+        mounts += list(extra_mounts)
+        socket_path = self.root / "gateway.sock"
+        if network == "gateway":
+            from app.runtimes.local import _bridge_socket_path  # one rule for socket path length
+
+            socket_path = _bridge_socket_path(socket_path)
+            mounts += [Mount(INIT_SOURCE, INIT_PATH, False), Mount(socket_path, BRIDGE_SOCKET, False)]
+        full = self._bwrap(argv, mounts, workdir or repo, self.environment(env, path_prepend), network)
+        disk = (self.workspace, self.home)
+        if network != "gateway":
+            return execute(full, timeout_s=timeout_s, limits=self.limits, confined=True, network=network,
+                           stdin=stdin, should_stop=should_stop, disk_paths=disk)
+        gw = urlsplit(self._state["gateway_url"])
+        try:
+            with GatewayBridge(socket_path, gw.hostname or "127.0.0.1", self._gateway_port()):
+                return execute(full, timeout_s=timeout_s, limits=self.limits, confined=True, network=network,
+                               stdin=stdin, should_stop=should_stop, disk_paths=disk)
+        finally:
+            if socket_path.parent != self.root:
+                shutil.rmtree(socket_path.parent, ignore_errors=True)
+
+    def _bwrap(self, command: list[str], mounts: list[Mount], workdir: str, env: dict[str, str],
+               network: str) -> list[str]:
+        # As in sandbox.bwrap_argv: --cap-drop ALL also when the worker is root (CAP_SYS_ADMIN
+        # inside could remount a read-only bind read-write).  The root is a tmpfs rebuilt from
+        # the image, so mount points for the workspace, HOME and host tools can be made.
+        size = self.limits.tmpfs_mb
+
+        def tmpfs(path: str, mib: int | None) -> list[str]:
+            return (["--size", str(mib * MIB)] if mib else []) + ["--tmpfs", path]
+
+        argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", str(self._state["uid"]),
+                "--gid", str(self._state["gid"]), "--cap-drop", "ALL", "--die-with-parent", "--new-session",
+                "--hostname", "sandbox", *tmpfs("/", size)]
+        argv += layout_args(self.rootfs, [m.dst for m in mounts] + [SANDBOX_HOME])
+        argv += ["--proc", "/proc", "--dev", "/dev"]
+        if size:
+            argv += [*tmpfs("/dev/shm", size), "--remount-ro", "/dev"]
+        argv += [*tmpfs("/tmp", size), *tmpfs("/run", 16 if size else None)]
+        for m in mounts:
+            argv += ["--bind" if m.writable else "--ro-bind", str(m.src), m.dst]
+        argv += ["--clearenv"]
+        for k, v in env.items():
+            argv += ["--setenv", k, v]
+        argv += ["--chdir", workdir, "--"]
+        if network == "gateway":
+            argv += [self._state["python_executable"], "-I", INIT_PATH, "--listen",
+                     f"127.0.0.1:{self._inside_port()}", "--unix", BRIDGE_SOCKET, "--"]
+        return argv + command
+
+    # --- results and cleanup ------------------------------------------------------------
+
+    def patch(self) -> str:
+        """The agent's changes as a unified diff against the image's repository ("" when none).
+        Raises `RuntimeClosed`, `PatchError`."""
+        if self._closed:
+            raise RuntimeClosed(f"runtime {self.id} is closed")
+        return patch_from_workspace(self.workspace, self.base_commit, base_repo=Path(self._state["base_repo"]),
+                                    extra_excludes=self.root / "untracked.exclude")
+
+    def close(self) -> None:
+        """Delete the runtime's folder and drop its hold on the shared image.  Idempotent."""
+        if not self._closed:
+            self._closed = True
+            if self.root.exists():
+                remove_tree(self.root)
+            (Path(self._state["cache_root"]) / "rootfs" / self.digest.split(":", 1)[-1] / "users" / self.id
+             ).unlink(missing_ok=True)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "OciRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"OciRuntime(id={self.id!r}, image={self.image!r}, instance={self.instance_id!r})"
+
+
+def _repo_dir(rec: InstanceRecord, img: Image) -> str:
+    """The repository's folder inside: the record's `repo_dir` when the record sets it, else
+    /testbed when the image has one (SWE-bench's layout), else the image's WorkingDir."""
+    if "repo_dir" in rec.model_fields_set or (rec.model_extra or {}).get("repo_dir"):
+        return str(getattr(rec, "repo_dir", None) or rec.model_extra["repo_dir"])
+    return DEFAULT_REPO_DIR if resolve_inside(img.rootfs, DEFAULT_REPO_DIR) is not None else img.config.cwd
+
+
+def _checked(img: Image, programs: list[Path]) -> str | None:
+    """`libc_check` of `programs` on `img`, remembered in the image's bundle per program file
+    (path, size, mtime): reading a 100 MB `node` and running `ldd` costs about a second, a
+    warm prepare must not."""
+    stats = [(str(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in programs]
+    key = hashlib.sha256(repr(stats).encode()).hexdigest()[:24]
+    memo = img.bundle / "checks" / key
+    try:
+        text = memo.read_text()
+        return text or None
+    except OSError:
+        pass
+    why = libc_check(img.rootfs, programs)
+    memo.parent.mkdir(exist_ok=True)
+    tmp = memo.with_suffix(f".{uuid.uuid4().hex[:8]}")
+    tmp.write_text(why or "")
+    os.replace(tmp, memo)
+    return why
+
+
+def _digest_or_empty(img: Image | None) -> str:
+    return img.digest if img is not None else "sha256:none"
+
+
+def _git(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(["git", *HARDENED_GIT_OPTIONS, *args], cwd=cwd, capture_output=True, text=True,
+                          env=git_env(env or {}))
+    if proc.returncode != 0:
+        raise RuntimeSetupError("repository", f"git {args[0]} in {cwd}: {proc.stderr.strip()[-1000:]}")
+    return proc.stdout
+
+
+def _repository_facts(img: Image, repo_dir: str, base: Path, root: Path) -> tuple[Path, str, str]:
+    """(trusted repository, base commit, untracked-file excludes) of the image's repository folder.
+
+    For a folder with git history these are the same for every runtime of the image, so they are
+    computed once and kept in the bundle (`git status` over a large repository costs a good part
+    of a second); a folder without history gets a fresh snapshot per runtime."""
+    memo = img.bundle / "repos" / (hashlib.sha256(repo_dir.encode()).hexdigest()[:24] + ".json")
+    if (base / ".git").is_dir():
+        try:
+            facts = json.loads(memo.read_text())
+            return base, facts["base_commit"], facts["untracked"]
+        except (OSError, ValueError, KeyError):
+            pass
+    base_repo, base_commit = _base_repository(base, root)
+    untracked = _untracked(base_repo, base)
+    if base_repo == base:
+        memo.parent.mkdir(exist_ok=True)
+        tmp = memo.with_suffix(f".{uuid.uuid4().hex[:8]}")
+        tmp.write_text(json.dumps({"base_commit": base_commit, "untracked": untracked}))
+        os.replace(tmp, memo)
+    return base_repo, base_commit, untracked
+
+
+def _base_repository(base: Path, root: Path) -> tuple[Path, str]:
+    """(trusted repository, base commit) that patches are taken against.
+
+    The image's own repository (read-only, shared; the agent cannot change it) when the folder
+    has git history; else a private snapshot of the folder as the image has it, in `root/base`."""
+    if (base / ".git").is_dir():
+        return base, _git(base, "rev-parse", "HEAD").strip()
+    snap = root / "base"
+    snap.mkdir()
+    _git(snap, "init", "-q")
+    env = {"GIT_DIR": str(snap / ".git"), "GIT_WORK_TREE": str(base)}
+    _git(snap, "add", "-A", "--", ".", env=env)
+    _git(snap, "-c", "user.name=turnstile", "-c", "user.email=turnstile@localhost", "commit", "-q",
+         "--allow-empty", "-m", "image snapshot", env=env)
+    return snap, _git(snap, "rev-parse", "HEAD").strip()
+
+
+def _untracked(base_repo: Path, base: Path) -> str:
+    """gitignore lines naming the files the image already has untracked (install by-products),
+    then `EXCLUDE_PATTERNS`."""
+    # GIT_OPTIONAL_LOCKS=0: status must not refresh the index of the shared, read-only image copy.
+    env = {"GIT_DIR": str(base_repo / ".git"), "GIT_WORK_TREE": str(base), "GIT_OPTIONAL_LOCKS": "0"}
+    out = _git(base, "status", "--porcelain=v1", "-z", "--untracked-files=all", env=env)
+    lines = []
+    for item in out.split("\0"):
+        if item.startswith("?? "):
+            lines.append("/" + item[3:].replace("\\", "\\\\").replace("*", "\\*").replace("?", "\\?")
+                         .replace("[", "\\[").replace("!", "\\!").replace("#", "\\#"))
+    # Plus what commands leave behind (caches, build folders), as LocalRuntime's workspaces exclude it.
+    return "".join(line + "\n" for line in [*lines, *EXCLUDE_PATTERNS])
