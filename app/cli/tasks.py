@@ -20,6 +20,10 @@ def cmd_validate(args) -> int:
         records = [task_set.get(i) for i in wanted]
     print(f"validating {len(records)} instance(s) of {task_set.name} ({task_set.path}): gold patch and empty patch, "
           f"{args.jobs} at a time", flush=True)
+    print(f"formats: {', '.join(f'{k} {v}' for k, v in task_set.formats.items())}")
+    for warning in task_set.warnings:  # unknown keys of published rows: reported, never dropped silently
+        print(f"warning: {warning}")
+    sys.stdout.flush()
     lock = threading.Lock()
 
     def show(check) -> None:

@@ -74,7 +74,8 @@ CACHE_PREFIX = "turnstile:grade:v1"
 CACHE_TTL_S = 30 * 24 * 3600
 GRADING_DIR = "/run/turnstile/grading"
 _OUTCOME_FIELDS = ("instance_id", "patch", "test_patch", "eval_script", "test_cmd", "test_files", "FAIL_TO_PASS",
-                   "PASS_TO_PASS", "log_parser", "eval_type", "source", "bug_patch", "install", "python", "base_commit")
+                   "PASS_TO_PASS", "log_parser", "eval_type", "source", "bug_patch", "install", "python", "base_commit",
+                   "image", "repo_dir", "grader", "expected_statuses", "harbor")
 
 
 @dataclasses.dataclass
@@ -105,8 +106,20 @@ class GradeResult:
 
 def record_hash(record: InstanceRecord) -> str:
     data = record.model_dump(mode="json")
-    blob = json.dumps({k: data.get(k) for k in _OUTCOME_FIELDS}, sort_keys=True)
+    fields = {k: data.get(k) for k in _OUTCOME_FIELDS}
+    if record.harbor is not None:  # a Harbor task's tests live in its folder, not in the record
+        fields["harbor_tests"] = _tree_digest(Path(record.harbor.tests_dir))
+    blob = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _tree_digest(root: Path) -> str:
+    """SHA-256 over the relative paths and bytes of the files under `root` (links by their target)."""
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")) if root.is_dir() else []:
+        h.update(str(p.relative_to(root)).encode())
+        h.update(os.readlink(p).encode() if p.is_symlink() else p.read_bytes() if p.is_file() else b"/")
+    return h.hexdigest()[:16]
 
 
 def patch_sha256(patch: str | None) -> str:
@@ -146,7 +159,10 @@ def grade(
     A patch that does not apply gives resolved=False, reward 0.0 and
     `report["apply"]["reason"]`.  Raises `pydantic.ValidationError` for an invalid
     record and `app.runtimes.RuntimeSetupError` when the runtime cannot be built
-    (infrastructure failure: not a score, so the caller may retry).
+    (infrastructure failure: not a score, so the caller may retry).  A record served by
+    its container image (`source.kind == "image"`) is graded there (`app.grading.image`);
+    one whose image cannot run the grader raises `app.grading.verifier.VerifierError`
+    (a `RuntimeSetupError`: the episode fails and is masked, never scored 0).
     """
     record = instance_record if isinstance(instance_record, InstanceRecord) else InstanceRecord.model_validate(instance_record)
     settings = settings or get_settings()
@@ -162,7 +178,12 @@ def grade(
             data = json.loads(hit)
             return GradeResult(data["resolved"], data["reward"], data["report"], data["log_path"], cached=True)
 
-    result = _grade_fresh(record, patch, settings, timeout_s, confine)
+    if record.source_kind == "image":  # the task's own container image (app.grading.image)
+        from app.grading.image import grade_in_image
+
+        result = grade_in_image(record, patch, settings=settings, timeout_s=timeout_s)
+    else:
+        result = _grade_fresh(record, patch, settings, timeout_s, confine)
     if cache is not None:
         try:
             cache.set(key, json.dumps(result.to_dict() | {"cached": False}), ex=CACHE_TTL_S)

@@ -5,7 +5,10 @@
 
 An instance that its own gold patch does not resolve can never give a reward (a wrong
 test id, a test that never runs, a broken environment); one that an empty patch resolves
-pays for doing nothing.  Both are found only by running the tests, so this grades each
+pays for doing nothing.  For a Harbor task the gold patch is what its oracle
+(`solution/solve.sh`) changes, run in a fresh runtime of its image (`app.grading.harbor`).
+That every test id can be read back by the record's parser is checked at load
+(`swebench_compat.unmatchable_test_ids`); ids absent from the gold run's log are listed here.  Both are found only by running the tests, so this grades each
 instance twice, fresh (no grade cache), with the grader an episode uses (`grade`).
 """
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
-from app.config import Settings
+from app.config import Settings, get_settings
 from app.grading.grader import GradeResult, grade
 from app.runtimes.errors import RuntimeSetupError
 from app.tasksets.schema import InstanceRecord
@@ -41,7 +44,9 @@ class InstanceCheck:
         if not self.gold.resolved:
             status = self.gold.report.get("tests_status", {})
             failing = [*status.get("FAIL_TO_PASS", {}).get("failure", []), *status.get("PASS_TO_PASS", {}).get("failure", [])]
-            reason = self.gold.report["apply"].get("reason") or f"failing: {', '.join(failing[:5]) or 'no test ran'}"
+            reason = self.gold.report["apply"].get("reason") or (
+                f"reward {self.gold.reward}" if "reward_file" in self.gold.report
+                else f"failing: {', '.join(failing[:5]) or 'no test ran'}")
             out.append(f"cannot be solved: the gold patch does not resolve it ({reason}; log {self.gold.log_path})")
         if self.empty.resolved:
             out.append(f"an empty patch resolves it (log {self.empty.log_path})")
@@ -56,7 +61,12 @@ def check_instance(record: InstanceRecord, *, settings: Settings | None = None, 
     t0 = time.monotonic()
     check = InstanceCheck(record.instance_id)
     try:
-        check.gold = grade(record, record.patch, settings=settings, use_cache=False, timeout_s=timeout_s)
+        gold = record.patch
+        if record.grader == "harbor":  # the oracle is a script: its changes are the gold patch
+            from app.grading.harbor import oracle_patch
+
+            gold = oracle_patch(record, settings=settings or get_settings())
+        check.gold = grade(record, gold, settings=settings, use_cache=False, timeout_s=timeout_s)
         check.empty = grade(record, "", settings=settings, use_cache=False, timeout_s=timeout_s)
     except RuntimeSetupError as exc:
         check.error = str(exc)

@@ -13,8 +13,14 @@ Named sets:
     of at most `TURNSTILE_TASK_SET_MAX_BYTES` in regular files and `TURNSTILE_TASK_SET_MAX_RECORDS`
     records.
 
+Published formats are read as published (`app.tasksets.formats`): SWE-bench / Verified /
+SWE-Gym, SWE-smith, SWE-rebench V2 and R2E-Gym rows in any of those files, and Harbor task
+folders (a folder holding `task.toml`, or a folder of such folders).  Each file's format is
+told from its first row; keys a format does not define are listed in `TaskSet.warnings`.
+
 Validation reports *every* bad record, each with its line (JSONL line number, JSON
-array index + 1, or parquet row + 1), `instance_id` when readable, and field.
+array index + 1, or parquet row + 1, a Harbor task's folder), `instance_id` when readable,
+and field.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from typing import Any, Iterator
 from pydantic import ValidationError
 
 from app.config import ROOT, get_settings
+from app.tasksets import formats
 from app.tasksets.schema import InstanceRecord
 
 DEFAULT_TASK_SET = "synthetic"
@@ -75,6 +82,8 @@ class TaskSet:
     path: Path
     instances: list[InstanceRecord]
     raw: list[dict[str, Any]] = field(default_factory=list, repr=False)  # records as given, same order
+    warnings: list[str] = field(default_factory=list)  # unknown keys of published rows, one line each
+    formats: dict[str, int] = field(default_factory=dict)  # {format: records} (app.tasksets.formats)
 
     def by_id(self) -> dict[str, InstanceRecord]:
         return {r.instance_id: r for r in self.instances}
@@ -216,16 +225,64 @@ def validate_records(rows: list[tuple[str, int, Any, str | None]]) -> tuple[list
     return records, raws, errors
 
 
-def load_records(path: str | Path) -> tuple[list[InstanceRecord], list[dict[str, Any]]]:
-    """Read and validate every record of a file or folder.  Raises `TaskSetError` listing all bad records."""
+def _converted_rows(path: Path) -> tuple[list[tuple[str, int, Any, str | None]], list[RecordError], list[str],
+                                          dict[str, int]]:
+    """Rows of `path` in `InstanceRecord` form: (rows, conversion errors, warnings, {format: rows})."""
+    out, errors, warnings, counts = [], [], [], {}
+
+    def take(source: str, line: int, fmt: str, conv: formats.Converted, iid: Any) -> None:
+        iid = iid if isinstance(iid, str) else None
+        who = f" (instance_id={iid!r})" if iid else ""
+        warnings.extend(f"{source} line {line}{who}: {w}" for w in conv.warnings)
+        if conv.error:
+            errors.append(RecordError(source, line, conv.error[0], conv.error[1], iid))
+        else:
+            counts[fmt] = counts.get(fmt, 0) + 1
+            out.append((source, line, conv.row, None))
+
+    tasks = formats.harbor.task_dirs(path) if path.is_dir() else []
+    if tasks:
+        for i, task in enumerate(tasks, 1):
+            take(task.name, i, "harbor", formats.harbor.convert_task(task), task.name)
+        return out, errors, warnings, counts
+    by_file: dict[str, list[tuple[str, int, Any, str | None]]] = {}
+    for row in _rows(path):
+        by_file.setdefault(row[0], []).append(row)
+    for source, rows in by_file.items():
+        first = next((r for _, _, r, err in rows if err is None and isinstance(r, dict)), None)
+        fmt = formats.detect_format(first, str(path))
+        good = [(line, row) for _, line, row, err in rows if err is None and isinstance(row, dict)]
+        converted = iter(formats.convert(fmt, [row for _, row in good]))
+        for _, line, row, err in rows:
+            if err is not None or not isinstance(row, dict):
+                out.append((source, line, row, err))  # reported by validate_records, as before
+            else:
+                take(source, line, fmt, next(converted), row.get("instance_id"))
+    return out, errors, warnings, counts
+
+
+def load_published(path: str | Path) -> tuple[list[InstanceRecord], list[dict[str, Any]], list[str], dict[str, int]]:
+    """Read, convert (`app.tasksets.formats`) and validate every record of a file or folder.
+
+    Returns (records, record dicts as validated, warnings, {format: records}).  Raises
+    `TaskSetNotFound` or `TaskSetError` listing every bad record (a conversion's reason included).
+    """
     path = Path(path)
     if not path.exists():
         raise TaskSetNotFound(f"{path} does not exist")
-    records, raws, errors = validate_records(list(_rows(path)))
+    rows, conv_errors, warnings, counts = _converted_rows(path)
+    records, raws, errors = validate_records(rows)
+    errors = sorted(conv_errors + errors, key=lambda e: (e.source, e.line))
     if errors:
         raise TaskSetError(f"{path}: {len(errors)} problem(s) in the task set", errors)
     if not records:
         raise TaskSetError(f"{path}: no task instances")
+    return records, raws, warnings, counts
+
+
+def load_records(path: str | Path) -> tuple[list[InstanceRecord], list[dict[str, Any]]]:
+    """Read and validate every record of a file or folder.  Raises `TaskSetError` listing all bad records."""
+    records, raws, _warnings, _counts = load_published(path)
     return records, raws
 
 
@@ -235,5 +292,5 @@ def load_task_set(name_or_path: str | Path = DEFAULT_TASK_SET) -> TaskSet:
     Raises `TaskSetNotFound` (missing) or `TaskSetError` (bad records; `.errors` has each).
     """
     name, path = resolve_task_set(name_or_path)
-    records, raws = load_records(path)
-    return TaskSet(name=name, path=path, instances=records, raw=raws)
+    records, raws, warnings, counts = load_published(path)
+    return TaskSet(name=name, path=path, instances=records, raw=raws, warnings=warnings, formats=counts)

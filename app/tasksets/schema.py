@@ -10,6 +10,14 @@ Turnstile's extras (see data/tasks/PROVENANCE.md):
 `base_commit`, the SWE-bench default, or `inline` files written by a generator in the project), `bug_patch`, `install`, `test_cmd`,
 `test_files`, `python`, `sdist_base_commit`.  Unknown fields are kept (`extra`)
 so a record round-trips unchanged.
+
+Rows of the published benchmarks (SWE-bench/Verified/Gym, SWE-smith, SWE-rebench V2,
+R2E-Gym, Harbor task folders) are turned into this model by `app.tasksets.formats`; they
+carry an `ImageSource` (the repository is inside the task's container image, at `repo_dir`)
+and name their `grader`: `swebench` (an eval script and swebench's log parser, as for every
+other record), `rebench` (SWE-rebench V2's apply flags, `test_cmd` and named parser),
+`r2egym` (every parsed test status must equal `expected_statuses`) or `harbor`
+(`tests/test.sh` writes the reward; `harbor` holds the task folder's parts).
 """
 from __future__ import annotations
 
@@ -73,7 +81,37 @@ class InlineSource(BaseModel):
         return v
 
 
-Source = Annotated[Union[PypiSdistSource, GitSource, InlineSource], Field(discriminator="kind")]
+class ImageSource(BaseModel):
+    """The repository is inside the record's container `image`, at the record's `repo_dir`, already at its base commit.
+
+    Nothing is built on the host: the image runtime pulls and unpacks the image.
+    """
+
+    model_config = ConfigDict(extra="allow")
+    kind: Literal["image"]
+
+
+class HarborSpec(BaseModel):
+    """The parts of a Harbor task folder (https://harborframework.com/docs/tasks) a grade needs.
+
+    `task_dir`: the folder (absolute host path); `tests_dir`: its `tests/` (copied to /tests
+    for grading only, never shown to the agent); `oracle`: `solution/solve.sh` or None;
+    `verifier_timeout_s` / `agent_timeout_s`: `[verifier]` / `[agent] timeout_sec` (seconds);
+    `verifier_env`: `[verifier] env`; `network_mode`: `[verifier] network_mode`.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    task_dir: str = Field(min_length=1)
+    tests_dir: str = Field(min_length=1)
+    oracle: str | None = None
+    verifier_timeout_s: float = Field(600.0, gt=0)
+    agent_timeout_s: float | None = Field(None, gt=0)
+    verifier_env: dict[str, str] = Field(default_factory=dict)
+    network_mode: str = "no-network"
+
+
+Source = Annotated[Union[PypiSdistSource, GitSource, InlineSource, ImageSource], Field(discriminator="kind")]
+Grader = Literal["swebench", "rebench", "r2egym", "harbor"]
 
 
 def _json_list(value: Any) -> Any:
@@ -94,7 +132,7 @@ class InstanceRecord(BaseModel):
     instance_id: str = Field(min_length=1)
     repo: str = Field(min_length=1)
     base_commit: str = ""
-    patch: str = Field(min_length=1)
+    patch: str = ""
     test_patch: str = ""
     problem_statement: str = Field(min_length=1)
     hints_text: str = ""
@@ -116,6 +154,11 @@ class InstanceRecord(BaseModel):
     python: str = "3.11"
     difficulty: str | None = None
     sdist_base_commit: str | None = None
+    # --- published benchmark rows (app.tasksets.formats) ---
+    grader: Grader = "swebench"
+    repo_dir: str = "/testbed"
+    expected_statuses: dict[str, str] = Field(default_factory=dict)
+    harbor: HarborSpec | None = None
 
     @field_validator("FAIL_TO_PASS", "PASS_TO_PASS", mode="before")
     @classmethod
@@ -151,11 +194,30 @@ class InstanceRecord(BaseModel):
             raise ValueError(f"unknown log parser {v!r} (not in swebench's PARSER_REGISTRY)")
         return v
 
+    @field_validator("repo_dir")
+    @classmethod
+    def _absolute_dir(cls, v: str) -> str:
+        parts = v.split("/")
+        if not v.startswith("/") or ".." in parts or v == "/":
+            raise ValueError(f"repo_dir {v[:200]!r} must be an absolute path below / without '..'")
+        return v.rstrip("/")
+
     @model_validator(mode="after")
     def _source_needs(self) -> "InstanceRecord":
         if self.source is None or self.source.kind == "git":
             if not re.fullmatch(r"[0-9a-f]{7,40}", self.base_commit or ""):
                 raise ValueError("base_commit: a git source needs a commit id (7-40 hex digits)")
+        if self.grader == "harbor":
+            if self.harbor is None:
+                raise ValueError("harbor: a harbor-graded record needs its task folder's parts")
+            return self
+        if not self.patch:
+            raise ValueError("patch: the gold patch is required (it proves the instance can be solved)")
+        if self.grader == "r2egym":
+            if not self.expected_statuses:
+                raise ValueError(f"expected_statuses: instance {self.instance_id!r} has no expected test status, "
+                                 "so any run would match it")
+            return self
         if not self.eval_script and not self.test_cmd:
             raise ValueError("eval_script: one of eval_script or test_cmd is required to grade")
         # Both eval types judge resolution on FAIL_TO_PASS (swebench 5.0.2 `get_eval_tests_report`):

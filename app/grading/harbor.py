@@ -1,0 +1,130 @@
+"""Grade a Harbor task (https://harborframework.com/docs/tasks) in a fresh runtime of its image.
+
+1. The agent's patch (its changes to `repo_dir`) is read, stripped of test-harness changes
+   and applied as for every grade (`patching`: a `test.sh` that runs pytest must not meet the
+   agent's conftest or `.pth`), with the harness files put back.
+2. `/tests` and `/logs/verifier` are fresh, empty host folders mounted over whatever the image
+   has there: the task's `tests/` is copied into the first, the second starts empty, so a
+   reward file the agent (or the image) planted is gone before the verifier runs (NeMo Gym's
+   Harbor loader empties both for the same reason).
+3. `timeout <verifier timeout_sec> bash /tests/test.sh` runs in `repo_dir`, with `[verifier]
+   env`, and no network whatever `network_mode` says (nothing may reach out while grading).
+4. The reward is `/logs/verifier/reward.txt` or `reward.json` (`verifier.read_reward`);
+   resolved when it is at least 1.  No reward file, or an image without bash or timeout, raises
+   `VerifierError` (masked, never reward 0).
+
+`oracle_patch(record)` runs `solution/solve.sh` in a fresh episode runtime and returns the
+patch it leaves in `repo_dir`: the gold patch `tasks validate` grades.  Changes a solution
+makes outside `repo_dir` are not carried into grading (grading runs in a fresh runtime).
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from app.config import Settings
+from app.grading.grader import GRADING_DIR, GradeResult, _restore_test_harness, apply_failure_reason, grade_log_path, patch_sha256
+from app.grading.image import RuntimeFactory, check_tools, default_runtime_factory
+from app.grading.patching import PatchReadError, apply_script, drop_test_changes, read_patch
+from app.grading.verifier import VerifierError, read_reward
+from app.runtimes.paths import RuntimePaths
+from app.runtimes.sandbox import Mount
+from app.tasksets.schema import InstanceRecord
+
+TESTS, VERIFIER_LOGS, SOLUTION = "/tests", "/logs/verifier", "/solution"
+
+
+def fresh_verifier_dirs(root: Path, tests_src: Path) -> tuple[Path, Path]:
+    """(tests, verifier logs) host folders under `root`, made anew: `tests_src` copied (links kept as
+    links, never followed) into the first, the second empty.  Anything there before is removed."""
+    tests, logs = root / "tests", root / "verifier"
+    for d in (tests, logs):
+        if d.exists() or d.is_symlink():
+            shutil.rmtree(d) if d.is_dir() and not d.is_symlink() else d.unlink()
+    shutil.copytree(tests_src, tests, symlinks=True)
+    logs.mkdir()
+    return tests, logs
+
+
+def grade_harbor(record: InstanceRecord, patch: str, *, settings: Settings,
+                 runtime_factory: RuntimeFactory | None = None) -> GradeResult:
+    """Grade `patch` on a Harbor `record` (module docstring).  Raises `VerifierError`, `RuntimeSetupError`."""
+    assert record.harbor is not None
+    h = record.harbor
+    t0 = time.monotonic()
+    prepare = runtime_factory or default_runtime_factory()
+    paths = RuntimePaths.from_settings(settings)
+    log_path = grade_log_path(paths, record, patch)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"patch_sha256": patch_sha256(patch), "image": record.image, "grader": "harbor",
+                              "dropped_test_files": [], "reverted_files": {}}
+    try:
+        strip = read_patch(patch).strip
+        kept, report["dropped_test_files"] = drop_test_changes(patch, [], "", [])
+    except PatchReadError as exc:
+        log_path.write_text(f"{exc}\n", encoding="utf-8")
+        report["apply"] = {"applied": False, "method": None, "reason": f"patch refused: {exc}; log: {log_path}"}
+        return GradeResult(False, 0.0, report, str(log_path))
+    apply_info = {"applied": not kept, "method": None if kept else "empty patch", "reason": None}
+    parts: list[str] = []
+    with prepare(record, settings=settings, paths=paths, purpose="grade") as rt:
+        check_tools(rt, record)
+        gdir = rt.root / "grading"
+        gdir.mkdir()
+        (gdir / "patch.diff").write_text(kept, encoding="utf-8", errors="surrogateescape")
+        (gdir / "apply.sh").write_text(apply_script(f"{GRADING_DIR}/patch.diff", strip))
+        grading = [Mount(gdir, GRADING_DIR, False)]
+        if kept:
+            res = rt.run(f"bash {GRADING_DIR}/apply.sh 2>&1", timeout_s=300, extra_mounts=grading)
+            parts.append(res.stdout)
+            if res.ok:
+                apply_info.update(applied=True, method=res.stdout.strip().splitlines()[-1].partition("(")[2].rstrip(")"))
+                report["reverted_files"] = _restore_test_harness(rt, set())
+            else:
+                apply_info.update(applied=False, reason=apply_failure_reason(res.exit_code, res.stdout, log_path))
+        report["apply"] = apply_info
+        if not apply_info["applied"]:
+            log_path.write_text("".join(parts), encoding="utf-8", errors="replace")
+            return GradeResult(False, 0.0, report, str(log_path))
+        tests, logs = fresh_verifier_dirs(rt.root, Path(h.tests_dir))
+        mounts = [Mount(tests, TESTS, True), Mount(logs, VERIFIER_LOGS, True)]
+        t1 = time.monotonic()
+        res = rt.run(["timeout", str(int(h.verifier_timeout_s)), "bash", f"{TESTS}/test.sh"], env=h.verifier_env,
+                     timeout_s=h.verifier_timeout_s + 30, extra_mounts=mounts, workdir=record.repo_dir)
+        parts.append(f"$ timeout {int(h.verifier_timeout_s)} bash {TESTS}/test.sh (exit {res.exit_code}, "
+                     f"{res.duration_s:.1f} s)\n{res.stdout}\n--- stderr ---\n{res.stderr}\n")
+        log_path.write_text("".join(parts), encoding="utf-8", errors="replace")
+        report.update(verifier_exit_code=res.exit_code, verifier_timed_out=res.timed_out or res.exit_code == 124,
+                      network="none", task_network_mode=h.network_mode,
+                      timings={"verifier_s": round(time.monotonic() - t1, 3), "total_s": round(time.monotonic() - t0, 3)})
+        try:
+            reward, details = read_reward(logs)
+        except VerifierError as exc:
+            raise VerifierError(f"instance {record.instance_id}: {exc} (test.sh exit {res.exit_code}; log {log_path})") from None
+    report["reward_file"] = details
+    resolved = reward >= 1.0
+    report["resolved"] = resolved
+    return GradeResult(resolved, reward, report, str(log_path))
+
+
+def oracle_patch(record: InstanceRecord, *, settings: Settings, runtime_factory: RuntimeFactory | None = None,
+                 timeout_s: float | None = None) -> str:
+    """The changes `solution/solve.sh` makes to `repo_dir`, run in a fresh runtime (no network).
+
+    Raises `VerifierError` when the task has no oracle or it fails (exit status and output named).
+    """
+    h = record.harbor
+    if h is None or not h.oracle:
+        raise VerifierError(f"instance {record.instance_id} has no solution/solve.sh")
+    prepare = runtime_factory or default_runtime_factory()
+    solution = Path(h.oracle).parent
+    with prepare(record, settings=settings, purpose="oracle") as rt:
+        check_tools(rt, record)
+        res = rt.run(["bash", f"{SOLUTION}/solve.sh"], timeout_s=timeout_s or h.agent_timeout_s or 600,
+                     extra_mounts=[Mount(solution, SOLUTION, False)], workdir=record.repo_dir)
+        if not res.ok:
+            raise VerifierError(f"instance {record.instance_id}: solution/solve.sh failed (exit {res.exit_code}): "
+                                f"{(res.stderr or res.stdout).strip()[-500:]}")
+        return rt.patch()

@@ -1,0 +1,161 @@
+"""Grade a patch inside the task's own container image, in a fresh runtime of that image.
+
+    result = grade_in_image(record, patch)      # GradeResult, as `grader.grade` returns
+
+Same steps and defences as `grader._grade_fresh` (read the patch with unidiff, drop its
+test-harness changes, apply at the strip level it was read with, put back every harness file
+the applied tree still changes, swebench's report), with the runtime an `OciRuntime` of
+`record.image` and the repository at `record.repo_dir`.  Per grader:
+
+* `swebench`: swebench's apply chain, then the record's eval script (swebench's own, built
+  for the row's repo and version) in the image's `testbed` env; swebench's report decides.
+* `rebench`: SWE-rebench V2's `git apply -v --3way --recount --ignore-space-change
+  --whitespace=nowarn` after `git reset --hard HEAD`; its eval script applies `test_patch` the
+  same way and runs `install_config.test_cmd`; resolved when the PASSED tests are exactly
+  FAIL_TO_PASS ∪ PASS_TO_PASS, read by the parser the row names.
+* `r2egym`: swebench's apply chain, then the image's `/run_tests.sh`; resolved when every
+  parsed status equals `expected_statuses` (`verifier.r2e_match`).
+* `harbor`: see `app.grading.harbor`.
+
+Every grade runs with no network.  An image without the tools the grader runs
+(`verifier.REQUIRED_TOOLS`) raises `VerifierError` (masked, never reward 0).
+"""
+from __future__ import annotations
+
+import functools
+import shlex
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from app.config import Settings
+from app.grading.grader import (GRADING_DIR, GradeResult, _restore_test_harness, _result, apply_failure_reason,
+                                grade_log_path, patch_sha256)
+from app.grading.patching import APPLIED_MARKER, PatchReadError, apply_script, drop_test_changes, files_of_test_ids, read_patch
+from app.grading.verifier import REQUIRED_TOOLS, VerifierError, missing_tools, r2e_match, rebench_match
+from app.runtimes.paths import RuntimePaths
+from app.runtimes.sandbox import Mount
+from app.tasksets.formats.rebench import APPLY_FLAGS
+from app.tasksets.schema import InstanceRecord
+from app.tasksets.swebench_compat import grading_module, make_test_spec
+
+RuntimeFactory = Callable[..., Any]  # OciRuntime.prepare's signature
+
+
+def default_runtime_factory() -> RuntimeFactory:
+    from app.runtimes.oci import OciRuntime
+
+    return OciRuntime.prepare
+
+
+def check_tools(rt: Any, record: InstanceRecord) -> None:
+    """Raise `VerifierError` naming the tools the image lacks for `record.grader`."""
+    from app.runtimes.rootfs import resolve_inside
+
+    lacking = missing_tools(functools.partial(resolve_inside, rt.rootfs), REQUIRED_TOOLS[record.grader])
+    if lacking:
+        raise VerifierError(f"image {record.image} has no {' and no '.join(lacking)} on its PATH, which the "
+                            f"{record.grader} grader runs: instance {record.instance_id} cannot be graded there")
+
+
+def rebench_apply_script(patch_file: str, strip: int = 1) -> str:
+    """SWE-rebench V2's apply step (`scripts/eval.py::run_in_container`), printing the markers
+    `apply_script` prints (`>>>>> Applied Patch (...)` / swebench's `>>>>> Patch Apply Failed`)."""
+    q = shlex.quote(patch_file)
+    cmd = f"git apply {APPLY_FLAGS} -p{int(strip)}"
+    return "\n".join([
+        "set -u", "git reset --hard HEAD >/dev/null",
+        f'if {cmd} {q}; then echo "{APPLIED_MARKER} (git apply --3way --recount)"; exit 0; fi',
+        'echo ">>>>> Patch Apply Failed"; exit 1',
+    ]) + "\n"
+
+
+def grade_in_image(record: InstanceRecord, patch: str, *, settings: Settings, timeout_s: float = 1800,
+                   runtime_factory: RuntimeFactory | None = None) -> GradeResult:
+    """Grade `patch` on an image-served `record` (see the module docstring).
+
+    Raises `VerifierError` (the image cannot run the grader), `RuntimeSetupError` (the image
+    cannot be pulled or unpacked, or its repository folder is missing: infrastructure, not a score).
+    """
+    if record.grader == "harbor":
+        from app.grading.harbor import grade_harbor
+
+        return grade_harbor(record, patch, settings=settings, runtime_factory=runtime_factory)
+    t0 = time.monotonic()
+    prepare = runtime_factory or default_runtime_factory()
+    spec = make_test_spec(record)
+    psha = patch_sha256(patch)
+    paths = RuntimePaths.from_settings(settings)
+    log_path = grade_log_path(paths, record, patch)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    test_ids = record.FAIL_TO_PASS + record.PASS_TO_PASS + list(record.expected_statuses)
+    protected = set(record.test_files) | files_of_test_ids(test_ids)
+    try:
+        strip = read_patch(patch).strip
+        kept, dropped = drop_test_changes(patch, record.test_files, record.test_patch, test_ids)
+        if record.test_patch.strip():
+            protected |= {p for f in read_patch(record.test_patch).files for p in f.paths}
+    except PatchReadError as exc:
+        log_path.write_text(f"{exc}\n{grading_module().APPLY_PATCH_FAIL}\n", encoding="utf-8")
+        apply_info = {"applied": False, "method": None, "reason": f"patch refused: {exc}; log: {log_path}"}
+        return _result(record, spec, patch, log_path, apply_info, {"dropped_test_files": [], "patch_sha256": psha},
+                       {"total_s": round(time.monotonic() - t0, 3)})
+    extra: dict[str, Any] = {"dropped_test_files": dropped, "reverted_files": {}, "patch_sha256": psha,
+                             "image": record.image, "grader": record.grader}
+    apply_info = {"applied": not kept, "method": None if kept else "empty patch", "reason": None}
+    parts: list[str] = []
+    with prepare(record, settings=settings, paths=paths, purpose="grade") as rt:
+        check_tools(rt, record)
+        t1 = time.monotonic()
+        gdir = rt.root / "grading"
+        gdir.mkdir()
+        (gdir / "patch.diff").write_text(kept, encoding="utf-8", errors="surrogateescape")
+        applier = rebench_apply_script if record.grader == "rebench" else apply_script
+        (gdir / "apply.sh").write_text(applier(f"{GRADING_DIR}/patch.diff", strip))
+        (gdir / "eval.sh").write_text(spec.eval_script if record.grader != "r2egym" else r2e_eval_script(record))
+        mounts = [Mount(gdir, GRADING_DIR, False)]
+        if kept:
+            res = rt.run(f"bash {GRADING_DIR}/apply.sh 2>&1", timeout_s=300, extra_mounts=mounts)
+            parts.append(res.stdout)
+            if res.ok:
+                apply_info.update(applied=True, method=res.stdout.strip().splitlines()[-1].partition("(")[2].rstrip(")"))
+                extra["reverted_files"] = _restore_test_harness(rt, protected)
+            else:
+                apply_info.update(applied=False, reason=apply_failure_reason(res.exit_code, res.stdout, log_path))
+        t2 = time.monotonic()
+        if apply_info["applied"]:
+            res = rt.run(f"bash {GRADING_DIR}/eval.sh 2>&1", timeout_s=timeout_s, extra_mounts=mounts)
+            parts.append(res.stdout)
+            if res.timed_out:
+                parts.append(f"\n{grading_module().TESTS_TIMEOUT} after {timeout_s:.0f} s\n")
+        t3 = time.monotonic()
+        extra.update(confined=True, runtime_timings=rt.timings, image_digest=getattr(rt, "digest", None))
+    log_path.write_text("".join(parts), encoding="utf-8", errors="replace")
+    timings = {"prepare_s": round(t1 - t0, 3), "apply_s": round(t2 - t1, 3), "eval_s": round(t3 - t2, 3),
+               "total_s": round(time.monotonic() - t0, 3)}
+    result = _result(record, spec, kept, log_path, apply_info, extra, timings)
+    if record.grader in ("rebench", "r2egym"):
+        _rejudge(record, spec, log_path, result)
+    return result
+
+
+def r2e_eval_script(record: InstanceRecord) -> str:
+    """The image's `/run_tests.sh` (R2E-Gym's runner for its hidden tests) between swebench's markers."""
+    return "\n".join(["#!/bin/bash", "set -uxo pipefail", f"cd {shlex.quote(record.repo_dir)}",
+                      ": '>>>>> Start Test Output'", "bash /run_tests.sh", "SWEBENCH_TEST_EXIT_CODE=$?",
+                      ": '>>>>> End Test Output'", 'echo ">>>>> Test Exit Code: $SWEBENCH_TEST_EXIT_CODE"']) + "\n"
+
+
+def _rejudge(record: InstanceRecord, spec: Any, log_path: Path, result: GradeResult) -> None:
+    """Replace swebench's resolved rule by the format's own (SWE-rebench V2, R2E-Gym), from the same log."""
+    status, ran = grading_module().get_logs_eval(spec, str(log_path))
+    if record.grader == "rebench":
+        ok = bool(ran) and rebench_match(status, record.FAIL_TO_PASS, record.PASS_TO_PASS)
+        result.report["rebench_passed_match"] = ok
+    else:
+        ok, diff = r2e_match(status, record.expected_statuses) if ran else (False, {})
+        result.report["r2e_match"] = diff
+        ok = bool(ran) and ok
+    result.resolved = ok and bool(result.report["apply"]["applied"])
+    result.report["resolved"] = result.resolved
+    result.reward = 1.0 if result.resolved else 0.0

@@ -1,0 +1,111 @@
+"""The pure parts of grading inside an image: what the image must have, reading rewards, matching statuses.
+
+`VerifierError` is how a grade says "this could not be judged" (the image lacks a tool the
+grader needs, the verifier wrote no reward): it is a `RuntimeSetupError`, so the episode's
+grade stage fails the episode (`app.control.episodes.grade` → `fail`) and its reward stays
+unset, which `app.training.grpo.group_advantages` masks out of the group (None, not 0).  A
+missing tool is the image's fault, not the policy's; scoring it 0 would train on it (NeMo Gym's
+Harbor loader masks such samples as `verifier_error` for the same reason).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from app.runtimes.errors import RuntimeSetupError
+
+# The tools each grader runs inside the image (besides what the task's own scripts need).
+REQUIRED_TOOLS = {
+    "swebench": ("bash", "git"),
+    "rebench": ("bash", "git"),
+    "r2egym": ("bash", "git"),
+    "harbor": ("bash", "timeout"),
+}
+_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+
+
+class VerifierError(RuntimeSetupError):
+    """The grade could not be judged (`verifier_error`): never a reward of 0; the episode is masked."""
+
+    def __init__(self, message: str):
+        super().__init__("verifier_error", message)
+
+
+def missing_tools(resolve: Callable[[str], Path | None], tools: Sequence[str], path: Sequence[str] = _PATH) -> list[str]:
+    """The names in `tools` found in none of the `path` folders of an image.
+
+    `resolve(inside_path)` gives the host path of an image path (links resolved inside the
+    rootfs, e.g. `rootfs.resolve_inside` bound to one rootfs) or None.
+    """
+    out = []
+    for tool in tools:
+        hits = [resolve(f"{d}/{tool}") for d in path]
+        if not any(h is not None and h.is_file() for h in hits):
+            out.append(tool)
+    return out
+
+
+def read_reward(verifier_dir: Path) -> tuple[float, dict[str, Any]]:
+    """(reward, details) from a Harbor verifier's `reward.txt` (a number) or `reward.json`.
+
+    `reward.json` is `{"reward": x}` or several named rewards (harbor-rewardkit): the one named
+    `reward` is used, or the only one.  Raises `VerifierError` when neither file exists, when
+    it is not a plain file, or when it holds no finite number (a verifier that crashed).
+    Source: https://harborframework.com/docs/tasks (reward contract).
+    """
+    txt, js = verifier_dir / "reward.txt", verifier_dir / "reward.json"
+    for f in (txt, js):
+        if f.is_symlink() or (f.exists() and not f.is_file()):
+            raise VerifierError(f"{f.name} in the verifier's output is not a plain file")
+    if txt.is_file():
+        text = txt.read_text(encoding="utf-8", errors="replace").strip()
+        try:
+            value = float(text)
+        except ValueError:
+            raise VerifierError(f"reward.txt holds {text[:80]!r}, not a number") from None
+        details: dict[str, Any] = {"file": "reward.txt"}
+    elif js.is_file():
+        try:
+            data = json.loads(js.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise VerifierError(f"reward.json is not JSON: {exc}") from None
+        if isinstance(data, (int, float)):
+            data = {"reward": data}
+        if not isinstance(data, dict) or not data:
+            raise VerifierError("reward.json must be an object of named rewards")
+        if "reward" in data:
+            value = data["reward"]
+        elif len(data) == 1:
+            value = next(iter(data.values()))
+        else:
+            raise VerifierError(f"reward.json has {len(data)} named rewards and none named 'reward'")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise VerifierError(f"reward.json's reward is {value!r}, not a number")
+        details = {"file": "reward.json", "rewards": data}
+    else:
+        raise VerifierError("the verifier wrote no /logs/verifier/reward.txt or reward.json")
+    value = float(value)
+    if not math.isfinite(value):
+        raise VerifierError(f"reward {value} is not finite")
+    return value, details
+
+
+def r2e_match(parsed: dict[str, str], expected: dict[str, str]) -> tuple[bool, dict[str, Any]]:
+    """R2E-Gym's rule (`_calculate_reward_r2e`): ids cut at " - " on both sides, the same ids, equal
+    statuses.  Returns (matched, {"missing", "unexpected", "different"}) for the report."""
+    got = {k.split(" - ")[0]: v for k, v in parsed.items() if k}
+    want = {k.split(" - ")[0]: v for k, v in expected.items()}
+    missing = sorted(set(want) - set(got))
+    unexpected = sorted(set(got) - set(want))
+    different = sorted(k for k in set(got) & set(want) if got[k] != want[k])
+    return not (missing or unexpected or different), {"missing": missing, "unexpected": unexpected,
+                                                      "different": different}
+
+
+def rebench_match(status: dict[str, str], fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]) -> bool:
+    """SWE-rebench V2's rule (`scripts/eval.py`, `passed_match`): the PASSED tests are exactly
+    FAIL_TO_PASS ∪ PASS_TO_PASS (as sorted lists, so an id listed twice must pass twice)."""
+    passed = sorted(k for k, v in status.items() if v == "PASSED")
+    return passed == sorted([*pass_to_pass, *fail_to_pass])

@@ -1,0 +1,42 @@
+"""Grading inside the CI fixture image (real skopeo, umoci, bubblewrap; psf/requests 2.27 at /testbed,
+standing in for swebench's `sweb.eval.x86_64.psf_1776_requests-*` images): gold resolves, empty does not."""
+import pytest
+
+from app.config import get_settings
+from app.grading.grader import grade
+from app.grading.harbor import oracle_patch
+from app.runtimes.oci import OciRuntime
+from app.tasksets.loader import load_published
+from support.format_fixtures import format_fixtures
+from support.registry import fixture_layout
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    image = f"oci:{fixture_layout()}:fixture"
+    probe = format_fixtures(tmp_path_factory.mktemp("probe"), image=image)
+    with OciRuntime.prepare(load_published(probe / "swebench_verified.jsonl")[0][0], purpose="grade") as rt:
+        base = rt.base_commit  # the image's own commit of /testbed
+    return format_fixtures(tmp_path_factory.mktemp("formats"), image=image, base_commit=base)
+
+
+@pytest.mark.parametrize("name", ["swebench_verified.jsonl", "swerebench_v2.json", "harbor"])
+def test_gold_resolves_and_empty_does_not(fixtures, name):
+    rec = load_published(fixtures / name)[0][0]
+    gold = oracle_patch(rec, settings=get_settings()) if rec.grader == "harbor" else rec.patch
+    good, empty = grade(rec, gold, use_cache=False, timeout_s=300), grade(rec, "", use_cache=False, timeout_s=300)
+    assert (good.resolved, good.reward) == (True, 1.0), good.log_path
+    assert (empty.resolved, empty.reward) == (False, 0.0), empty.log_path
+    assert good.report["image"] == rec.image
+
+
+def test_harbor_reward_planted_by_the_agent_is_gone(fixtures):
+    rec = load_published(fixtures / "harbor")[0][0]
+    with OciRuntime.prepare(rec, purpose="episode") as rt:  # the agent plants a reward and a test helper
+        res = rt.run("mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt && "
+                     "mkdir -p logs/verifier && echo 1 > logs/verifier/reward.txt && echo 1 > reward.txt")
+        assert res.ok, res.stderr
+        patch = rt.patch()
+    assert "reward.txt" in patch
+    result = grade(rec, patch, use_cache=False)
+    assert (result.resolved, result.reward) == (False, 0.0), result.log_path
