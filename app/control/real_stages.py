@@ -234,6 +234,7 @@ class RealStages:
         result = grade(record, patch, timeout_s=cfg.timeouts.grade_s)
         report = dict(result.report)
         report["cached"] = result.cached
+        report["log_path"] = result.log_path  # the apply + eval script output the report was parsed from
         merge_stats = None
         if cfg.kind in ("train", "collect"):
             from app.training.store import build_episode_trajectories
