@@ -9,15 +9,48 @@
     trajectories.jsonl                         `python -m app train`'s export of the run
     compare.json, learning.png                 `python -m app learn`'s comparison and figure
 
-Nothing here creates a folder: the writer of a file makes its parent.
+Nothing here creates a folder: the writer of a file makes its parent.  State files are written
+with `write_atomic` (temp file, fsync, rename), so a reader sees the old file or the new one,
+never a part of either (a full disk leaves the old file, or none).
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from pathlib import Path
 
 from app.config import get_settings
 
 HARNESS_LOG_PREFIX = "harness-attempt"
+
+
+def write_atomic(path: Path | str, data: str | bytes, encoding: str = "utf-8") -> None:
+    """Replace `path` with `data` (text is encoded with `encoding`) all at once.
+
+    Writes a temporary file next to `path`, fsyncs it, renames it over `path` (POSIX rename(2)
+    is atomic within one file system) and fsyncs the folder, so the rename survives a crash.
+    The parent folder must exist.  Raises the `OSError` of the write (ENOSPC on a full disk, ...)
+    after removing the temporary file: `path` is then left as it was.
+    """
+    path = Path(path)
+    payload = data.encode(encoding) if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 class RunPaths:

@@ -63,3 +63,32 @@ def test_harness_logs_are_listed_by_attempt(var):
         [(1, paths.harness_log(40, 1)), (2, paths.harness_log(40, 2)), ("X", paths.episode(40) / "harness-attemptX.log")],
         key=str)
     assert paths.harness_logs(41) == []  # an episode that never ran its harness
+
+
+def test_write_atomic_replaces_the_file_whole_and_leaves_it_on_a_full_disk(tmp_path):
+    """On a real 1 MiB tmpfs filled to the last byte: the write fails with ENOSPC, the old file is
+    left as it was and no temporary file stays; once space returns the new content lands whole."""
+    import errno
+    import subprocess
+
+    from app.paths import write_atomic
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        target = disk / "run.json"
+        write_atomic(target, json.dumps({"v": 1}))
+        assert json.loads(target.read_text()) == {"v": 1}
+        subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'fill'}", "bs=64k"], capture_output=True)
+        with pytest.raises(OSError) as raised:
+            write_atomic(target, json.dumps({"v": 2, "pad": "x" * 8192}))
+        assert raised.value.errno == errno.ENOSPC
+        assert json.loads(target.read_text()) == {"v": 1}
+        assert sorted(p.name for p in disk.iterdir()) == ["fill", "run.json"]
+        (disk / "fill").unlink()
+        write_atomic(target, b'{"v": 3}')
+        assert json.loads(target.read_text()) == {"v": 3}
+        assert sorted(p.name for p in disk.iterdir()) == ["run.json"]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Mapping
 from rich.console import Console
 from rich.table import Table
 
+from app.paths import write_atomic
+
 if TYPE_CHECKING:  # numpy stays unloaded for commands that print no comparison
     from app.stats import Comparison, Samples
 
@@ -131,6 +133,6 @@ def comparison_table(before_run: Mapping, after_run: Mapping, before: Samples, a
 
 def write_json(path: str, before_run: Mapping, after_run: Mapping, before: Samples, after: Samples, result: Comparison) -> None:
     """The comparison as JSON (what `learning.png` and the README table are made from)."""
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"before_run": before_run["id"], "after_run": after_run["id"], **result.to_dict(),
-                   "per_instance": {"before": before, "after": after}}, fh, indent=2)
+    # atomic: a reader (the figure, the README table) never sees half a file
+    write_atomic(path, json.dumps({"before_run": before_run["id"], "after_run": after_run["id"], **result.to_dict(),
+                                   "per_instance": {"before": before, "after": after}}, indent=2))

@@ -6,7 +6,9 @@ compare-and-set on the row), renews it while it works, and ends with a transitio
 requires the lease to be still its own.  So a duplicate message (a redelivery while the
 stage runs) finds a live lease and returns, a message for a finished stage finds the
 state moved on, and a worker that lost its lease never writes; a stage whose worker died
-is re-dispatched by the watchdog once its lease expires (`app.control.reaper`).  The stage's
+is re-dispatched by the watchdog once its lease expires (`app.control.reaper`).  A closing write
+that meets a dropped database or Redis connection is retried within the lease (`closing_write`),
+so finished work is not redone for a blip.  The stage's
 work itself is done by the run's `Stages` (`app.control.stages`).
 
 The DB session is closed during the long work of each stage (harness run, test run):
@@ -25,7 +27,9 @@ from app.control import lease, scheduler, redis_state
 from app.control.plan import Plan, celery_priority
 from app.control.runs import stages_for
 from app.control.stages import Claim, HarnessOutcome
+from app.config import get_settings
 from app.db import session_scope
+from app.retry import retry_transient
 from app.tables import SUPERSEDED, Completion, Episode, Run, utcnow
 from app.runconfig import RunConfig
 from app.transitions import transition
@@ -48,17 +52,30 @@ def fail(episode_id: int, error: str, owner: str | None = None) -> Plan:
     `owner`: the failing stage's lease owner; when given, nothing happens unless that owner
     still holds the episode's lease (a stage that lost its lease does not fail its successor).
     """
-    with session_scope() as s:
-        ep = s.get(Episode, episode_id)
-        if ep is None or (owner is not None and ep.lease_owner != owner):
-            return Plan()
-        run_id = ep.run_id
-        # the session ends with the episode: the gateway refuses its key from now on
-        transition(s, Episode, episode_id, "failed", where={"lease_owner": owner} if owner else None,
-                   error=error[:4000], finished_at=utcnow(), session_token_hash=None)
+    def write() -> int | None:
+        with session_scope() as s:
+            ep = s.get(Episode, episode_id)
+            if ep is None or (owner is not None and ep.lease_owner != owner):
+                return None
+            # the session ends with the episode: the gateway refuses its key from now on
+            transition(s, Episode, episode_id, "failed", where={"lease_owner": owner} if owner else None,
+                       error=error[:4000], finished_at=utcnow(), session_token_hash=None)
+            return ep.run_id
+
+    run_id = closing_write(write, f"episode {episode_id} failed")
+    if run_id is None:
+        return Plan()
     log.warning("episode=%s event=failed error=%s", episode_id, error[:200])
     _release_runtime_of(episode_id)
     return scheduler.tick(run_id)
+
+
+def closing_write(write, what: str):
+    """`write()` (one transaction, or an idempotent Redis command), retried through a database or
+    Redis blip for up to one lease period (`app.retry.retry_transient`): a stage whose work is
+    done keeps it.  The write's own `lease_owner` condition still fences it: once another worker
+    took the lease over, it changes nothing.  Raises the last transient error past the lease."""
+    return retry_transient(write, deadline_s=get_settings().lease_ttl_s, what=what)
 
 
 def _release_runtime_of(episode_id: int) -> None:
@@ -91,13 +108,20 @@ def prepare(episode_id: int) -> Plan:
             runtime = stages.prepare(record, episode_id, cfg)
     except Exception as exc:  # noqa: BLE001 (any prepare error fails the episode with its reason)
         return fail(episode_id, f"prepare failed: {type(exc).__name__}: {exc}", owner)
-    with session_scope() as s:
-        won = transition(s, Episode, episode_id, "ready", expect=("preparing",), where={"lease_owner": owner},
-                         runtime=runtime, prepared_at=utcnow(), **lease.clear_values())
-    if not won:
+    def write() -> bool:
+        with session_scope() as s:
+            return transition(s, Episode, episode_id, "ready", expect=("preparing",), where={"lease_owner": owner},
+                              runtime=runtime, prepared_at=utcnow(), **lease.clear_values())
+
+    def landed() -> bool:  # a commit whose reply was lost with the connection, then retried
+        with session_scope() as s:
+            row = s.get(Episode, episode_id)
+            return row is not None and row.status == "ready" and row.runtime == runtime
+
+    if not closing_write(write, f"episode {episode_id} prepared") and not closing_write(landed, "prepare landed"):
         stages.release(runtime)
         return Plan()
-    redis_state.push_ready(ep.run_id, episode_id)
+    closing_write(lambda: redis_state.push_ready(ep.run_id, episode_id), f"episode {episode_id} READY")
     return scheduler.tick(ep.run_id)
 
 
@@ -154,7 +178,7 @@ def rollout(episode_id: int) -> Plan:
     except Exception as exc:  # noqa: BLE001 (any rollout error fails the episode with its reason)
         redis_state.free_slot(claim.run_id)
         return fail(episode_id, f"rollout failed: {type(exc).__name__}: {exc}", owner)
-    if not lease.holds(episode_id, owner):
+    if not closing_write(lambda: lease.holds(episode_id, owner), f"episode {episode_id} rollout lease"):
         return Plan()  # taken over (this worker stalled past its lease): the runtime is the successor's now
     if redis_state.is_cancelled(episode_id):
         _release_runtime_of(episode_id)
@@ -162,14 +186,17 @@ def rollout(episode_id: int) -> Plan:
         return scheduler.tick(claim.run_id)
     if outcome.failure is not None:
         return _harness_failed(claim, outcome, owner)
-    with session_scope() as s:
-        won = transition(
-            s, Episode, episode_id, "grading", expect=("running",),
-            where={"attempts": claim.attempt, "lease_owner": owner},
-            patch=outcome.patch, exit_status=outcome.exit_status, timed_out=outcome.timed_out,
-            rollout_finished_at=utcnow(), **lease.dispatch_values(),
-            session_token_hash=None,  # the session ends with the rollout: the gateway now refuses the key
-        )
+    def write() -> bool:
+        with session_scope() as s:
+            return transition(
+                s, Episode, episode_id, "grading", expect=("running",),
+                where={"attempts": claim.attempt, "lease_owner": owner},
+                patch=outcome.patch, exit_status=outcome.exit_status, timed_out=outcome.timed_out,
+                rollout_finished_at=utcnow(), **lease.dispatch_values(),
+                session_token_hash=None,  # the session ends with the rollout: the gateway now refuses the key
+            )
+
+    won = closing_write(write, f"episode {episode_id} rolled out")
     _release_runtime_of(episode_id)
     redis_state.free_slot(claim.run_id)
     plan = Plan(grade=[episode_id] if won else [], priority=celery_priority(claim.cfg.priority))
@@ -206,14 +233,17 @@ def _harness_failed(claim: Claim, outcome: HarnessOutcome, owner: str) -> Plan:
     ends (the gateway now refuses the key); the runtime and the rollout slot are released.
     """
     episode_id = claim.episode_id
-    with session_scope() as s:
-        won = transition(
-            s, Episode, episode_id, "failed", expect=("running",),
-            where={"attempts": claim.attempt, "lease_owner": owner},
-            patch=outcome.patch, exit_status=outcome.exit_status, timed_out=outcome.timed_out,
-            error=(outcome.failure or "")[:4000], rollout_finished_at=utcnow(), finished_at=utcnow(),
-            session_token_hash=None,
-        )
+    def write() -> bool:
+        with session_scope() as s:
+            return transition(
+                s, Episode, episode_id, "failed", expect=("running",),
+                where={"attempts": claim.attempt, "lease_owner": owner},
+                patch=outcome.patch, exit_status=outcome.exit_status, timed_out=outcome.timed_out,
+                error=(outcome.failure or "")[:4000], rollout_finished_at=utcnow(), finished_at=utcnow(),
+                session_token_hash=None,
+            )
+
+    won = closing_write(write, f"episode {episode_id} harness failed")
     if won:
         log.warning("episode=%s event=harness_failed error=%s", episode_id, (outcome.failure or "").split("\n", 1)[0])
     _release_runtime_of(episode_id)
@@ -241,9 +271,12 @@ def grade(episode_id: int) -> Plan:
             outcome = stages_for(cfg).grade(record, ep.patch or "", episode_id, cfg)
     except Exception as exc:  # noqa: BLE001 (any grading error fails the episode with its reason)
         return fail(episode_id, f"grading failed: {type(exc).__name__}: {exc}", owner)
-    with session_scope() as s:
-        transition(s, Episode, episode_id, "completed", expect=("grading",), where={"lease_owner": owner},
-                   reward=outcome.reward, resolved=outcome.resolved, grading_report=outcome.report,
-                   merge_stats=outcome.merge_stats, finished_at=utcnow(), **lease.clear_values())
+    def write() -> bool:
+        with session_scope() as s:
+            return transition(s, Episode, episode_id, "completed", expect=("grading",), where={"lease_owner": owner},
+                              reward=outcome.reward, resolved=outcome.resolved, grading_report=outcome.report,
+                              merge_stats=outcome.merge_stats, finished_at=utcnow(), **lease.clear_values())
+
+    closing_write(write, f"episode {episode_id} graded")
     log.info("episode=%s event=graded reward=%s", episode_id, outcome.reward)
     return scheduler.tick(ep.run_id)

@@ -75,6 +75,11 @@ def _tick_locked(run_id: int) -> Plan:
             return Plan()
         if run.status != "running":
             return Plan()
+        if (run.summary or {}).get("instance_ids") is None:
+            # Not started yet (its start is under way, or failed halfway and is re-sent by the
+            # watchdog, `app.control.runs.start_run`): nothing to plan, and an eval run without
+            # groups must not look finished.
+            return Plan()
         cfg = run.run_config()
         if _too_many_failures(s, run, cfg):
             return Plan()

@@ -121,20 +121,31 @@ def resync_engines() -> dict[str, str]:
 
 def watchdog(in_workers: set[tuple[int, int]], queue_depth: int) -> Plan:
     """One pass: the orphaned steps to re-send, every running (or cancelling) run to tick, and
-    the runs still `queued` one lease period plus one watchdog period after their creation,
-    whose start message was lost (e.g. with a Redis restart) and is sent again: a control
-    worker starts a run within seconds, and starting is idempotent (`runs.start_run`)."""
+    the runs to start (again), one lease period plus one watchdog period after their creation or
+    start: still `queued` (their start message was lost, e.g. with a Redis restart), or `running`
+    without their instance list (`summary.instance_ids`: the start failed halfway, its worker was
+    killed, or it met a full disk or a dropped connection).  A control worker starts a run within
+    seconds, and starting is one restartable step guarded by the run's start lock
+    (`runs.start_run`), so a re-send while a start is under way does nothing."""
     orphans = find_orphaned_steps(utcnow(), in_workers, queue_depth)
     for run_id, step in orphans:
         log.warning("run=%s step=%s event=resend reason=no worker holds the step", run_id, step)
     settings = get_settings()
     stuck_before = utcnow() - dt.timedelta(seconds=settings.lease_ttl_s + settings.watchdog_interval_s)
     with session_scope() as s:
-        running = list(s.scalars(select(Run.id).where(Run.status.in_(("running", "cancelling")))))
+        live = s.execute(select(Run.id, Run.status, Run.summary, Run.started_at)
+                         .where(Run.status.in_(("running", "cancelling")))).all()
         unstarted = list(s.scalars(select(Run.id).where(Run.status == "queued", Run.created_at < stuck_before)))
+    running = [run_id for run_id, _, _, _ in live]
+    half_started = [run_id for run_id, status, summary, started_at in live
+                    if status == "running" and (summary or {}).get("instance_ids") is None
+                    and (started_at is None or aware_utc(started_at) < stuck_before)]
     for run_id in unstarted:
         log.warning("run=%s event=restart reason=still queued; its start message was lost", run_id)
-    return Plan(train=orphans, tick=running, start=unstarted)
+    for run_id in half_started:
+        log.warning("run=%s event=restart reason=running without its instance list; its start did not finish",
+                    run_id)
+    return Plan(train=orphans, tick=running, start=unstarted + half_started)
 
 
 def recover_episodes(queued: set[tuple[str, int]] | None) -> tuple[list[Plan], dict]:

@@ -3,16 +3,21 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 
 from billiard.exceptions import WorkerLostError
 from celery import shared_task
 
+from app.config import get_settings
 from app.control import runs, scheduler, watchdog as control_watchdog
 from app.db import session_scope
+from app.retry import TRANSIENT_ERRORS, is_transient, retry_transient
 from app.tables import TrainingStep, utcnow
-from app.redis_client import get_redis
+from app.redis_client import get_redis, held_lock
 from app.transitions import transition
-from app.tasks.send import send
+from app.tasks.send import send, send_train_step
+
+log = logging.getLogger("turnstile.tasks.control")
 
 TRAIN_TASK = "gpu.train_step"
 
@@ -32,17 +37,35 @@ def cancel_run(run_id: int) -> None:
     send(scheduler.tick(run_id))
 
 
+WATCHDOG_LOCK = "turnstile:watchdog:lock"
+
+
 @shared_task(name="control.watchdog", acks_late=True)
 def watchdog() -> dict:
     """Periodic backstop (Celery beat): rebuild Redis state from SQL, re-dispatch episode stages
     whose lease expired, re-send orphaned training steps, tick running runs, sweep runtimes, put
-    restarted engines back on their run's newest weights."""
-    queued = _queued_episode_stages()  # the queues first, then the workers (a message moves that way)
+    restarted engines back on their run's newest weights.
+
+    One pass at a time across every process (the Redis lock `WATCHDOG_LOCK`): a second beat, or a
+    message redelivered while a pass runs, finds the lock taken and returns `{"skipped": ...}`,
+    so two passes never both see a lost step as lost and send it twice.
+    """
+    with held_lock(WATCHDOG_LOCK, get_settings().watchdog_interval_s) as held:
+        if not held:
+            return {"skipped": "another watchdog pass is under way"}
+        return _watchdog_pass()
+
+
+def _watchdog_pass() -> dict:
+    # The queues first, then the workers: a message moves from its queue to a worker, so reading
+    # in that order sees it at least once (read the other way round, it can slip between the two).
+    queued = _queued_episode_stages()
+    gpu_depth = _gpu_queue_depth()
     in_workers = _tasks_in_workers()
     recovery, report = control_watchdog.recover_episodes(queued | _episode_stages(in_workers))
     for plan in recovery:
         send(plan)
-    plan = control_watchdog.watchdog(_steps(in_workers), _gpu_queue_depth())
+    plan = control_watchdog.watchdog(_steps(in_workers), gpu_depth)
     send(plan)
     return {"resent": plan.train, "ticked": plan.tick, "restarted": plan.start, "episodes": report,
             "runtimes_removed": control_watchdog.sweep_runtimes(),
@@ -55,15 +78,47 @@ def step_failed(request, exc, traceback, run_id: int, step: int) -> None:
 
     A lost worker (its pool child killed: `WorkerLostError`) is not a failure of the step:
     the step stays `training`, the watchdog re-sends it once no worker holds it, and the
-    trainer resumes from its newest checkpoint.
+    trainer resumes from its newest checkpoint.  Nor is a dropped database or Redis connection
+    (`app.retry.is_transient`): the step counts it (`metrics.transient_retries`, with
+    `metrics.transient_error`) and is sent again once the database answers (waiting up to one
+    lease period; past it the step is left to the watchdog); only past `max_redeliveries` such
+    re-sends does it fail.
     """
     if isinstance(exc, WorkerLostError):
         return
+    settings = get_settings()
+    error = f"{type(exc).__name__}: {exc}"
+    if is_transient(exc):
+        try:
+            retries = retry_transient(lambda: _count_transient_retry(run_id, step, error),
+                                      deadline_s=settings.lease_ttl_s, what=f"run {run_id} step {step} retry")
+        except TRANSIENT_ERRORS:
+            log.warning("run=%s step=%s event=step_left_to_watchdog error=%s", run_id, step, error[:200])
+            return
+        if retries is None:
+            return  # the step or its run is gone
+        if retries <= settings.max_redeliveries:
+            log.warning("run=%s step=%s event=step_resent retries=%s error=%s", run_id, step, retries, error[:200])
+            send_train_step(run_id, step)
+            return
+        error = f"{error} (after {retries - 1} re-sends for transient errors)"
     with session_scope() as s:
         row = s.query(TrainingStep).filter_by(run_id=run_id, step=step).one_or_none()
         if row is not None:
-            transition(s, TrainingStep, row.id, "failed", error=f"{type(exc).__name__}: {exc}", finished_at=utcnow())
+            transition(s, TrainingStep, row.id, "failed", error=error, finished_at=utcnow())
     send(scheduler.tick(run_id))
+
+
+def _count_transient_retry(run_id: int, step: int, error: str) -> int | None:
+    """Add one to the step's `metrics.transient_retries` (recording `error`); the new count, or
+    None when the step is not unfinished (gone, completed or failed meanwhile)."""
+    with session_scope() as s:
+        row = s.query(TrainingStep).filter_by(run_id=run_id, step=step).one_or_none()
+        if row is None or row.status not in ("pending", "training"):
+            return None
+        retries = int((row.metrics or {}).get("transient_retries", 0)) + 1
+        row.metrics = {**(row.metrics or {}), "transient_retries": retries, "transient_error": error[:1000]}
+        return retries
 
 
 def _gpu_queue_depth() -> int:

@@ -122,7 +122,8 @@ def test_a_run_whose_start_message_was_lost_is_started_again(database, monkeypat
     with session_scope() as s:
         lost = Run(kind="eval", status="queued", config={}, created_at=now - dt.timedelta(seconds=16))
         fresh = Run(kind="eval", status="queued", config={}, created_at=now - dt.timedelta(seconds=14))
-        running = Run(kind="eval", status="running", config={}, created_at=now - dt.timedelta(seconds=600))
+        running = Run(kind="eval", status="running", config={}, created_at=now - dt.timedelta(seconds=600),
+                      started_at=now - dt.timedelta(seconds=600), summary={"instance_ids": [1]})
         s.add_all([lost, fresh, running])
         s.flush()
         ids = lost.id, fresh.id, running.id

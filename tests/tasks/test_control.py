@@ -1,0 +1,104 @@
+"""`control.step_failed` on a real gpu worker: a training step whose closing write meets a real
+PostgreSQL outage is sent again and completes, the run does not fail, and the step counts the retry.
+
+PostgreSQL only (see tests/control/test_episodes.py: SQLite has no connection to drop).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+from sqlalchemy import select
+
+from app import config, db
+from app.db import session_scope
+from app.tables import Base, Run, TrainingStep
+from support import REDIS_BASE, celery_worker_args, wait_for
+from support.faults import cut_database, restore_database
+
+REDIS_DB = 10
+
+
+@pytest.fixture
+def postgres(pg_url, monkeypatch, tmp_path):
+    env = {"DATABASE_URL": pg_url, "REDIS_URL": f"{REDIS_BASE}/10", "TURNSTILE_VAR_DIR": str(tmp_path / "var"),
+           "TURNSTILE_LEASE_TTL_S": "10", "TURNSTILE_MAX_REDELIVERIES": "3"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config.reset_settings()
+    db.dispose_engine()
+    Base.metadata.create_all(db.get_engine())
+    yield env
+    restore_database(pg_url)
+    db.dispose_engine()
+    config.reset_settings()
+
+
+def test_a_database_outage_at_a_steps_closing_write_resends_the_step(postgres, redis_db, spawn):
+    from app.tasks.send import send_start_run
+
+    worker = spawn(celery_worker_args("control,prepare,rollout,grade,gpu", concurrency=3), postgres, name="all")
+    with session_scope() as s:
+        run = Run(kind="train", status="queued", config={
+            "kind": "train", "group_size": 2, "tasks_per_step": 1, "steps": 1,
+            "simulate": {"episode_median_s": 0.1, "train_s": 4.0, "reward_p": 0.5, "seed": 1}})
+        s.add(run)
+        s.flush()
+        run_id = run.id
+    send_start_run(run_id, 9)
+
+    def training():
+        with session_scope() as s:
+            return s.scalar(select(TrainingStep.id).where(TrainingStep.run_id == run_id,
+                                                          TrainingStep.status == "training"))
+
+    wait_for(training, 60, what=f"the step to start training\n{worker.output()[-3000:]}")
+    time.sleep(1.0)
+    db.dispose_engine()
+    cut_database(postgres["DATABASE_URL"])
+    time.sleep(5.0)  # the step's sleep ends ~2 s into the outage: its closing write fails
+    restore_database(postgres["DATABASE_URL"])
+
+    def finished():
+        with session_scope() as s:
+            return s.get(Run, run_id).status in ("completed", "failed")
+
+    wait_for(finished, 60, interval=0.5, what=f"the run to finish\n{worker.output()[-3000:]}")
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        step = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id))
+        assert run.status == "completed", (run.error, worker.output()[-3000:])
+        assert step.status == "completed" and run.policy_version == 1
+        assert step.metrics["transient_retries"] == 1
+        assert step.metrics["transient_error"].startswith("OperationalError"), step.metrics["transient_error"]
+
+
+def test_two_watchdog_passes_at_once_send_a_lost_step_once(database, redis_db, tmp_path):
+    """Two processes run the watchdog's pass at the same moment (two beats, or a redelivered
+    message): a training step no worker holds is sent to the gpu queue once, not twice."""
+    import datetime as dt
+    import json
+    import os
+    import subprocess
+    import sys
+
+    with session_scope() as s:
+        run = Run(kind="train", status="running", config={"simulate": {"train_s": 0.0}, "steps": 1},
+                  started_at=dt.datetime.now(dt.timezone.utc), summary={"instance_ids": [1]})
+        s.add(run)
+        s.flush()
+        s.add(TrainingStep(run_id=run.id, step=0, status="training",
+                           started_at=dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=300)))
+        run_id = run.id
+    env = {**os.environ, "DATABASE_URL": database, "REDIS_URL": f"{REDIS_BASE}/10",
+           "TURNSTILE_VAR_DIR": str(tmp_path / "var")}
+    # Both processes import first, then start their pass at the same wall-clock instant.
+    code = ("import json, sys, time; from app.tasks import control; "
+            "time.sleep(max(0.0, float(sys.argv[1]) - time.time())); print(json.dumps(control.watchdog()))")
+    at = str(time.time() + 15)
+    passes = [subprocess.Popen([sys.executable, "-c", code, at], env=env, stdout=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    reports = [json.loads(p.communicate(timeout=60)[0].strip().splitlines()[-1]) for p in passes]
+    assert sum(len(r.get("resent", [])) for r in reports) == 1, reports
+    assert [r["resent"] for r in reports if "resent" in r] in ([[[run_id, 0]]], [[[run_id, 0]], []]), reports
+    assert redis_db.llen("gpu") == 1
