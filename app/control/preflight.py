@@ -89,4 +89,37 @@ def check_installation(cfg: RunConfig) -> tuple[str, str] | None:
             f"harness {cfg.harness!r} is not installed; run `make harnesses` (or "
             f"`python -m app harness install {cfg.harness}`) first"
         )
+    return check_images(cfg, task_set.instances)
+
+
+def check_images(cfg: RunConfig, records: list) -> tuple[str, str] | None:
+    """`("harness", message)` naming the first image the run's harness cannot run in, or None.
+
+    Only images this node has unpacked already (`ImageCache.cached`) are checked here, at run
+    creation: pulling an image here would hold the request for minutes.  An image not yet
+    pulled is checked when an episode's prepare pulls it (`OciRuntime.prepare` raises
+    `RuntimeSetupError("harness")` naming the image, and that episode fails with it).  The
+    check is `rootfs.libc_check` of the harness's mounted programs (a musl image, an older
+    glibc, a missing system library).
+    """
+    from app.runtimes.choice import record_image, runtime_kind
+
+    chosen = [r for r in records if not cfg.instances or r.instance_id in cfg.instances]
+    by_image: dict[str, str] = {}
+    for r in chosen:
+        if runtime_kind(cfg.runtime, r) == "oci":
+            by_image.setdefault(record_image(r), r.instance_id)
+    if not by_image:
+        return None
+    from app.harnesses import get_preset
+    from app.runtimes.images import ImageCache
+    from app.runtimes.oci import harness_check
+
+    programs = get_preset(cfg.harness).image_programs()
+    cache = ImageCache()
+    for ref, instance in sorted(by_image.items()):
+        img = cache.cached(ref)
+        why = harness_check(img, programs) if img is not None and programs else None
+        if why:
+            return "harness", f"harness {cfg.harness!r} cannot run in image {ref} (instance {instance}): {why}"
     return None

@@ -13,8 +13,11 @@ the applied tree still changes, swebench's report), with the runtime an `OciRunt
   --whitespace=nowarn` after `git reset --hard HEAD`; its eval script applies `test_patch` the
   same way and runs `install_config.test_cmd`; resolved when the PASSED tests are exactly
   FAIL_TO_PASS ∪ PASS_TO_PASS, read by the parser the row names.
-* `r2egym`: swebench's apply chain, then the image's `/run_tests.sh`; resolved when every
-  parsed status equals `expected_statuses` (`verifier.r2e_match`).
+* `r2egym`: swebench's apply chain, then the image's runner `<repo_dir>/run_tests.sh` with
+  `r2e_tests` linked to the image's `/r2e_tests` (as R2E-Gym's `setup_env` links them); the
+  record's `hidden_paths` the patch touches are dropped from it and put back (the agent never
+  saw them, and must not plant its own); resolved when every parsed status equals
+  `expected_statuses` (`verifier.r2e_match`).
 * `harbor`: see `app.grading.harbor`.
 
 Every grade runs with no network.  An image without the tools the grader runs
@@ -25,16 +28,17 @@ from __future__ import annotations
 import functools
 import shlex
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 from app.config import Settings
 from app.grading.grader import (GRADING_DIR, GradeResult, _restore_test_harness, _result, apply_failure_reason,
                                 grade_log_path, patch_sha256)
 from app.grading.patching import APPLIED_MARKER, PatchReadError, apply_script, drop_test_changes, files_of_test_ids, read_patch
-from app.grading.verifier import REQUIRED_TOOLS, VerifierError, missing_tools, r2e_match, rebench_match
+from app.grading.verifier import REQUIRED_TOOLS, VerifierError, missing_tools, r2e_match, r2e_test_id, rebench_match
 from app.runtimes.paths import RuntimePaths
 from app.runtimes.sandbox import Mount
+from app.tasksets.formats.r2egym import RUNNER
 from app.tasksets.formats.rebench import APPLY_FLAGS
 from app.tasksets.schema import InstanceRecord
 from app.tasksets.swebench_compat import grading_module, make_test_spec
@@ -89,10 +93,11 @@ def grade_in_image(record: InstanceRecord, patch: str, *, settings: Settings, ti
     log_path = grade_log_path(paths, record, patch)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     test_ids = record.FAIL_TO_PASS + record.PASS_TO_PASS + list(record.expected_statuses)
-    protected = set(record.test_files) | files_of_test_ids(test_ids)
+    hidden = hidden_in_repo(record)
+    protected = set(record.test_files) | files_of_test_ids(test_ids) | set(hidden)
     try:
         strip = read_patch(patch).strip
-        kept, dropped = drop_test_changes(patch, record.test_files, record.test_patch, test_ids)
+        kept, dropped = drop_test_changes(patch, [*record.test_files, *hidden], record.test_patch, test_ids)
         if record.test_patch.strip():
             protected |= {p for f in read_patch(record.test_patch).files for p in f.paths}
     except PatchReadError as exc:
@@ -139,10 +144,19 @@ def grade_in_image(record: InstanceRecord, patch: str, *, settings: Settings, ti
     return result
 
 
+def hidden_in_repo(record: InstanceRecord) -> list[str]:
+    """The record's `hidden_paths` inside its repository, relative to it (the patch may not touch them)."""
+    root = PurePosixPath(record.repo_dir)
+    paths = [PurePosixPath(str(p)) for p in (record.model_extra or {}).get("hidden_paths") or []]
+    return [str(p.relative_to(root)) for p in paths if root in p.parents]
+
+
 def r2e_eval_script(record: InstanceRecord) -> str:
-    """The image's `/run_tests.sh` (R2E-Gym's runner for its hidden tests) between swebench's markers."""
+    """The image's runner `run_tests.sh` in the repository (R2E-Gym's, for its hidden tests), with
+    `r2e_tests` linked to `/r2e_tests` as R2E-Gym's `setup_env` links it, between swebench's markers."""
     return "\n".join(["#!/bin/bash", "set -uxo pipefail", f"cd {shlex.quote(record.repo_dir)}",
-                      ": '>>>>> Start Test Output'", "bash /run_tests.sh", "SWEBENCH_TEST_EXIT_CODE=$?",
+                      "if [ -d /r2e_tests ]; then rm -rf r2e_tests && ln -s /r2e_tests r2e_tests; fi",
+                      ": '>>>>> Start Test Output'", f"bash {RUNNER}", "SWEBENCH_TEST_EXIT_CODE=$?",
                       ": '>>>>> End Test Output'", 'echo ">>>>> Test Exit Code: $SWEBENCH_TEST_EXIT_CODE"']) + "\n"
 
 
@@ -155,6 +169,10 @@ def _rejudge(record: InstanceRecord, spec: Any, log_path: Path, result: GradeRes
     else:
         ok, diff = r2e_match(status, record.expected_statuses) if ran else (False, {})
         result.report["r2e_match"] = diff
+        # Ids in R2E-Gym's form (`Class.test`): "missing" is read the same way as the statuses are.
+        missing = set(diff.get("missing", [])) if ran else set(map(r2e_test_id, record.expected_statuses))
+        result.report["tests_missing"] = {
+            "FAIL_TO_PASS": [t for t in record.FAIL_TO_PASS if r2e_test_id(t) in missing], "PASS_TO_PASS": []}
         ok = bool(ran) and ok
     result.resolved = ok and bool(result.report["apply"]["applied"])
     result.report["resolved"] = result.resolved

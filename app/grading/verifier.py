@@ -92,11 +92,19 @@ def read_reward(verifier_dir: Path) -> tuple[float, dict[str, Any]]:
     return value, details
 
 
+def r2e_test_id(test_id: str) -> str:
+    """A test id in R2E-Gym's form: its parser keys `path::Class::test` as `Class.test`
+    (`".".join(line.split("::")[1:])`) and cuts a failure message at " - "."""
+    test_id = test_id.split(" - ")[0]
+    return ".".join(test_id.split("::")[1:]) if "::" in test_id else test_id
+
+
 def r2e_match(parsed: dict[str, str], expected: dict[str, str]) -> tuple[bool, dict[str, Any]]:
-    """R2E-Gym's rule (`_calculate_reward_r2e`): ids cut at " - " on both sides, the same ids, equal
-    statuses.  Returns (matched, {"missing", "unexpected", "different"}) for the report."""
-    got = {k.split(" - ")[0]: v for k, v in parsed.items() if k}
-    want = {k.split(" - ")[0]: v for k, v in expected.items()}
+    """R2E-Gym's rule (`_calculate_reward_r2e`): ids in R2E-Gym's form on both sides
+    (`r2e_test_id`: swebench's parser keeps the file part, R2E-Gym's drops it), the same ids,
+    equal statuses.  Returns (matched, {"missing", "unexpected", "different"}) for the report."""
+    got = {r2e_test_id(k): v for k, v in parsed.items() if k}
+    want = {r2e_test_id(k): v for k, v in expected.items()}
     missing = sorted(set(want) - set(got))
     unexpected = sorted(set(got) - set(want))
     different = sorted(k for k in set(got) & set(want) if got[k] != want[k])

@@ -195,6 +195,22 @@ class ImageCache:
                                                    f"TURNSTILE_IMAGE_CACHE_BYTES={self.cap_bytes} is too small")
         return image
 
+    def cached(self, ref: str) -> Image | None:
+        """The image `ref` when this node has it unpacked already, else None; never pulls, asks no
+        registry, registers no user (for checks before a run starts, `app.control.preflight`)."""
+        try:
+            reference = parse_reference(ref)
+        except RuntimeSetupError:
+            return None
+        digest = _read_digest(self.root / "refs" / f"{reference.key}.json")
+        if digest is None:
+            return None
+        bundle = self._bundle(digest)
+        try:
+            return Image(ref, digest, bundle, read_config(bundle), int((bundle / "size").read_text()))
+        except (OSError, ValueError):
+            return None
+
     def release(self, digest: str, user: str) -> None:
         """Drop `user`'s hold on the image `digest` (idempotent)."""
         (self._bundle(digest) / "users" / user).unlink(missing_ok=True)

@@ -13,14 +13,19 @@ keyed by manifest digest, shared read-only by every runtime of that image).  Eac
 * its own copy of the repository folder (`record.repo_dir`, default /testbed, else the image's
   WorkingDir), bound read-write over the shared rootfs;
 * a scratch HOME at /home/agent;
+* when the record has a `bug_patch` (SWE-smith rows), that patch applied and committed on top
+  of the image's repository (`oci_repo.commit_bug_patch`), in the episode's and the grade's
+  runtime alike: the agent's patch is taken against the bug commit;
+* outside a grade, the record's `hidden_paths` left out (R2E-Gym's hidden tests and runner:
+  absent from the episode's root and repository copy, present in a grade runtime);
 * the host programs it was given read-only at fixed paths (`ro_binds`: a harness's tools folder,
   the Python its venv points to, Node), checked against the image's C library first
   (`rootfs.libc_check`: a musl image or one with an older glibc is refused, naming the image).
 
 Commands run under bubblewrap as in `app.runtimes.sandbox` (fresh namespaces, every capability
 dropped, cgroup caps, `network="gateway"` reaching only the gateway through the bridged Unix
-socket), over a tmpfs root rebuilt from the image's rootfs (`rootfs.layout_args`), with the
-image config's Env, WorkingDir and User.  The image's conda-style env `testbed`
+socket), over a tmpfs root rebuilt from the image's rootfs (`oci_sandbox.image_bwrap_argv`),
+with the image config's Env, WorkingDir and User.  The image's conda-style env `testbed`
 (/opt/miniconda3/envs/testbed, as SWE-bench images have it) is first on PATH when present.
 
 Host layout `<var_dir>/runtimes/<id>/`: `workspace/` (the repository copy), `home/`,
@@ -30,7 +35,6 @@ Host layout `<var_dir>/runtimes/<id>/`: `workspace/` (the repository copy), `hom
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -42,31 +46,19 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from app.config import Settings, get_settings
-from app.gitutil import EXCLUDE_PATTERNS, git_env
 from app.runtimes.bridge import GatewayBridge
 from app.runtimes.errors import RuntimeClosed, RuntimeSetupError
 from app.runtimes.images import Image, ImageCache, remove_tree
-from app.runtimes.patch import HARDENED_GIT_OPTIONS, patch_from_workspace
+from app.runtimes.oci_repo import (DEFAULT_REPO_DIR, commit_bug_patch, hide_in_workspace, record_extra, repo_dir,
+                                   repository_facts)
+from app.runtimes.oci_sandbox import SANDBOX_HOME, TESTBED_ENV, image_bwrap_argv, image_environment
+from app.runtimes.patch import patch_from_workspace
 from app.runtimes.paths import RuntimePaths
-from app.runtimes.rootfs import layout_args, libc_check, resolve_inside
-from app.runtimes.sandbox import (
-    BRIDGE_SOCKET,
-    INIT_PATH,
-    INIT_SOURCE,
-    MIB,
-    Limits,
-    Mount,
-    Network,
-    RunResult,
-    bwrap_available,
-    execute,
-)
+from app.runtimes.rootfs import libc_check, resolve_inside
+from app.runtimes.sandbox import INIT_PATH, INIT_SOURCE, BRIDGE_SOCKET, Limits, Mount, Network, RunResult, bwrap_available, execute
 from app.tasksets.schema import InstanceRecord
 
-SANDBOX_HOME = "/home/agent"
-DEFAULT_REPO_DIR = "/testbed"
-TESTBED_ENV = "/opt/miniconda3/envs/testbed"
-_BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+__all__ = ["OciRuntime", "host_python", "harness_check", "DEFAULT_REPO_DIR", "SANDBOX_HOME", "TESTBED_ENV"]
 
 
 def _as_record(record: InstanceRecord | dict) -> InstanceRecord:
@@ -117,10 +109,12 @@ class OciRuntime:
 
         `image`: a reference (`app.runtimes.images.parse_reference`); default `record.image`.
         `ro_binds`: (host path, sandbox path) read-only mounts (harness tools, Node, Python).
+        `purpose`: "episode", "oracle" or "grade"; only a grade runtime sees `hidden_paths`.
         `programs`: host executables among them that must run on the image's C library
         (`harness` names them in the error).  Raises `RuntimeSetupError`: stage "image" (pull or
         unpack failed: skopeo's or the registry's answer), "image cache", "repository" (the
-        repository folder is not in the image), "harness" (the harness cannot run in this image),
+        repository folder is not in the image), "bug_patch" (the record's bug patch does not
+        apply to the image's repository), "harness" (the harness cannot run in this image),
         "sandbox" (no usable bubblewrap).
         """
         rec = _as_record(record)
@@ -141,19 +135,24 @@ class OciRuntime:
             img = cache.ensure(ref, user=rid, user_root=root)
             t1 = time.monotonic()
             if programs:
-                why = _checked(img, [Path(p) for p in programs])
+                why = harness_check(img, programs)
                 if why:
                     raise RuntimeSetupError("harness", f"{harness or 'the harness'} cannot run in image {ref}: {why}")
-            repo_dir = _repo_dir(rec, img)
-            base = resolve_inside(img.rootfs, repo_dir)
+            folder = repo_dir(rec, img)
+            base = resolve_inside(img.rootfs, folder)
             if base is None or not base.is_dir() or base == img.rootfs:
-                raise RuntimeSetupError("repository", f"image {ref} has no folder {repo_dir} "
+                raise RuntimeSetupError("repository", f"image {ref} has no folder {folder} "
                                                       f"(instance {rec.instance_id}'s repository)")
             workspace, home = root / "workspace", root / "home"
             subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(workspace)], check=True, capture_output=True)
             home.mkdir()
             (home / ".gitconfig").write_text("[user]\n\tname = agent\n\temail = agent@localhost\n[safe]\n\tdirectory = *\n")
-            base_repo, base_commit, untracked = _repository_facts(img, repo_dir, base, root)
+            base_repo, base_commit, untracked = repository_facts(img, folder, base, root)
+            if rec.bug_patch:
+                base_repo, base_commit = commit_bug_patch(rec.bug_patch, base_repo, base_commit, workspace, root,
+                                                          rec.instance_id)
+            hidden = [str(h) for h in record_extra(rec, "hidden_paths") or []] if purpose != "grade" else []
+            hide_in_workspace(workspace, folder, hidden)
             (root / "untracked.exclude").write_text(untracked)
             exe, prefix = host_python()
         except BaseException:
@@ -164,7 +163,7 @@ class OciRuntime:
         state = {
             "kind": cls.kind, "id": rid, "instance_id": rec.instance_id, "root": str(root),
             "workspace": str(workspace), "home": str(home), "image": ref, "digest": img.digest,
-            "bundle": str(img.bundle), "repo_dir": repo_dir, "base_repo": str(base_repo),
+            "bundle": str(img.bundle), "repo_dir": folder, "hidden": hidden, "base_repo": str(base_repo),
             "base_commit": base_commit, "image_env": img.config.env, "image_cwd": img.config.cwd,
             "uid": img.config.uid, "gid": img.config.gid, "cache_root": str(cache.root),
             "python_executable": str(exe), "python_prefix": str(prefix), "confined": True,
@@ -223,20 +222,8 @@ class OciRuntime:
     # --- running ----------------------------------------------------------------------
 
     def environment(self, env: dict[str, str] | None = None, path_prepend: Sequence[str] = ()) -> dict[str, str]:
-        """The full environment of a command: the image's Env, then HOME/TMPDIR/..., then `env`.
-
-        PATH is `path_prepend`, the image's `testbed` env when it has one, then the image's PATH."""
-        out = dict(self._state["image_env"])
-        path = [*path_prepend]
-        if resolve_inside(self.rootfs, TESTBED_ENV + "/bin") is not None:
-            path.append(TESTBED_ENV + "/bin")
-            out.update(VIRTUAL_ENV=TESTBED_ENV, CONDA_DEFAULT_ENV="testbed", CONDA_PREFIX=TESTBED_ENV)
-        path.append(out.get("PATH") or _BASE_PATH)
-        out.update(PATH=":".join(path), HOME=SANDBOX_HOME, TMPDIR="/tmp", TERM="dumb", PYTHONUNBUFFERED="1",
-                   PIP_DISABLE_PIP_VERSION_CHECK="1")
-        out.setdefault("LANG", "C.UTF-8")
-        out.update(env or {})
-        return out
+        """The full environment of a command (`oci_sandbox.image_environment`)."""
+        return image_environment(self.rootfs, self._state["image_env"], env, path_prepend)
 
     def run(
         self,
@@ -291,32 +278,10 @@ class OciRuntime:
 
     def _bwrap(self, command: list[str], mounts: list[Mount], workdir: str, env: dict[str, str],
                network: str) -> list[str]:
-        # As in sandbox.bwrap_argv: --cap-drop ALL also when the worker is root (CAP_SYS_ADMIN
-        # inside could remount a read-only bind read-write).  The root is a tmpfs rebuilt from
-        # the image, so mount points for the workspace, HOME and host tools can be made.
-        size = self.limits.tmpfs_mb
-
-        def tmpfs(path: str, mib: int | None) -> list[str]:
-            return (["--size", str(mib * MIB)] if mib else []) + ["--tmpfs", path]
-
-        argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", str(self._state["uid"]),
-                "--gid", str(self._state["gid"]), "--cap-drop", "ALL", "--die-with-parent", "--new-session",
-                "--hostname", "sandbox", *tmpfs("/", size)]
-        argv += layout_args(self.rootfs, [m.dst for m in mounts] + [SANDBOX_HOME])
-        argv += ["--proc", "/proc", "--dev", "/dev"]
-        if size:
-            argv += [*tmpfs("/dev/shm", size), "--remount-ro", "/dev"]
-        argv += [*tmpfs("/tmp", size), *tmpfs("/run", 16 if size else None)]
-        for m in mounts:
-            argv += ["--bind" if m.writable else "--ro-bind", str(m.src), m.dst]
-        argv += ["--clearenv"]
-        for k, v in env.items():
-            argv += ["--setenv", k, v]
-        argv += ["--chdir", workdir, "--"]
-        if network == "gateway":
-            argv += [self._state["python_executable"], "-I", INIT_PATH, "--listen",
-                     f"127.0.0.1:{self._inside_port()}", "--unix", BRIDGE_SOCKET, "--"]
-        return argv + command
+        gateway = (self._state["python_executable"], self._inside_port()) if network == "gateway" else None
+        return image_bwrap_argv(command, rootfs=self.rootfs, mounts=mounts, workdir=workdir, env=env,
+                                uid=self._state["uid"], gid=self._state["gid"], tmpfs_mb=self.limits.tmpfs_mb,
+                                hidden=self._state.get("hidden", []), gateway=gateway)
 
     # --- results and cleanup ------------------------------------------------------------
 
@@ -351,12 +316,10 @@ class OciRuntime:
         return f"OciRuntime(id={self.id!r}, image={self.image!r}, instance={self.instance_id!r})"
 
 
-def _repo_dir(rec: InstanceRecord, img: Image) -> str:
-    """The repository's folder inside: the record's `repo_dir` when the record sets it, else
-    /testbed when the image has one (SWE-bench's layout), else the image's WorkingDir."""
-    if "repo_dir" in rec.model_fields_set or (rec.model_extra or {}).get("repo_dir"):
-        return str(getattr(rec, "repo_dir", None) or rec.model_extra["repo_dir"])
-    return DEFAULT_REPO_DIR if resolve_inside(img.rootfs, DEFAULT_REPO_DIR) is not None else img.config.cwd
+def harness_check(img: Image, programs: Sequence[str | Path]) -> str | None:
+    """Why the host `programs` (a harness's mounted executables) cannot run in `img`, or None:
+    `rootfs.libc_check`, remembered in the image's bundle per program file (path, size, mtime)."""
+    return _checked(img, [Path(p) for p in programs])
 
 
 def _checked(img: Image, programs: list[Path]) -> str | None:
@@ -381,66 +344,3 @@ def _checked(img: Image, programs: list[Path]) -> str | None:
 
 def _digest_or_empty(img: Image | None) -> str:
     return img.digest if img is not None else "sha256:none"
-
-
-def _git(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
-    proc = subprocess.run(["git", *HARDENED_GIT_OPTIONS, *args], cwd=cwd, capture_output=True, text=True,
-                          env=git_env(env or {}))
-    if proc.returncode != 0:
-        raise RuntimeSetupError("repository", f"git {args[0]} in {cwd}: {proc.stderr.strip()[-1000:]}")
-    return proc.stdout
-
-
-def _repository_facts(img: Image, repo_dir: str, base: Path, root: Path) -> tuple[Path, str, str]:
-    """(trusted repository, base commit, untracked-file excludes) of the image's repository folder.
-
-    For a folder with git history these are the same for every runtime of the image, so they are
-    computed once and kept in the bundle (`git status` over a large repository costs a good part
-    of a second); a folder without history gets a fresh snapshot per runtime."""
-    memo = img.bundle / "repos" / (hashlib.sha256(repo_dir.encode()).hexdigest()[:24] + ".json")
-    if (base / ".git").is_dir():
-        try:
-            facts = json.loads(memo.read_text())
-            return base, facts["base_commit"], facts["untracked"]
-        except (OSError, ValueError, KeyError):
-            pass
-    base_repo, base_commit = _base_repository(base, root)
-    untracked = _untracked(base_repo, base)
-    if base_repo == base:
-        memo.parent.mkdir(exist_ok=True)
-        tmp = memo.with_suffix(f".{uuid.uuid4().hex[:8]}")
-        tmp.write_text(json.dumps({"base_commit": base_commit, "untracked": untracked}))
-        os.replace(tmp, memo)
-    return base_repo, base_commit, untracked
-
-
-def _base_repository(base: Path, root: Path) -> tuple[Path, str]:
-    """(trusted repository, base commit) that patches are taken against.
-
-    The image's own repository (read-only, shared; the agent cannot change it) when the folder
-    has git history; else a private snapshot of the folder as the image has it, in `root/base`."""
-    if (base / ".git").is_dir():
-        return base, _git(base, "rev-parse", "HEAD").strip()
-    snap = root / "base"
-    snap.mkdir()
-    _git(snap, "init", "-q")
-    env = {"GIT_DIR": str(snap / ".git"), "GIT_WORK_TREE": str(base)}
-    _git(snap, "add", "-A", "--", ".", env=env)
-    _git(snap, "-c", "user.name=turnstile", "-c", "user.email=turnstile@localhost", "commit", "-q",
-         "--allow-empty", "-m", "image snapshot", env=env)
-    return snap, _git(snap, "rev-parse", "HEAD").strip()
-
-
-def _untracked(base_repo: Path, base: Path) -> str:
-    """gitignore lines naming the files the image already has untracked (install by-products),
-    then `EXCLUDE_PATTERNS`."""
-    # GIT_OPTIONAL_LOCKS=0: status must not refresh the index of the shared, read-only image copy.
-    env = {"GIT_DIR": str(base_repo / ".git"), "GIT_WORK_TREE": str(base), "GIT_OPTIONAL_LOCKS": "0"}
-    out = _git(base, "status", "--porcelain=v1", "-z", "--untracked-files=all", env=env)
-    lines = []
-    for item in out.split("\0"):
-        if item.startswith("?? "):
-            lines.append("/" + item[3:].replace("\\", "\\\\").replace("*", "\\*").replace("?", "\\?")
-                         .replace("[", "\\[").replace("!", "\\!").replace("#", "\\#"))
-    # Plus what commands leave behind (caches, build folders), as LocalRuntime's workspaces exclude it.
-    return "".join(line + "\n" for line in [*lines, *EXCLUDE_PATTERNS])

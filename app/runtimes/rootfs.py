@@ -60,7 +60,7 @@ def resolve_inside(rootfs: Path, path: str) -> Path | None:
     return rootfs.joinpath(*done)
 
 
-def layout_args(rootfs: Path, dests: Sequence[str]) -> list[str]:
+def layout_args(rootfs: Path, dests: Sequence[str], hidden: Sequence[str] = ()) -> list[str]:
     """bwrap arguments that rebuild `rootfs` read-only on a tmpfs root.
 
     Each top-level entry is a read-only bind (folders, files) or a symlink; `proc`, `dev`,
@@ -68,13 +68,16 @@ def layout_args(rootfs: Path, dests: Sequence[str]) -> list[str]:
     the caller mounts next (workspace, HOME, harness tools): a folder that would have to hold a
     missing mount point is rebuilt one level deeper (a `--dir` holding binds of its entries),
     because bwrap cannot create a mount point inside a read-only bind; an entry that is itself a
-    destination is left for the caller's mount.
+    destination is left for the caller's mount.  `hidden` paths (absolute, as seen inside) are
+    left out the same way: a folder holding one is rebuilt one level deeper without it, so
+    it does not exist inside (R2E-Gym's hidden tests in an episode).
     """
     wanted = [PurePosixPath(d) for d in dests]
-    return _layout(rootfs, rootfs, PurePosixPath("/"), wanted)
+    return _layout(rootfs, rootfs, PurePosixPath("/"), wanted, [PurePosixPath(h) for h in hidden])
 
 
-def _layout(rootfs: Path, host_dir: Path, inside_dir: PurePosixPath, dests: list[PurePosixPath]) -> list[str]:
+def _layout(rootfs: Path, host_dir: Path, inside_dir: PurePosixPath, dests: list[PurePosixPath],
+            hidden: list[PurePosixPath] = ()) -> list[str]:
     args: list[str] = []
     with os.scandir(host_dir) as it:
         entries = sorted(it, key=lambda e: e.name)
@@ -82,7 +85,7 @@ def _layout(rootfs: Path, host_dir: Path, inside_dir: PurePosixPath, dests: list
         inside = inside_dir / entry.name
         if inside_dir == PurePosixPath("/") and entry.name in SKIP_TOP:
             continue
-        if inside in dests:
+        if inside in dests or inside in hidden:
             continue
         if entry.is_symlink():
             # A link over a mount destination would send that mount wherever the image points it
@@ -90,10 +93,11 @@ def _layout(rootfs: Path, host_dir: Path, inside_dir: PurePosixPath, dests: list
             if not any(inside in d.parents for d in dests):
                 args += ["--symlink", os.readlink(entry.path), str(inside)]
         elif entry.is_dir(follow_symlinks=False):
-            if any(inside in d.parents and resolve_inside(rootfs, str(d)) is None for d in dests):
+            if (any(inside in d.parents and resolve_inside(rootfs, str(d)) is None for d in dests)
+                    or any(inside in h.parents for h in hidden)):
                 mode = oct(entry.stat(follow_symlinks=False).st_mode & 0o7777)[2:]
                 args += ["--perms", mode.zfill(4), "--dir", str(inside)]
-                args += _layout(rootfs, Path(entry.path), inside, dests)
+                args += _layout(rootfs, Path(entry.path), inside, dests, hidden)
             else:
                 args += ["--ro-bind", entry.path, str(inside)]
         elif entry.is_file(follow_symlinks=False):

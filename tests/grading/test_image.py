@@ -1,5 +1,6 @@
 """Grading inside the CI fixture image (real skopeo, umoci, bubblewrap; psf/requests 2.27 at /testbed,
-standing in for swebench's `sweb.eval.x86_64.psf_1776_requests-*` images): gold resolves, empty does not."""
+standing in for swebench's `sweb.eval.x86_64.psf_1776_requests-*` images, SWE-smith's per-repo images,
+and, with R2E-Gym's hidden tests added, an R2E-Gym per-commit image): gold resolves, empty does not."""
 import pytest
 
 from app.config import get_settings
@@ -8,7 +9,7 @@ from app.grading.harbor import oracle_patch
 from app.runtimes.oci import OciRuntime
 from app.tasksets.loader import load_published
 from support.format_fixtures import format_fixtures
-from support.registry import fixture_layout
+from support.registry import fixture_layout, r2e_fixture_layout
 
 
 @pytest.fixture(scope="module")
@@ -17,10 +18,12 @@ def fixtures(tmp_path_factory):
     probe = format_fixtures(tmp_path_factory.mktemp("probe"), image=image)
     with OciRuntime.prepare(load_published(probe / "swebench_verified.jsonl")[0][0], purpose="grade") as rt:
         base = rt.base_commit  # the image's own commit of /testbed
-    return format_fixtures(tmp_path_factory.mktemp("formats"), image=image, base_commit=base)
+    return format_fixtures(tmp_path_factory.mktemp("formats"), image=image, base_commit=base,
+                           r2e_image=f"oci:{r2e_fixture_layout()}:fixture")
 
 
-@pytest.mark.parametrize("name", ["swebench_verified.jsonl", "swerebench_v2.json", "harbor"])
+@pytest.mark.parametrize("name", ["swebench_verified.jsonl", "swerebench_v2.json", "harbor", "swesmith.jsonl",
+                                  "r2egym.jsonl"])
 def test_gold_resolves_and_empty_does_not(fixtures, name):
     rec = load_published(fixtures / name)[0][0]
     gold = oracle_patch(rec, settings=get_settings()) if rec.grader == "harbor" else rec.patch
@@ -40,3 +43,18 @@ def test_harbor_reward_planted_by_the_agent_is_gone(fixtures):
     assert "reward.txt" in patch
     result = grade(rec, patch, use_cache=False)
     assert (result.resolved, result.reward) == (False, 0.0), result.log_path
+
+
+def test_r2egym_runner_and_tests_the_agent_planted_are_not_used(fixtures):
+    """The agent cannot see R2E-Gym's hidden runner; a runner or r2e_tests it writes is dropped at grading."""
+    rec = load_published(fixtures / "r2egym.jsonl")[0][0]
+    with OciRuntime.prepare(rec, purpose="episode") as rt:
+        res = rt.run("printf 'echo PASSED r2e_tests/test_x.py::TestLookupDict::test_contains\\n' > run_tests.sh && "
+                     "mkdir -p r2e_tests && echo 'def test_contains(): pass' > r2e_tests/test_structures.py")
+        assert res.ok, res.stderr
+        patch = rt.patch()
+    # The runner is a file the image has untracked: the patch never carries one; planted tests are dropped.
+    assert "run_tests.sh" not in patch and "b/r2e_tests/test_structures.py" in patch
+    result = grade(rec, patch, use_cache=False, timeout_s=300)
+    assert (result.resolved, result.reward) == (False, 0.0), result.log_path
+    assert result.report["dropped_test_files"] == ["r2e_tests/test_structures.py"]

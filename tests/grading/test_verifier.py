@@ -50,6 +50,9 @@ def test_r2e_and_rebench_rules():
     expected = {"t.py::a": "PASSED", "t.py::b": "FAILED"}
     assert r2e_match({"t.py::a": "PASSED", "t.py::b - boom": "FAILED"}, expected)[0]
     ok, diff = r2e_match({"t.py::a": "PASSED", "t.py::c": "PASSED"}, expected)
-    assert not ok and diff == {"missing": ["t.py::b"], "unexpected": ["t.py::c"], "different": []}
+    assert not ok and diff == {"missing": ["b"], "unexpected": ["c"], "different": []}
+    # Published R2E-Gym rows key tests as its parser does (`Class.test`, no file part).
+    assert r2e_match({"r2e_tests/test_1.py::TestX::test_a": "PASSED"}, {"TestX.test_a": "PASSED"})[0]
+    assert not r2e_match({"r2e_tests/test_1.py::TestX::test_a": "FAILED"}, {"TestX.test_a": "PASSED"})[0]
     assert rebench_match({"a": "PASSED", "b": "PASSED", "c": "FAILED"}, ["a"], ["b"])
     assert not rebench_match({"a": "PASSED", "b": "PASSED", "x": "PASSED"}, ["a"], ["b"])  # exactly, as upstream

@@ -210,3 +210,38 @@ def test_an_image_link_over_a_host_mount_point_is_not_followed(tmp_path):
         assert list(rt.workspace.iterdir()) == []  # nothing was created through the link
     finally:
         rt.close()
+
+
+def test_a_missing_tag_fails_the_episodes_prepare_with_the_registrys_answer(served, monkeypatch):
+    """The path an episode takes (`RealStages.prepare`, as `app.control.episodes.prepare` calls it):
+    the error the episode row gets names the reference and carries the registry's answer."""
+    from app.control.real_stages import RealStages
+    from app.runconfig import RunConfig
+
+    ref, paths = served
+    missing = ref.replace(":2.27", ":9.9-missing")
+    monkeypatch.setattr(RuntimePaths, "from_settings", classmethod(lambda cls, s=None: paths))
+    cfg = RunConfig.model_validate({"kind": "train", "harness": "mini-swe-agent", "runtime": "auto"})
+    with pytest.raises(RuntimeSetupError) as info:
+        RealStages().prepare(record(missing), 1, cfg)
+    row_error = f"prepare failed: {type(info.value).__name__}: {info.value}"  # episodes.prepare's words
+    assert info.value.stage == "image" and missing.removeprefix("docker://") in row_error
+    assert "manifest unknown" in row_error
+
+
+def test_preflight_refuses_a_harness_the_cached_image_cannot_run(tmp_path, monkeypatch):
+    """At run creation: an image already in the node's cache is checked against the harness."""
+    from app.control.preflight import check_images
+    from app.runconfig import RunConfig
+    from app.tasksets.schema import InstanceRecord
+
+    paths = RuntimePaths(tmp_path / "var", tmp_path / "cache")
+    monkeypatch.setattr(RuntimePaths, "from_settings", classmethod(lambda cls, s=None: paths))
+    ref = layer_image(tmp_path / "musl", tar_of(tmp_path / "musl.tar", [
+        ("dir", "testbed", None), ("dir", "lib", None), ("file", "lib/ld-musl-x86_64.so.1", "not really")]))
+    rec = InstanceRecord.model_validate(record(ref))
+    cfg = RunConfig.model_validate({"kind": "train", "harness": "mini-swe-agent", "runtime": "auto"})
+    assert check_images(cfg, [rec]) is None  # not pulled yet: checked at prepare, when it is
+    ImageCache(get_settings(), paths).ensure(ref)
+    field, message = check_images(cfg, [rec])
+    assert field == "harness" and ref in message and "musl" in message and rec.instance_id in message

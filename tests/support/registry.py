@@ -10,6 +10,7 @@ image into it with skopeo, as a user's registry would serve it.
 from __future__ import annotations
 
 import fcntl
+import os
 import hashlib
 import shutil
 import subprocess
@@ -140,3 +141,62 @@ def tar_of(path: Path, members: list[tuple]) -> Path:
                 info.type, (info.devmajor, info.devminor), info.mode = tarfile.CHRTYPE, arg, 0o666
             tar.addfile(info, io.BytesIO(data) if data is not None else None)
     return path
+
+
+R2E_RUNNER = """#!/bin/bash
+# R2E-Gym's runner stands here in the repository (/testbed/run_tests.sh) and runs the hidden tests
+# through the `r2e_tests` link to /r2e_tests, with pytest's -rA summary its parser reads.
+source /opt/miniconda3/bin/activate
+conda activate testbed
+python -m pytest -rA -p no:cacheprovider r2e_tests
+"""
+
+
+def r2e_fixture_layout() -> Path:
+    """The fixture image plus one layer in R2E-Gym's layout (built once, cached beside the fixture):
+    `/r2e_tests/test_structures.py`, the fixture repository's tests/test_structures.py with the test
+    half of tests/fixtures/formats/r2egym.jsonl's commit applied (the hidden tests), and the runner
+    `/testbed/run_tests.sh`.  Returns the OCI layout folder (tag `fixture`); it stands in for an
+    `r2e-gym/...` per-commit image."""
+    import json
+
+    from app.runtimes.images import ImageCache, remove_tree
+    from app.runtimes.paths import RuntimePaths
+    from app.tasksets.formats.patchtext import r2e_commit_patch
+
+    base = fixture_layout()
+    row = json.loads((ROOT / "tests" / "fixtures" / "formats" / "r2egym.jsonl").read_text().splitlines()[0])
+    key = hashlib.sha256(b"2" + base.name.encode() + R2E_RUNNER.encode() + row["parsed_commit_content"].encode()).hexdigest()[:12]
+    layout = base.parent / f"{base.name}-r2e-{key}"
+    with open(base.parent / f"{layout.name}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (layout / "index.json").is_file():
+            return layout
+        work = base.parent / f"{layout.name}.building"
+        remove_tree(work)
+        work.mkdir()
+        try:
+            image = ImageCache(paths=RuntimePaths(work / "var", work / "cache")).ensure(f"oci:{base}:{TAG}")
+            tests = work / "tests"
+            tests.mkdir()
+            original = (image.rootfs / "testbed" / "tests" / "test_structures.py").read_text()
+            (tests / "test_structures.py").write_text(original)
+            patch = r2e_commit_patch(json.loads(row["parsed_commit_content"]), test_files=True)
+            # The cache is inside the checkout: stop git finding that repository (it would skip the file).
+            subprocess.run(["git", "apply", "-p2", "-"], input=patch, text=True, cwd=tests, check=True,
+                           capture_output=True, env={**os.environ, "GIT_CEILING_DIRECTORIES": str(work)})
+            if "def test_contains" not in (tests / "test_structures.py").read_text():
+                raise RuntimeError("the R2E-Gym fixture's test patch did not apply")
+            tar = tar_of(work / "r2e.tar", [
+                ("dir", "r2e_tests", None), ("file", "r2e_tests/__init__.py", ""),
+                ("file", "r2e_tests/test_structures.py", (tests / "test_structures.py").read_text()),
+                ("file", "testbed/run_tests.sh", R2E_RUNNER)])
+            staging = work / "layout"
+            # Blobs are immutable: links, not copies; index.json is rewritten by umoci, so a copy.
+            shutil.copytree(base, staging, copy_function=lambda s, d: os.link(s, d) if "/blobs/" in s else shutil.copy2(s, d))
+            subprocess.run(["umoci", "raw", "add-layer", "--image", f"{staging}:{TAG}", str(tar)],
+                           check=True, capture_output=True, text=True)
+            staging.rename(layout)
+        finally:
+            remove_tree(work)
+    return layout

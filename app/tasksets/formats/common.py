@@ -12,7 +12,7 @@ import json
 from typing import Any, Iterable
 
 # Keys Turnstile reads on a row of any published format (its own extensions).
-TURNSTILE_KEYS = frozenset({"repo_dir", "test_cmd", "eval_script", "log_parser"})
+TURNSTILE_KEYS = frozenset({"repo_dir", "test_cmd", "eval_script", "log_parser", "hidden_paths"})
 
 
 @dataclasses.dataclass

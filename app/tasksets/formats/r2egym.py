@@ -4,14 +4,19 @@ Row (HF `R2E-Gym/R2E-Gym-Subset`, read by rLLM's `rllm/data/r2egym_builder.py`):
 docker_image, commit_hash, parsed_commit_content` (JSON: the commit's `file_diffs`),
 `execution_result_content, expected_output_json` (JSON: {test id: status}), `modified_files,
 relevant_files, prompt, problem_statement`.  The image holds the repository at /testbed, the
-hidden tests in `/r2e_tests` and the runner `/run_tests.sh` (R2E-Gym `agenthub/runtime/docker.py`).
+hidden tests in `/r2e_tests` and the runner in the repository, `/testbed/run_tests.sh`, which
+runs `r2e_tests` from /testbed (R2E-Gym `agenthub/runtime/docker.py::setup_env` moves both out
+of the agent's reach, to /root, and links /testbed/r2e_tests back for the reward run).
+Here the record names them in `hidden_paths` (`/r2e_tests`, `<repo_dir>/run_tests.sh`,
+`<repo_dir>/r2e_tests`): an episode's runtime does not have them, a grade's does.
 
 Reward (R2E-Gym `_calculate_reward_r2e`): run the runner, parse the pytest log, strip ` - <msg>`
 from the ids of both maps, and give 1 only when the parsed map has the same ids as
 `expected_output_json` with equal statuses.  The gold patch is the commit's non-test files
 (`ParsedCommit.get_patch(test_file=False)`).  R2E-Gym's pytest parser is its own
-(`repo_analysis/execution_log_parser.py`); swebench's `parse_log_pytest` reads the same `-rA`
-summary lines.
+(`repo_analysis/execution_log_parser.py`), keyed `Class.test` (the file part dropped);
+swebench's `parse_log_pytest` reads the same `-rA` summary lines, and `verifier.r2e_match`
+compares both in R2E-Gym's form.
 """
 from __future__ import annotations
 
@@ -24,8 +29,13 @@ from app.tasksets.formats.patchtext import r2e_commit_patch
 FIELDS = frozenset({"repo_name", "docker_image", "commit_hash", "parsed_commit_content", "execution_result_content",
                     "expected_output_json", "modified_files", "relevant_files", "prompt", "problem_statement",
                     "instance_id", "num_non_test_files", "num_non_test_func_methods", "num_non_test_lines"})
-RUN_TESTS = "/run_tests.sh"
-HIDDEN = ("/r2e_tests", "/run_tests.sh")
+RUNNER = "run_tests.sh"  # in the repository folder
+HIDDEN_TESTS = "/r2e_tests"
+
+
+def hidden_paths(repo_dir: str) -> list[str]:
+    """What an episode must not see: the hidden tests and the runner (and a link to them in the repository)."""
+    return [HIDDEN_TESTS, f"{repo_dir.rstrip('/')}/{RUNNER}", f"{repo_dir.rstrip('/')}/r2e_tests"]
 
 
 def looks_like(row: dict[str, Any]) -> bool:
@@ -55,11 +65,12 @@ def convert_rows(rows: Sequence[dict[str, Any]]) -> list[Converted]:
         iid = row.get("instance_id") or f"{repo}__{commit[:12] or hashlib.sha256(str(row).encode()).hexdigest()[:12]}"
         statuses = {str(k).split(" - ")[0]: str(v) for k, v in expected.items()}
         rec = dict(row)
+        repo_dir = str(row.get("repo_dir") or "/testbed")
         rec.update(instance_id=iid, repo=repo or "unknown/unknown", source={"kind": "image"},
-                   image=row["docker_image"], repo_dir=row.get("repo_dir") or "/testbed", grader="r2egym",
+                   image=row["docker_image"], repo_dir=repo_dir, grader="r2egym", hidden_paths=hidden_paths(repo_dir),
                    base_commit=commit, patch=gold, expected_statuses=statuses,
                    FAIL_TO_PASS=[k for k, v in statuses.items() if v == "PASSED"], PASS_TO_PASS=[],
                    problem_statement=row.get("problem_statement") or row.get("prompt") or "",
-                   log_parser="parse_log_pytest", test_cmd=f"bash {RUN_TESTS}")
+                   log_parser="parse_log_pytest", test_cmd=f"bash {RUNNER}")
         out.append(Converted(rec, None, warnings))
     return out

@@ -12,9 +12,15 @@ committed at prepare so the agent's diff starts from the bug); the gold fix is t
 mirror (`swesmith/harness/utils.py::run_patch_in_container`), which needs the network.
 
 Tests: SWE-smith's default Python profile (`swesmith/profiles/python.py::PythonProfile`):
-`pytest --disable-warnings --color=no --tb=no --verbose` in the `testbed` env, whose
-`path::test STATUS` lines swebench's `parse_log_pytest_v2` reads.  A row may carry its own
-`test_cmd` (a profile that overrides it).
+`pytest --disable-warnings --color=no --tb=no --verbose` in the `testbed` env, on the files of
+FAIL_TO_PASS (`swesmith/harness/utils.py::get_test_command`).  Its `--verbose` lines end in a
+progress figure (`path::test PASSED [ 5%]`), which swebench's parsers do not read, so the eval
+script exports `PYTEST_ADDOPTS=-rA`: pytest adds its `PASSED path::test` summary, which
+`parse_log_pytest_v2` reads, and runs the same tests.  A row may carry its own `test_cmd`
+(a profile that overrides it), run as it is.
+
+The row's `base_commit` is SWE-smith's bug commit on its mirror's branch (`harness/gather.py`),
+which is not in the image; the runtime makes its own bug commit from `patch`.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ def eval_script(test_cmd: str, files: list[str], repo_dir: str) -> str:
     """Reset the F2P/P2P test files to the image's version, then run the tests between swebench's markers."""
     reset = f"git checkout HEAD -- {' '.join(files)}" if files else ""
     return "\n".join(["#!/bin/bash", "set -uxo pipefail", ACTIVATE, f"cd {repo_dir}", reset,
+                      'export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -rA"',
                       ": '>>>>> Start Test Output'", test_cmd, ": '>>>>> End Test Output'", reset]) + "\n"
 
 
@@ -64,7 +71,8 @@ def convert_rows(rows: Sequence[dict[str, Any]]) -> list[Converted]:
         rec.update(
             source={"kind": "image"}, image=row["image_name"], repo_dir=repo_dir, bug_patch=row["patch"], patch=gold,
             base_commit=row.get("base_commit") or "", test_files=files,
-            eval_script=row.get("eval_script") or eval_script(row.get("test_cmd") or TEST_CMD, files, repo_dir),
+            eval_script=row.get("eval_script") or eval_script(
+                row.get("test_cmd") or " ".join([TEST_CMD, *sorted({t.split("::", 1)[0] for t in f2p})]), files, repo_dir),
             log_parser=row.get("log_parser") or "parse_log_pytest_v2",
         )
         out.append(Converted(rec, None, warnings))
