@@ -13,7 +13,7 @@ import random
 
 from app.config import get_settings
 from app.db import session_scope
-from app.tables import Completion, Episode, Run, TaskInstance, TrainingStep
+from app.tables import Completion, Episode, Group, Run, TaskInstance, TrainingStep
 from app.runconfig import RunConfig
 from app.training.store import build_episode_trajectories
 
@@ -116,11 +116,14 @@ def _step_metrics(step: int, rewards: list[float], rng: random.Random) -> dict:
         "logprob_gap_mean_abs": 2e-4, "tokens_trained": 420 + 30 * step, "tokens_processed": 1600 + 100 * step,
         "builder": "prefix_merging",
         "merge": {"completions": 12, "completions_merged": 9 - step, "chains": 3 + step, "chains_cut": step,
-                  "rejected": 0, "cut_reasons": {"context_diverged": step} if step else {}, "rejected_reasons": {}},
+                  "rejected": 0, "trainable_tokens": 180 + 20 * step, "cut_reasons": {"context_diverged": step} if step else {}, "rejected_reasons": {}},
         "scheduling": {"trainer_busy_fraction": 0.55 + 0.1 * step, "rollout_slot_occupancy": 0.9,
                        "ready_wait_s": {"n": 4, "p50": 0.04 + 0.01 * step, "max": 0.3},
                        "staleness_hist": {"0": 3, "1": step}},
-        "policy_version": step + 1, "step_time_s": 11.5,
+        "policy_version": step + 1, "step_time_s": 11.5, "update_time_s": 8.1 + step, "checkpoint_time_s": 1.2,
+        "engine_sync_time_s": 0.4, "grad_norm": 0.8 - 0.1 * step, "optimizer_updates": 1,
+        "tis_weight_mean": 0.98, "tis_truncated_fraction": 0.02 * step, "ratio_mean": 1.0,
+        "advantage_min": -1.2, "advantage_max": 1.3, "zero_advantage_group_fraction": 0.5 if step == 1 else 0.0,
     }
 
 
@@ -134,7 +137,8 @@ def seed() -> dict:
     with session_scope() as s:
         inst = [_instance(s, name) for name in INSTANCES]
         cfg = RunConfig.model_validate({"kind": "train", "harness": "mini-swe-agent", "task_set": "synthetic",
-                                        "group_size": 2, "tasks_per_step": 2, "steps": 3}).model_dump(mode="json")
+                                        "group_size": 2, "tasks_per_step": 2, "steps": 3,
+                                        "training": {"kl_coef": 0.001}}).model_dump(mode="json")
         train = Run(kind="train", status="completed", config=cfg, policy_version=3, created_at=T0,
                     started_at=T0, finished_at=T0 + dt.timedelta(minutes=9))
         s.add(train)
@@ -144,6 +148,8 @@ def seed() -> dict:
         for step in range(3):
             episode_ids = []
             for g in range(2):
+                s.add(Group(run_id=train.id, group_index=step * 2 + g, instance_id=inst[g].id, status="trained", step=step,
+                            policy_version=step))
                 for k in range(2):
                     n = g * 2 + k
                     ok = bool(resolved_pattern[step][n])
@@ -189,6 +195,7 @@ def seed() -> dict:
             s.flush()
             ids[label] = run.id
             for g, row in enumerate(pattern):
+                s.add(Group(run_id=run.id, group_index=g, instance_id=inst[g].id, status="done"))
                 for k, ok in enumerate(row):
                     s.add(Episode(run_id=run.id, instance_id=inst[g].id, step=0, group_index=g, sample_index=k,
                                   status="completed", attempts=1, policy_version=0, reward=float(ok), resolved=bool(ok),
@@ -205,8 +212,112 @@ def seed() -> dict:
         for k in range(2):
             s.add(Episode(run_id=live.id, instance_id=inst[0].id, step=0, group_index=0, sample_index=k,
                           status="running", attempts=1, policy_version=0, started_at=live.started_at))
+        seed_states(s, inst, tok, rng, ids)
     _write_log(ids["train"], ids["merged_episode"])
     return ids
+
+
+def _episodes(s, run: Run, inst: TaskInstance, step: int, group: int, marks: str, start: dt.datetime) -> list[Episode]:
+    """One group's episodes from `marks`, one letter a sample: 1/0 completed with that reward,
+    F failed, C cancelled, q/p/r/R/g queued, preparing, ready, running, grading."""
+    names = {"F": "failed", "C": "cancelled", "q": "queued", "p": "preparing", "r": "ready", "R": "running", "g": "grading"}
+    out = []
+    for k, mark in enumerate(marks):
+        status = "completed" if mark in "01" else names[mark]
+        ep = Episode(run_id=run.id, instance_id=inst.id, step=step, group_index=group, sample_index=k, status=status,
+                     attempts=1, policy_version=step, created_at=start,
+                     started_at=start if status not in ("queued", "preparing", "ready") else None)
+        if status == "completed":
+            ep.reward, ep.resolved, ep.exit_status = float(mark), mark == "1", "submitted"
+            ep.grading_report, ep.finished_at = _report(inst.instance_id, mark == "1"), start + dt.timedelta(seconds=50)
+        elif status == "failed":
+            ep.error, ep.exit_status = "harness timed out after 600 s and produced no patch", "timeout"
+        elif status == "cancelled":
+            ep.error = "straggler cancelled: group had enough graded episodes"
+        s.add(ep)
+        out.append(ep)
+    s.flush()
+    return out
+
+
+def seed_states(s, inst: list[TaskInstance], tok, rng: random.Random, ids: dict) -> None:
+    """Runs in every state a page must render: a live train run whose groups were trained, set
+    aside, dropped as stale or rejected, with a step training and episodes in every state; a run
+    whose step is pending; a failed run with a failed step; queued, cancelling and cancelled runs."""
+    now = dt.datetime.now(dt.timezone.utc)
+    cfg = RunConfig.model_validate({"kind": "train", "harness": "mini-swe-agent", "task_set": "synthetic",
+                                    "group_size": 4, "tasks_per_step": 2, "steps": 4}).model_dump(mode="json")
+    live = Run(kind="train", status="running", config=cfg, policy_version=2, created_at=now - dt.timedelta(minutes=30),
+               started_at=now - dt.timedelta(minutes=30))
+    s.add(live)
+    s.flush()
+    ids["live_train"] = live.id
+    # (group, step, instance, marks, group status, reason, weight)
+    plan = [(0, 0, 0, "1011", "trained", None, 1.0), (1, 0, 1, "0100", "trained", None, 1.0),
+            (2, 0, 2, "1111", "filtered", "all 4 usable rewards are 1: no advantage (dynamic sampling)", 1.0),
+            (3, 1, 0, "0011", "trained", None, 1.0), (4, 1, 1, "1000", "trained", None, 0.5),
+            (5, 1, 2, "0110", "dropped", "stale: served by version 0, policy is 3", 1.0),
+            (6, 1, 0, "1FFF", "rejected", "1/4 usable episodes", 1.0),
+            (7, 2, 1, "1100", "trained", None, 1.0), (8, 2, 2, "0001", "trained", None, 1.0),
+            (9, 3, 0, "qprR", "open", None, 1.0), (10, 3, 1, "g10C", "open", None, 1.0),
+            (11, 3, 2, "0110", "accepted", None, 1.0)]
+    members: dict[int, list[Episode]] = {}
+    for group, step, i, marks, status, reason, weight in plan:
+        start = live.started_at + dt.timedelta(minutes=4 * step, seconds=10 * group)
+        members[group] = _episodes(s, live, inst[i], step, group, marks, start)
+        s.add(Group(run_id=live.id, group_index=group, instance_id=inst[i].id, status=status, reason=reason,
+                    weight=weight, step=step if status in ("trained", "filtered") else None, policy_version=step))
+    filtered = members[2][0]
+    _add_completions(s, filtered, tok, rng, rewrite_last=False, start=live.started_at)
+    build_episode_trajectories(s, filtered.id, "prefix_merging")
+    ids["filtered_episode"], ids["stale_episode"] = filtered.id, members[5][1].id
+    ids["trained_live_episode"], ids["training_episode"] = members[0][0].id, members[7][0].id
+    for step, groups in ((0, (0, 1)), (1, (3, 4)), (2, (7, 8))):
+        eps = [e for g in groups for e in members[g] if e.status == "completed"]
+        metrics = {"scheduling": {"trainer_busy_fraction": 0.6, "rollout_slot_occupancy": 0.8,
+                                  "ready_wait_s": {"n": 2, "p50": 0.05, "max": 0.2}, "staleness_hist": {"0": 2}}}
+        if step < 2:  # a completed step: the trainer's metrics (kl_coef is 0: `kl` is the trainer's 0.0)
+            metrics = {**_step_metrics(step, [e.reward for e in eps], rng), "kl": 0.0}
+        if step == 1:  # every sequence over the length limit: no update, and the trainer writes loss 0.0
+            metrics.update(optimizer_updates=0, loss=0.0, grad_norm=0.0, clip_fraction=0.0)
+        s.add(TrainingStep(run_id=live.id, step=step, status="completed" if step < 2 else "training",
+                           policy_version=step + 1 if step < 2 else None, episode_ids=[e.id for e in eps],
+                           metrics=metrics, started_at=start, finished_at=start if step < 2 else None))
+    _other_states(s, inst, now, ids)
+
+
+def _other_states(s, inst: list[TaskInstance], now: dt.datetime, ids: dict) -> None:
+    def run(label: str, kind: str, status: str, error: str | None = None, steps: int = 2) -> Run:
+        cfg = RunConfig.model_validate({"kind": kind, "harness": "mini-swe-agent", "task_set": "synthetic",
+                                        "group_size": 2, "tasks_per_step": 1, "steps": steps}).model_dump(mode="json")
+        r = Run(kind=kind, status=status, config=cfg, error=error, created_at=now - dt.timedelta(minutes=20),
+                started_at=None if status == "queued" else now - dt.timedelta(minutes=19),
+                finished_at=now - dt.timedelta(minutes=2) if status in ("failed", "cancelled") else None)
+        s.add(r)
+        s.flush()
+        ids[label] = r.id
+        return r
+
+    pending = run("pending_train", "train", "running")
+    eps = _episodes(s, pending, inst[0], 0, 0, "10", now - dt.timedelta(minutes=5))
+    s.add(Group(run_id=pending.id, group_index=0, instance_id=inst[0].id, status="trained", step=0))
+    # what the scheduler writes when it creates a step: only its own metrics, until the trainer runs it
+    s.add(TrainingStep(run_id=pending.id, step=0, status="pending", episode_ids=[e.id for e in eps],
+                       metrics={"scheduling": {"trainer_busy_fraction": 0.0, "staleness_hist": {"0": 1}}}))
+    failed = run("failed_train", "train", "failed", error="step 1 failed: CUDA out of memory (tried to allocate 2.1 GiB)")
+    for step in range(2):
+        eps = _episodes(s, failed, inst[step], step, step, "10", now - dt.timedelta(minutes=15 - 5 * step))
+        s.add(Group(run_id=failed.id, group_index=step, instance_id=inst[step].id, status="trained", step=step))
+        s.add(TrainingStep(run_id=failed.id, step=step, status="completed" if step == 0 else "failed",
+                           policy_version=1 if step == 0 else None, episode_ids=[e.id for e in eps],
+                           metrics=_step_metrics(0, [1.0, 0.0], random.Random(1)) if step == 0 else None,
+                           error=None if step == 0 else "CUDA out of memory (tried to allocate 2.1 GiB)"))
+    run("queued_eval", "eval", "queued")
+    cancelling = run("cancelling_eval", "eval", "cancelling")
+    _episodes(s, cancelling, inst[0], 0, 0, "1R", now - dt.timedelta(minutes=3))
+    _episodes(s, cancelling, inst[1], 0, 1, "CC", now - dt.timedelta(minutes=3))
+    cancelled = run("cancelled_train", "train", "cancelled", error="cancelled by the user")
+    _episodes(s, cancelled, inst[2], 0, 0, "0C", now - dt.timedelta(minutes=10))
 
 
 def _write_log(run_id: int, episode_id: int) -> None:

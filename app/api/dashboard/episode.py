@@ -16,6 +16,7 @@ from app.config import get_settings
 from app.paths import RunPaths
 from app.proxy.apis import REGISTRY
 from app.api.dashboard.data import seconds_between
+from app.api.dashboard.groups import episode_group
 from app.tables import Completion, Episode, Trajectory
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -206,6 +207,7 @@ def episode_detail(s: Session, episode_id: int) -> dict | None:
         "diff": diff_lines(e.patch), "logs": harness_logs(run.id, e.id),
         "calls": conversation(comps), "sequences": sequences, "builder": builder,
         "merge": (e.merge_stats or {}), "decoded": decode is not None, "seq_of": seq_of,
+        "group": episode_group(s, e),
     }
 
 

@@ -1,10 +1,11 @@
-"""Dashboard routes.  Each page reads SQL through `data.py` (runs, steps, compare) or `episode.py` and renders one template."""
+"""Dashboard routes.  Each page reads SQL through its module (`data.py` runs, `run_view.py`, `episode.py`,
+`compare.py`) and renders one template."""
 from __future__ import annotations
 
 from flask import Blueprint, abort, render_template, request
 from sqlalchemy import select
 
-from app.api.dashboard import data, episode
+from app.api.dashboard import compare, data, episode, run_view
 from app.api.dashboard.form import run_config_form
 from app.api.openapi import openapi_spec
 from app.db import session_scope
@@ -55,10 +56,10 @@ def run_page(run_id: int):
     status = _arg("status")
     outcome = _arg("outcome", ("resolved", "unresolved"))
     with session_scope() as s:
-        view = data.run_detail(s, run_id, status=status, instance=_arg("instance"), outcome=outcome)
+        view = run_view.run_detail(s, run_id, status=status, instance=_arg("instance"), outcome=outcome)
         if view is None:
             abort(404, f"run {run_id} not found")
-        return render_template("dashboard/run.html", v=view, f={"status": status, "instance": _arg("instance"),
+        return render_template("dashboard/run.html", v=view, fmt_ci=_ci, f={"status": status, "instance": _arg("instance"),
                                                                  "outcome": outcome},
                                terminal_states=TERMINAL, cancellable=RUN_CANCELLABLE)
 
@@ -79,13 +80,14 @@ def compare_page():
         evals = s.scalars(select(Run).where(Run.kind == "eval").order_by(Run.id.desc()).limit(200)).all()
         view = None
         if a is not None and b is not None:
-            view = data.compare_runs(s, a, b)
+            view = compare.compare_runs(s, a, b)
             if view is None:
                 abort(404, f"run {a if s.get(Run, a) is None else b} not found")
         return render_template("dashboard/compare.html", evals=evals, a=a, b=b, v=view, fmt_ci=_ci)
 
 
 def _ci(interval) -> str:
+    """`[0.05, 0.70]` for a (low, high) pair, "" for None."""
     return "" if interval is None else f"[{interval[0]:.2f}, {interval[1]:.2f}]"
 
 

@@ -45,7 +45,8 @@ def test_runs_page_lists_runs_and_filters(browser, site, shots):
     _open(browser, site, "/")
     ids = site["ids"]
     rows = _rows(browser, "runs")
-    assert len(rows) == 4
+    with session_scope() as s:
+        assert len(rows) == s.query(Run).count()  # every seeded run, in every state
     train = browser.find_element(By.CSS_SELECTOR, f'tr[data-run="{ids["train"]}"]').text
     # 11 graded episodes, 7 resolved; 3/3 steps
     assert "completed" in train and "train" in train and "mini-swe-agent" in train and "smollm2" in train
@@ -57,7 +58,7 @@ def test_runs_page_lists_runs_and_filters(browser, site, shots):
     browser.find_element(By.CSS_SELECTOR, "#run-filters button").click()
     WebDriverWait(browser, WAIT_S).until(lambda d: "kind=eval" in d.current_url)
     shown = {r.get_attribute("data-run") for r in _rows(browser, "runs")}
-    assert shown == {str(ids["eval_base"]), str(ids["eval_trained"])}
+    assert shown == {str(ids[k]) for k in ("eval_base", "eval_trained", "queued_eval", "cancelling_eval")}
     _assert_console_clean(browser)
 
 
@@ -73,6 +74,7 @@ def test_run_page_shows_config_curves_and_episodes(browser, site, shots):
     # uPlot drew one canvas per chart
     WebDriverWait(browser, WAIT_S).until(
         lambda d: len(d.find_elements(By.CSS_SELECTOR, "figure.chart canvas")) == len(captions))
+    assert not browser.find_elements(By.CSS_SELECTOR, ".not-computed")  # this run's KL was computed (kl_coef 0.001)
     legend = browser.find_element(By.CSS_SELECTOR, "#chart-0 .u-legend").text
     assert "mean" in legend and "mean + std" in legend
     assert len(_rows(browser, "episodes")) == 12

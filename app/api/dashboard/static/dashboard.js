@@ -3,30 +3,63 @@
 
 const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"];
 
+/* The uPlot instance of each chart, by figure id (the reset buttons and the tests use them). */
+const CHARTS = {};
+
+function fmtValue(v) {
+  if (v == null) return "not computed"; // None from the server: absent or turned off, never a 0
+  const a = Math.abs(v);
+  if (a !== 0 && (a < 1e-3 || a >= 1e5)) return v.toExponential(2);
+  return Number.isInteger(v) ? String(v) : v.toFixed(a < 1 ? 4 : 2);
+}
+
+function fmtTick(t) {
+  const a = Math.abs(t);
+  if (a !== 0 && (a < 1e-3 || a >= 1e5)) return t.toExponential(1);
+  return String(Number(t.toPrecision(3)));
+}
+
 function drawCharts(root) {
   const node = root.querySelector("#chart-data");
   if (!node || typeof uPlot === "undefined") return;
   const charts = JSON.parse(node.textContent);
   for (const c of charts) {
     const box = root.querySelector("#" + c.id);
-    if (!box) continue;
+    if (!box || c.not_computed) continue;
     box.querySelectorAll(".uplot").forEach((el) => el.remove());
-    const series = [{ label: "step" }];
+    // `idx` is null while the cursor is off the chart: nothing is pointed at, so nothing is "not computed"
+    const series = [{ label: "step", value: (u, v, si, idx) => (idx == null || v == null ? "-" : String(v)) }];
     c.series.forEach((s, i) => {
       const band = c.band && i > 0;
       series.push({ label: s.label, stroke: band ? "#93c5fd" : PALETTE[i % PALETTE.length], width: band ? 1 : 2,
-                    dash: band ? [4, 4] : undefined, spanGaps: true, points: { show: true, size: 5 } });
+                    dash: band ? [4, 4] : undefined, spanGaps: false, points: { show: true, size: 5 },
+                    value: (u, v, si, idx) => (idx == null ? "-" : fmtValue(v)) });
     });
+    const y = c.range ? { range: c.range, auto: false } : { auto: true };
     const opts = {
       width: Math.max(300, box.clientWidth - 12), height: 190,
-      scales: { x: { time: false } },
-      axes: [{ label: "step", size: 36, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000] }, { size: 56 }],
+      scales: { x: { time: false }, y: y },
+      axes: [{ label: "step", size: 36, space: 30, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
+               values: (u, ticks) => ticks.map((t) => (Number.isInteger(t) ? String(t) : "")) },
+             { size: 56, values: (u, ticks) => ticks.map(fmtTick) }],
       series: series,
-      legend: { live: false },
+      cursor: { drag: { x: true, y: false } },
+      legend: { live: true },
     };
     if (c.band) opts.bands = [{ series: [3, 2], fill: "rgba(37, 99, 235, 0.12)" }];
-    new uPlot(opts, [c.x, ...c.series.map((s) => s.values)], box);
+    CHARTS[c.id] = { plot: new uPlot(opts, [c.x, ...c.series.map((s) => s.values)], box), x: c.x };
   }
+  root.querySelectorAll("button.chart-reset").forEach((button) => {
+    button.addEventListener("click", () => resetZoom(button.dataset.chart));
+  });
+}
+
+/* Back to every step after a drag-zoom. */
+function resetZoom(id) {
+  const chart = CHARTS[id];
+  if (!chart || !chart.x.length) return;
+  const min = chart.x[0], max = chart.x[chart.x.length - 1];
+  chart.plot.setScale("x", { min: min === max ? min - 1 : min, max: min === max ? max + 1 : max });
 }
 
 /* Live refresh: poll the run's JSON; when anything changed, re-render the live sections from the page. */
@@ -41,35 +74,62 @@ function liveRun(page) {
   const terminalStates = page.dataset.terminalStates.split(" "); // rendered by the server (app.transitions)
   let last = signature(rendered.status, rendered.episodes_by_status, rendered.policy_version, rendered.steps,
                        rendered.completions);
+  let lastGood = new Date();
   async function tick() {
     let run;
     try {
       const resp = await fetch(`/api/runs/${runId}`, { headers: { Accept: "application/json" } });
-      if (!resp.ok) return schedule();
+      if (!resp.ok) return failed(`HTTP ${resp.status}`);
       run = await resp.json();
     } catch (err) {
-      return schedule(); // API restarting: try again on the next tick
+      return failed("the API cannot be reached"); // API restarting: try again on the next tick
     }
     const sig = signature(run.status, run.episodes_by_status, run.policy_version,
                           (run.steps || []).map((s) => s.status), (run.live || {}).completions);
-    if (sig !== last) await refreshSections();
+    if (sig !== last) {
+      const error = await refreshSections();
+      if (error) return failed(error); // keep `last`: the next tick tries the refresh again
+    }
     last = sig;
+    lastGood = new Date();
+    showLive(null);
     if (terminalStates.includes(run.status)) return; // the last refresh showed the end
     schedule();
   }
   function schedule() { setTimeout(tick, 2000); }
+  function failed(why) {
+    showLive(`refresh failed (${why}); showing ${lastGood.toLocaleTimeString()}, retrying`);
+    schedule();
+  }
+  /* The "live" mark says when the page stopped following the run, instead of going on saying "live". */
+  function showLive(problem) {
+    const mark = document.getElementById("live-indicator");
+    if (!mark) return;
+    mark.classList.toggle("stale", Boolean(problem));
+    mark.textContent = problem || "live";
+  }
   async function refreshSections() {
-    const resp = await fetch(window.location.href, { headers: { Accept: "text/html" } });
-    if (!resp.ok) return;
+    let resp;
+    try {
+      resp = await fetch(window.location.href, { headers: { Accept: "text/html" } });
+    } catch (err) {
+      return "the page cannot be reached";
+    }
+    if (!resp.ok) return `the page answered HTTP ${resp.status}`;
     const doc = new DOMParser().parseFromString(await resp.text(), "text/html");
-    for (const id of ["run-head", "run-stats", "curves", "episodes-section"]) {
+    let previous = null;
+    for (const id of ["run-head", "run-stats", "curves", "eval-section", "groups-section", "episodes-section"]) {
       const fresh = doc.getElementById(id), current = document.getElementById(id);
       if (fresh && current) current.replaceWith(fresh);
+      else if (fresh && previous) previous.after(fresh); // a section the run has only now (its first group)
+      else if (current) current.remove();
+      previous = document.getElementById(id) || previous;
     }
     const freshPage = doc.getElementById("run-page");
     if (freshPage) page.dataset.terminal = freshPage.dataset.terminal;
     drawCharts(document);
     bindCancel();
+    return null;
   }
   schedule();
 }
