@@ -8,9 +8,11 @@ task, soft and hard time limits, JSON only, explicit task names.
 """
 from __future__ import annotations
 
+import redis.exceptions
 from celery import Celery
 from celery.signals import worker_process_init
 from kombu import Queue
+from kombu.transport import redis as kombu_redis
 
 from app.config import get_settings
 
@@ -58,7 +60,10 @@ app.conf.update(
     },
     task_default_priority=9,
     result_backend_transport_options={"visibility_timeout": _settings.visibility_timeout},
-    worker_cancel_long_running_tasks_on_connection_loss=True,
+    # A lost broker connection does not cancel the stages running in the pool: each holds its lease
+    # in SQL and writes its result there, so it finishes once; its message, left unacked in Redis,
+    # comes back after the visibility timeout and finds the stage done (a duplicate does nothing).
+    worker_cancel_long_running_tasks_on_connection_loss=False,
     broker_connection_retry_on_startup=True,
     # Reconnect to a restarted Redis for as long as it takes (the default gives up after 100 tries
     # and the worker exits).  Workers run with --without-gossip: the Gossip step is the one
@@ -75,6 +80,29 @@ app.conf.update(
     },
     beat_schedule_filename=str(_settings.var_dir / "celerybeat-schedule"),
 )
+
+
+_kombu_connparams = kombu_redis.Channel._connparams
+
+
+def _connparams_of_an_open_channel(self, asynchronous=False):
+    """kombu's Redis `Channel._connparams`, raising a connection error on a closed connection.
+
+    After a lost connection the consumer closes it; closing its channel restores the unacked
+    messages (`restore_unacked_once`), and a late ack of a task that outlived the connection goes
+    to the same channel: both build a Redis client from `self.connection.client`, which the close
+    already set to None, and the AttributeError ("'NoneType' object has no attribute 'hostname'",
+    https://github.com/celery/kombu/issues/582) is not a connection error, so it escapes kombu's
+    `ignore_errors` and Celery's ack error handling and stops the worker.  As a connection error the
+    close and the ack fail quietly; the messages stay in Redis's unacked set and are restored after
+    the visibility timeout.
+    """
+    if self.connection.client is None:
+        raise redis.exceptions.ConnectionError("the broker connection of this channel is closed")
+    return _kombu_connparams(self, asynchronous)
+
+
+kombu_redis.Channel._connparams = _connparams_of_an_open_channel
 
 
 @worker_process_init.connect

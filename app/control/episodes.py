@@ -180,7 +180,7 @@ def rollout(episode_id: int) -> Plan:
         return fail(episode_id, f"rollout failed: {type(exc).__name__}: {exc}", owner)
     if not closing_write(lambda: lease.holds(episode_id, owner), f"episode {episode_id} rollout lease"):
         return Plan()  # taken over (this worker stalled past its lease): the runtime is the successor's now
-    if redis_state.is_cancelled(episode_id):
+    if closing_write(lambda: redis_state.is_cancelled(episode_id), f"episode {episode_id} cancel flag"):
         _release_runtime_of(episode_id)
         redis_state.free_slot(claim.run_id)
         return scheduler.tick(claim.run_id)
@@ -198,7 +198,7 @@ def rollout(episode_id: int) -> Plan:
 
     won = closing_write(write, f"episode {episode_id} rolled out")
     _release_runtime_of(episode_id)
-    redis_state.free_slot(claim.run_id)
+    closing_write(lambda: redis_state.free_slot(claim.run_id), f"run {claim.run_id} slot freed")
     plan = Plan(grade=[episode_id] if won else [], priority=celery_priority(claim.cfg.priority))
     plan += scheduler.tick(claim.run_id)  # a rollout slot is free
     return plan

@@ -168,3 +168,87 @@ def test_an_eval_run_writes_its_figures_to_tensorboard(env, spawn):
     assert value("eval/resolved_rate") == pytest.approx(summary["resolved_rate"])
     solved = sum(1 for v in summary["solved"].values() if v) / len(summary["solved"])
     assert value("eval/solved_fraction") == pytest.approx(solved)
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A Redis server of this test's own (append-only file on, so a restart keeps its data), that
+    the test may restart: `restart()` shuts it down (saving) and starts it again on the same port."""
+    import subprocess
+
+    import redis as redis_lib
+
+    from support import free_port
+
+    port = free_port()
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+            "--dir", str(tmp_path)]
+    procs = [subprocess.Popen(args, stdout=subprocess.DEVNULL)]
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis_lib.Redis.from_url(url)
+    wait_for(lambda: _pings(client), 10, what="the private Redis to start")
+
+    def restart(down_s: float = 1.0) -> None:
+        client.shutdown(save=True)
+        procs[-1].wait(timeout=10)
+        time.sleep(down_s)
+        procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL))
+        wait_for(lambda: _pings(client), 10, what="the private Redis to come back")
+
+    yield url, restart
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _pings(client) -> bool:
+    import redis as redis_lib
+
+    try:
+        return client.ping()
+    except redis_lib.RedisError:
+        return False
+
+
+def test_a_redis_restart_keeps_a_rollout_in_flight(database, private_redis, spawn, monkeypatch, tmp_path):
+    """Redis restarted (data kept) while a rollout runs on a real worker: the rollout is not cancelled
+    and redone; it finishes once, and the run completes."""
+    import subprocess
+    import sys
+
+    from app import config
+
+    url, restart = private_redis
+    env = {"DATABASE_URL": database, "REDIS_URL": url, "TURNSTILE_VAR_DIR": str(tmp_path / "var"),
+           "TURNSTILE_LEASE_TTL_S": "30", "TURNSTILE_VISIBILITY_TIMEOUT": "60"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config.reset_settings()
+    worker = spawn(celery_worker_args(QUEUES, concurrency=3), env, name="worker")
+    with session_scope() as s:
+        run = Run(kind="eval", status="queued", config={
+            "kind": "eval", "group_size": 1, "tasks_per_step": 1,
+            "simulate": {"episode_median_s": 8.0, "episode_sigma": 0.0}})
+        s.add(run)
+        s.flush()
+        run_id = run.id
+    subprocess.run([sys.executable, "-c", f"from app.tasks.send import send_start_run; send_start_run({run_id}, 9)"],
+                   env={**__import__("os").environ, **env}, check=True)
+
+    def rolling_out():
+        with session_scope() as s:
+            return s.scalar(select(Episode.id).where(Episode.run_id == run_id, Episode.status == "running",
+                                                     Episode.attempts == 1))
+
+    episode_id = wait_for(rolling_out, 60, what=f"the rollout to start\n{worker.output()[-3000:]}")
+    time.sleep(1.0)
+    restart()
+    wait_for(lambda: _run_status(run_id) in ("completed", "failed"), 90,
+             what=f"the run to finish after the restart\n{worker.output()[-4000:]}")
+    with session_scope() as s:
+        ep = s.get(Episode, episode_id)
+        assert _run_status(run_id) == "completed", worker.output()[-3000:]
+        assert (ep.status, ep.attempts, ep.redeliveries) == ("completed", 1, 0), (
+            ep.status, ep.attempts, ep.redeliveries, worker.output()[-3000:])
+    assert worker.popen.poll() is None, f"the worker exited on the restart\n{worker.output()[-3000:]}"
