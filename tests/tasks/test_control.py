@@ -93,6 +93,8 @@ def test_two_watchdog_passes_at_once_send_a_lost_step_once(database, redis_db, t
     env = {**os.environ, "DATABASE_URL": database, "REDIS_URL": f"{REDIS_BASE}/10",
            "TURNSTILE_VAR_DIR": str(tmp_path / "var")}
     # Both processes import first, then start their pass at the same wall-clock instant.
+    from app.tasks import control as control_tasks
+
     code = ("import json, sys, time; from app.tasks import control; "
             "time.sleep(max(0.0, float(sys.argv[1]) - time.time())); print(json.dumps(control.watchdog()))")
     at = str(time.time() + 15)
@@ -101,4 +103,29 @@ def test_two_watchdog_passes_at_once_send_a_lost_step_once(database, redis_db, t
     reports = [json.loads(p.communicate(timeout=60)[0].strip().splitlines()[-1]) for p in passes]
     assert sum(len(r.get("resent", [])) for r in reports) == 1, reports
     assert [r["resent"] for r in reports if "resent" in r] in ([[[run_id, 0]]], [[[run_id, 0]], []]), reports
-    assert redis_db.llen("gpu") == 1
+    assert control_tasks._gpu_queue_depth() == 1
+
+
+def test_beat_runs_the_watchdog_pass_with_no_worker_free(database, redis_db, spawn, tmp_path):
+    """A real `celery beat` and no worker at all on the control queue (as when every cpu-worker child
+    runs a long grade): a training step that no worker holds is still sent again, by beat's own
+    pass, within seconds of beat's start."""
+    import datetime as dt
+    import sys
+
+    with session_scope() as s:
+        run = Run(kind="train", status="running", config={"simulate": {"train_s": 0.0}, "steps": 1},
+                  started_at=dt.datetime.now(dt.timezone.utc), summary={"instance_ids": [1]})
+        s.add(run)
+        s.flush()
+        s.add(TrainingStep(run_id=run.id, step=0, status="training",
+                           started_at=dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=300)))
+    env = {"DATABASE_URL": database, "REDIS_URL": f"{REDIS_BASE}/10", "TURNSTILE_VAR_DIR": str(tmp_path / "var"),
+           "TURNSTILE_WATCHDOG_INTERVAL_S": "2"}
+    beat = spawn([sys.executable, "-m", "celery", "-A", "app", "beat", "--loglevel", "INFO",
+                  "-s", str(tmp_path / "celerybeat-schedule")], env, name="beat")
+    from app.tasks.control import _gpu_queue_depth
+
+    wait_for(lambda: _gpu_queue_depth() >= 1, 30, what=f"the lost step to be re-sent\n{beat.output()[-3000:]}")
+    time.sleep(5)  # more passes: the step's message waits on the gpu queue, so it is not sent again
+    assert _gpu_queue_depth() == 1, beat.output()[-3000:]
