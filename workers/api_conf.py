@@ -3,8 +3,8 @@
 One thread per worker process, on purpose: the API enqueues Celery tasks, and
 kombu's Redis transport silently dropped messages published from several threads
 of one process (measured here: 4 of 10 `control.start_run` messages lost with
-gthread × 4 threads, 10 of 10 delivered with one thread; tests/spine/
-test_spine_api_server.py guards it).  Concurrency comes from worker processes.
+gthread × 4 threads, 10 of 10 delivered with one thread; tests/workers/
+test_api_conf.py guards it).  Concurrency comes from worker processes.
 Settings (app.config): TURNSTILE_API_BIND, TURNSTILE_API_WORKERS, TURNSTILE_LOG_LEVEL.
 """
 from app.config import get_settings

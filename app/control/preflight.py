@@ -12,7 +12,7 @@ EMBEDDED_MODELS = ("smollm2", "tiny")
 # Context window (prompt + sampled tokens) of the embedded engine: its `--max-model-len`
 # default, `app.engines.embedded.engine.DEFAULT_MAX_MODEL_LEN` (SmolLM2's 8192 positions; the tiny model
 # shares SmolLM2's tokenizer and window).  Not imported from there: that module loads torch.
-# tests/spine checks the two agree.
+# tests/control/test_real_stages.py checks the two agree.
 EMBEDDED_CONTEXT = 8192
 
 
