@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import redis.exceptions
 from celery import Celery
-from celery.signals import beat_init, worker_process_init
+from celery.signals import worker_process_init
 from kombu import Queue
 from kombu.transport import redis as kombu_redis
 
@@ -103,38 +103,6 @@ def _connparams_of_an_open_channel(self, asynchronous=False):
 
 
 kombu_redis.Channel._connparams = _connparams_of_an_open_channel
-
-
-@beat_init.connect
-def _run_watchdog_in_beat(**_kwargs) -> None:
-    """The beat process runs the watchdog's pass itself, at its start and every
-    `watchdog_interval_s`, besides sending `control.watchdog` on its schedule.
-
-    A message waits for a free child of a cpu worker, and on a worker busy with long grades it
-    waits minutes; this pass needs no worker, and a restarted beat makes one at once.  The pass
-    holds the watchdog lock (`app.tasks.control.WATCHDOG_LOCK`), so it and a worker's pass (or a
-    second beat's) never run together.
-    """
-    import logging
-    import threading
-
-    log = logging.getLogger("turnstile.beat")
-    interval = get_settings().watchdog_interval_s
-
-    def passes() -> None:
-        from app.tasks.control import watchdog
-
-        stop = threading.Event()
-        while True:
-            try:
-                report = watchdog()
-                log.info("event=watchdog_pass in=beat report=%s", {k: report.get(k) for k in (
-                    "skipped", "resent", "restarted")})
-            except Exception:  # noqa: BLE001 - a pass that meets a database or Redis outage is tried next period
-                log.exception("event=watchdog_pass_failed in=beat")
-            stop.wait(interval)
-
-    threading.Thread(target=passes, name="watchdog", daemon=True).start()
 
 
 @worker_process_init.connect

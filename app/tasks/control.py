@@ -7,6 +7,7 @@ import logging
 
 from billiard.exceptions import WorkerLostError
 from celery import shared_task
+from celery.signals import beat_init
 
 from app.config import get_settings
 from app.control import runs, scheduler, watchdog as control_watchdog
@@ -174,3 +175,35 @@ def _queued_episode_stages() -> set[tuple[str, int]]:
                 except (ValueError, KeyError, TypeError, IndexError):
                     continue  # not a Celery protocol-2 message: nothing of ours
     return _episode_stages(found)
+
+
+# Connected here, not in app/celery.py, which the task modules import: beat imports the task
+# modules (the app's `include`) before it sends `beat_init`.
+@beat_init.connect
+def _run_watchdog_in_beat(**_kwargs) -> None:
+    """The beat process runs the watchdog's pass itself, at its start and every
+    `watchdog_interval_s`, besides sending `control.watchdog` on its schedule.
+
+    A message waits for a free child of a cpu worker, and on a worker busy with long grades it
+    waits minutes; this pass needs no worker, and a restarted beat makes one at once.  The pass
+    holds the watchdog lock (`app.tasks.control.WATCHDOG_LOCK`), so it and a worker's pass (or a
+    second beat's) never run together.
+    """
+    import logging
+    import threading
+
+    log = logging.getLogger("turnstile.beat")
+    interval = get_settings().watchdog_interval_s
+
+    def passes() -> None:
+        stop = threading.Event()
+        while True:
+            try:
+                report = watchdog()
+                log.info("event=watchdog_pass in=beat report=%s", {k: report.get(k) for k in (
+                    "skipped", "resent", "restarted")})
+            except Exception:  # noqa: BLE001 - a pass that meets a database or Redis outage is tried next period
+                log.exception("event=watchdog_pass_failed in=beat")
+            stop.wait(interval)
+
+    threading.Thread(target=passes, name="watchdog", daemon=True).start()
