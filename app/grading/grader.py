@@ -43,7 +43,7 @@ import re
 import time
 import uuid
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Callable
 
 import redis as redis_lib
 
@@ -234,20 +234,9 @@ def _grade_fresh(record: InstanceRecord, patch: str, settings: Settings, timeout
         (gdir / "eval.sh").write_text(spec.eval_script)
         mounts = [Mount(gdir, GRADING_DIR, False)] if rt.confined else []
         parts: list[str] = []
-        if kept:
-            res = rt.run(["/bin/bash", "-c", f"bash {_gdir(rt, gdir)}/apply.sh 2>&1"], timeout_s=300, extra_mounts=mounts)
-            parts.append(res.stdout)
-            if res.ok:
-                apply_info.update(applied=True, method=res.stdout.strip().splitlines()[-1].partition("(")[2].rstrip(")"))
-                report_extra["reverted_files"] = _restore_test_harness(rt, protected)
-            else:
-                apply_info.update(applied=False, reason=apply_failure_reason(res.exit_code, res.stdout, log_path))
-        t2 = time.monotonic()
-        if apply_info["applied"]:
-            res = rt.run(["/bin/bash", "-c", f"bash {_gdir(rt, gdir)}/eval.sh 2>&1"], timeout_s=timeout_s, extra_mounts=mounts)
-            parts.append(res.stdout)
-            if res.timed_out:
-                parts.append(f"\n{grading_module().TESTS_TIMEOUT} after {timeout_s:.0f} s\n")
+        where = _gdir(rt, gdir)
+        t2 = apply_then_eval(rt, lambda script: ["/bin/bash", "-c", f"bash {where}/{script} 2>&1"], mounts, kept,
+                             protected, log_path, timeout_s, apply_info, report_extra, parts)
         t3 = time.monotonic()
         report_extra["confined"] = rt.confined
         report_extra["runtime_timings"] = rt.timings
@@ -256,6 +245,32 @@ def _grade_fresh(record: InstanceRecord, patch: str, settings: Settings, timeout
                "total_s": round(time.monotonic() - t0, 3)}
     return _result(record, spec, kept, log_path, apply_info, report_extra, timings)
 
+
+
+def apply_then_eval(rt: Any, command: Callable[[str], str | list[str]], mounts: list, kept: str, protected: set[str],
+                    log_path: Path, timeout_s: float, apply_info: dict, report_extra: dict, parts: list[str]) -> float:
+    """Run `apply.sh` (when a patch is kept) then `eval.sh` in `rt`, as swebench's `run_instance` does.
+
+    `command(script)` is the argv (or shell line) that runs a script of the grading folder in `rt`.
+    Updates `apply_info` (applied, method or reason) and `report_extra["reverted_files"]` (test
+    files the patch touched, restored after it applied), appends each script's output to `parts`,
+    and returns the monotonic time the apply step ended (the eval step is timed from there).
+    """
+    if kept:
+        res = rt.run(command("apply.sh"), timeout_s=300, extra_mounts=mounts)
+        parts.append(res.stdout)
+        if res.ok:
+            apply_info.update(applied=True, method=res.stdout.strip().splitlines()[-1].partition("(")[2].rstrip(")"))
+            report_extra["reverted_files"] = _restore_test_harness(rt, protected)
+        else:
+            apply_info.update(applied=False, reason=apply_failure_reason(res.exit_code, res.stdout, log_path))
+    applied_at = time.monotonic()
+    if apply_info["applied"]:
+        res = rt.run(command("eval.sh"), timeout_s=timeout_s, extra_mounts=mounts)
+        parts.append(res.stdout)
+        if res.timed_out:
+            parts.append(f"\n{grading_module().TESTS_TIMEOUT} after {timeout_s:.0f} s\n")
+    return applied_at
 
 def _result(record: InstanceRecord, spec: Any, kept: str, log_path: Path, apply_info: dict, report_extra: dict,
             timings: dict) -> GradeResult:

@@ -32,7 +32,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 from app.config import Settings
-from app.grading.grader import (GRADING_DIR, GradeResult, _restore_test_harness, _result, apply_failure_reason,
+from app.grading.grader import (GRADING_DIR, GradeResult, _result, apply_then_eval,
                                 grade_log_path, patch_sha256)
 from app.grading.patching import APPLIED_MARKER, PatchReadError, apply_script, drop_test_changes, files_of_test_ids, read_patch
 from app.grading.verifier import REQUIRED_TOOLS, VerifierError, missing_tools, r2e_match, r2e_test_id, rebench_match
@@ -119,20 +119,8 @@ def grade_in_image(record: InstanceRecord, patch: str, *, settings: Settings, ti
         (gdir / "apply.sh").write_text(applier(f"{GRADING_DIR}/patch.diff", strip))
         (gdir / "eval.sh").write_text(spec.eval_script if record.grader != "r2egym" else r2e_eval_script(record))
         mounts = [Mount(gdir, GRADING_DIR, False)]
-        if kept:
-            res = rt.run(f"bash {GRADING_DIR}/apply.sh 2>&1", timeout_s=300, extra_mounts=mounts)
-            parts.append(res.stdout)
-            if res.ok:
-                apply_info.update(applied=True, method=res.stdout.strip().splitlines()[-1].partition("(")[2].rstrip(")"))
-                extra["reverted_files"] = _restore_test_harness(rt, protected)
-            else:
-                apply_info.update(applied=False, reason=apply_failure_reason(res.exit_code, res.stdout, log_path))
-        t2 = time.monotonic()
-        if apply_info["applied"]:
-            res = rt.run(f"bash {GRADING_DIR}/eval.sh 2>&1", timeout_s=timeout_s, extra_mounts=mounts)
-            parts.append(res.stdout)
-            if res.timed_out:
-                parts.append(f"\n{grading_module().TESTS_TIMEOUT} after {timeout_s:.0f} s\n")
+        t2 = apply_then_eval(rt, lambda script: f"bash {GRADING_DIR}/{script} 2>&1", mounts, kept, protected,
+                             log_path, timeout_s, apply_info, extra, parts)
         t3 = time.monotonic()
         extra.update(confined=True, runtime_timings=rt.timings, image_digest=getattr(rt, "digest", None))
     log_path.write_text("".join(parts), encoding="utf-8", errors="replace")
