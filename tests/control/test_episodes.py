@@ -11,12 +11,12 @@ import time
 import pytest
 from sqlalchemy import select
 
-from app import config, db
+from app import db
 from app.control import watchdog
 from app.db import session_scope
-from app.tables import Base, Episode, Run
-from support import REDIS_BASE, celery_worker_args, wait_for
-from support.faults import cut_database, restore_database
+from app.tables import Episode, Run
+from support import celery_worker_args, wait_for
+from support.faults import cut_database, postgres_process_env, restore_database
 
 REDIS_DB = 10
 
@@ -24,17 +24,7 @@ REDIS_DB = 10
 @pytest.fixture
 def postgres(pg_url, monkeypatch, tmp_path):
     """The process database on a fresh PostgreSQL; leases of 10 s renewed every second."""
-    env = {"DATABASE_URL": pg_url, "REDIS_URL": f"{REDIS_BASE}/10", "TURNSTILE_VAR_DIR": str(tmp_path / "var"),
-           "TURNSTILE_LEASE_TTL_S": "10", "TURNSTILE_LEASE_RENEW_S": "1", "TURNSTILE_MAX_REDELIVERIES": "3"}
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    config.reset_settings()
-    db.dispose_engine()
-    Base.metadata.create_all(db.get_engine())
-    yield env
-    restore_database(pg_url)
-    db.dispose_engine()
-    config.reset_settings()
+    yield from postgres_process_env(pg_url, monkeypatch, tmp_path, TURNSTILE_LEASE_RENEW_S="1")
 
 
 def test_a_database_outage_at_a_rollouts_closing_write_keeps_the_rollout(postgres, redis_db, spawn):

@@ -31,3 +31,24 @@ def restore_database(url: str) -> None:
     """Accept connections to the database of `url` again."""
     name = url.rsplit("/", 1)[1]
     _admin(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true')
+
+
+def postgres_process_env(pg_url: str, monkeypatch, tmp_path, **env: str):
+    """This process's settings on the fresh PostgreSQL database `pg_url` (schema created), with a
+    10 s lease and 3 redeliveries unless `env` says otherwise; yields the environment for the
+    workers a test spawns, then restores the database (a test may have cut it) and the settings."""
+    from app import config, db
+    from app.tables import Base
+    from support import REDIS_BASE
+
+    env = {"DATABASE_URL": pg_url, "REDIS_URL": f"{REDIS_BASE}/10", "TURNSTILE_VAR_DIR": str(tmp_path / "var"),
+           "TURNSTILE_LEASE_TTL_S": "10", "TURNSTILE_MAX_REDELIVERIES": "3", **env}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config.reset_settings()
+    db.dispose_engine()
+    Base.metadata.create_all(db.get_engine())
+    yield env
+    restore_database(pg_url)
+    db.dispose_engine()
+    config.reset_settings()
