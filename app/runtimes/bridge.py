@@ -12,7 +12,29 @@ import os
 import socket
 import threading
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
+
+
+def gateway_port(gateway_url: str) -> int:
+    """The gateway's TCP port on the host (the URL's, else 443 for https and 80 for http)."""
+    url = urlsplit(gateway_url)
+    return url.port or (443 if url.scheme == "https" else 80)
+
+
+def inside_port(gateway_url: str) -> int:
+    """The port a sandbox reaches the gateway at: the gateway's own, or 18100 when that is below
+    1024 (without capabilities the sandbox cannot bind it)."""
+    port = gateway_port(gateway_url)
+    return port if port >= 1024 else 18100
+
+
+def inside_gateway_url(gateway_url: str) -> str:
+    """The gateway's URL as a sandbox sees it: http://127.0.0.1:<inside_port><path>.  The bridge
+    forwards raw TCP, so a plain-HTTP gateway is assumed (an https one would need its TLS name to
+    be 127.0.0.1)."""
+    url = urlsplit(gateway_url)
+    return urlunsplit(("http", f"127.0.0.1:{inside_port(gateway_url)}", url.path, url.query, ""))
 
 def _pipe(src: socket.socket, dst: socket.socket) -> None:
     try:

@@ -25,10 +25,10 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from app.config import Settings, get_settings
-from app.runtimes.bridge import GatewayBridge
+from app.runtimes.bridge import GatewayBridge, gateway_port, inside_gateway_url, inside_port
 from app.runtimes.environment import (
     SANDBOX_REPO,
     SANDBOX_VENV,
@@ -186,25 +186,11 @@ class LocalRuntime:
 
     @property
     def gateway_url(self) -> str:
-        """The gateway's URL as seen from inside (`network="gateway"` runs): http://127.0.0.1:<port><path>.
-
-        Same port as the gateway (18100 when that is below 1024) and same path.  The
-        bridge forwards raw TCP, so a plain-HTTP gateway is assumed (an https gateway
-        would need its TLS name to be 127.0.0.1).  Unconfined: the configured URL.
-        """
-        url = urlsplit(self._state["gateway_url"])
+        """The gateway's URL as seen from inside (`network="gateway"` runs,
+        `bridge.inside_gateway_url`); unconfined: the configured URL."""
         if not self.confined:
             return self._state["gateway_url"]
-        return urlunsplit(("http", f"127.0.0.1:{self._inside_port()}", url.path, url.query, ""))
-
-    def _gateway_port(self) -> int:
-        url = urlsplit(self._state["gateway_url"])
-        return url.port or (443 if url.scheme == "https" else 80)
-
-    def _inside_port(self) -> int:
-        # Without capabilities the sandbox cannot bind ports below 1024.
-        port = self._gateway_port()
-        return port if port >= 1024 else 18100
+        return inside_gateway_url(self._state["gateway_url"])
 
     # --- running ----------------------------------------------------------------------
 
@@ -259,7 +245,7 @@ class LocalRuntime:
         port = None
         socket_path = self.root / "gateway.sock"
         if network == "gateway":
-            port = self._inside_port()
+            port = inside_port(self._state["gateway_url"])
             socket_path = _bridge_socket_path(socket_path)
             mounts += [Mount(INIT_SOURCE, INIT_PATH, False), Mount(socket_path, BRIDGE_SOCKET, False)]
         argv = bwrap_argv(argv, mounts=mounts, workdir=SANDBOX_REPO, env=full_env, network=network,
@@ -271,7 +257,7 @@ class LocalRuntime:
                            should_stop=should_stop, disk_paths=disk)
         gw = urlsplit(self._state["gateway_url"])
         try:
-            with GatewayBridge(socket_path, gw.hostname or "127.0.0.1", self._gateway_port()):
+            with GatewayBridge(socket_path, gw.hostname or "127.0.0.1", gateway_port(self._state["gateway_url"])):
                 return execute(argv, timeout_s=timeout_s, limits=self.limits, confined=True, network=network,
                                stdin=stdin, should_stop=should_stop, disk_paths=disk)
         finally:

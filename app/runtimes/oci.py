@@ -43,10 +43,10 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from app.config import Settings, get_settings
-from app.runtimes.bridge import GatewayBridge
+from app.runtimes.bridge import GatewayBridge, gateway_port, inside_gateway_url, inside_port
 from app.runtimes.errors import RuntimeClosed, RuntimeSetupError
 from app.runtimes.images import Image, ImageCache, remove_tree
 from app.runtimes.oci_repo import (DEFAULT_REPO_DIR, commit_bug_patch, hide_in_workspace, record_extra, repo_dir,
@@ -203,21 +203,8 @@ class OciRuntime:
 
     @property
     def gateway_url(self) -> str:
-        """The gateway's URL as seen inside (`network="gateway"` runs): http://127.0.0.1:<port><path>."""
-        url = urlsplit(self._state["gateway_url"])
-        return urlunsplit(("http", f"127.0.0.1:{self._inside_port()}", url.path, url.query, ""))
-
-    def _gateway_port(self) -> int:
-        url = urlsplit(self._state["gateway_url"])
-        return url.port or (443 if url.scheme == "https" else 80)
-
-    def _inside_port(self) -> int:
-        port = self._gateway_port()
-        return port if port >= 1024 else 18100
-
-    def add_ro_bind(self, host_path: str | Path, sandbox_path: str | None = None) -> None:
-        """Make `host_path` visible read-only at `sandbox_path` (default: same path) in later runs."""
-        self._state["ro_binds"].append([str(host_path), sandbox_path or str(host_path)])
+        """The gateway's URL as seen inside (`network="gateway"` runs, `bridge.inside_gateway_url`)."""
+        return inside_gateway_url(self._state["gateway_url"])
 
     # --- running ----------------------------------------------------------------------
 
@@ -269,7 +256,7 @@ class OciRuntime:
                            stdin=stdin, should_stop=should_stop, disk_paths=disk)
         gw = urlsplit(self._state["gateway_url"])
         try:
-            with GatewayBridge(socket_path, gw.hostname or "127.0.0.1", self._gateway_port()):
+            with GatewayBridge(socket_path, gw.hostname or "127.0.0.1", gateway_port(self._state["gateway_url"])):
                 return execute(full, timeout_s=timeout_s, limits=self.limits, confined=True, network=network,
                                stdin=stdin, should_stop=should_stop, disk_paths=disk)
         finally:
@@ -278,7 +265,7 @@ class OciRuntime:
 
     def _bwrap(self, command: list[str], mounts: list[Mount], workdir: str, env: dict[str, str],
                network: str) -> list[str]:
-        gateway = (self._state["python_executable"], self._inside_port()) if network == "gateway" else None
+        gateway = (self._state["python_executable"], inside_port(self._state["gateway_url"])) if network == "gateway" else None
         return image_bwrap_argv(command, rootfs=self.rootfs, mounts=mounts, workdir=workdir, env=env,
                                 uid=self._state["uid"], gid=self._state["gid"], tmpfs_mb=self.limits.tmpfs_mb,
                                 hidden=self._state.get("hidden", []), gateway=gateway)
