@@ -126,9 +126,13 @@ class Heartbeat:
     """Renew a stage's lease from a daemon thread while the stage works (a context manager).
 
     `lost` turns True once a renewal finds the lease gone (taken over, or the episode left the
-    stage: cancelled, failed).  A database error skips one renewal (logged); if renewals keep
-    failing, the lease expires and the reaper re-dispatches the stage.
+    stage: cancelled, failed).  A renewal that meets a database error is tried again every
+    `RETRY_AFTER_ERROR_S` (logged once per outage), so the lease is renewed within about a second
+    of the database's return instead of one renewal interval later; if renewals keep failing, the
+    lease expires and the reaper re-dispatches the stage.
     """
+
+    RETRY_AFTER_ERROR_S = 0.5
 
     def __init__(self, episode_id: int, stage: str, owner: str) -> None:
         self.episode_id, self.stage, self.owner = episode_id, stage, owner
@@ -138,7 +142,8 @@ class Heartbeat:
 
     def _run(self) -> None:
         interval = renew_interval_s()
-        while not self._stop.wait(interval):
+        wait, failing = interval, False
+        while not self._stop.wait(wait):
             try:
                 if not renew(self.episode_id, self.stage, self.owner):
                     self.lost = True
@@ -146,7 +151,13 @@ class Heartbeat:
                                 self.owner)
                     return
             except Exception:  # noqa: BLE001 - a database hiccup must not end the stage
-                log.exception("episode=%s event=lease_renew_failed", self.episode_id)
+                if not failing:
+                    log.exception("episode=%s event=lease_renew_failed", self.episode_id)
+                wait, failing = min(self.RETRY_AFTER_ERROR_S, interval), True
+                continue
+            if failing:
+                log.warning("episode=%s event=lease_renewed_after_error", self.episode_id)
+            wait, failing = interval, False
 
     def __enter__(self) -> "Heartbeat":
         self._thread.start()

@@ -30,12 +30,20 @@ def start_run(run_id: int) -> None:
 
 @shared_task(name="control.tick", acks_late=True)
 def tick(run_id: int) -> None:
-    send(scheduler.tick(run_id))
+    _tick_through_blips(run_id)
 
 
 @shared_task(name="control.cancel_run", acks_late=True)
 def cancel_run(run_id: int) -> None:
-    send(scheduler.tick(run_id))
+    _tick_through_blips(run_id)
+
+
+def _tick_through_blips(run_id: int) -> None:
+    """Tick the run and send its plan, again through a database or Redis blip (for up to one
+    lease period): a tick is idempotent (the run lock, compare-and-set dispatches), and a tick
+    lost to a Redis restart would leave the run idle until the watchdog's next pass."""
+    retry_transient(lambda: send(scheduler.tick(run_id)), deadline_s=get_settings().lease_ttl_s,
+                    what=f"run {run_id} tick")
 
 
 WATCHDOG_LOCK = "turnstile:watchdog:lock"
@@ -191,19 +199,26 @@ def _run_watchdog_in_beat(**_kwargs) -> None:
     """
     import logging
     import threading
+    import time
 
     log = logging.getLogger("turnstile.beat")
     interval = get_settings().watchdog_interval_s
 
     def passes() -> None:
+        # Fixed-rate: a pass starts every `interval` from beat's start, however long the last one
+        # took (its `inspect` alone waits 2 s), so a lost stage is found at most one period after
+        # its lease expired.
         stop = threading.Event()
+        next_at = time.monotonic()
         while True:
+            next_at += interval
             try:
                 report = watchdog()
                 log.info("event=watchdog_pass in=beat report=%s", {k: report.get(k) for k in (
                     "skipped", "resent", "restarted")})
             except Exception:  # noqa: BLE001 - a pass that meets a database or Redis outage is tried next period
                 log.exception("event=watchdog_pass_failed in=beat")
-            stop.wait(interval)
+            next_at = max(next_at, time.monotonic())  # a pass longer than a period: the next one at once
+            stop.wait(next_at - time.monotonic())
 
     threading.Thread(target=passes, name="watchdog", daemon=True).start()
