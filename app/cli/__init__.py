@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from app.cli import compare as compare_cmds
+from app.cli import deploy as deploy_cmds
 from app.cli import harness as harness_cmds
 from app.cli import learning as learning_cmds
 from app.cli import model as model_cmds
@@ -24,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `python -m app` parser: every command module's sub-commands, in help order."""
     parser = argparse.ArgumentParser(prog="python -m app", description="Turnstile: GRPO for unmodified coding agents")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (runs_cmds, compare_cmds, model_cmds, tasks_cmds, learning_cmds, token_cmds, harness_cmds):
+    for module in (runs_cmds, compare_cmds, model_cmds, tasks_cmds, learning_cmds, token_cmds, harness_cmds, deploy_cmds):
         module.register(sub)
     return parser
 
