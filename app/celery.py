@@ -2,7 +2,7 @@
 
 Queues, one per resource: `control` (scheduling, cheap), `prepare` (runtimes),
 `rollout` (harness episodes, minutes), `grade` (test runs), `gpu` (GRPO steps,
-one process that keeps the model resident).  Settings: late ack + reject on worker loss for the
+one process that keeps the model resident), `teacher` (distillation teachers scoring chains).  Settings: late ack + reject on worker loss for the
 idempotent episode stages, prefetch 1, a visibility timeout above the longest
 task, soft and hard time limits, JSON only, explicit task names.
 """
@@ -16,7 +16,7 @@ from kombu.transport import redis as kombu_redis
 
 from app.config import get_settings
 
-QUEUES = ("control", "prepare", "rollout", "grade", "gpu")
+QUEUES = ("control", "prepare", "rollout", "grade", "gpu", "teacher")
 
 _settings = get_settings()
 
@@ -24,7 +24,7 @@ app = Celery(
     "turnstile",
     broker=_settings.broker_url,
     backend=_settings.result_backend,
-    include=["app.tasks.control", "app.tasks.episodes", "app.tasks.training"],
+    include=["app.tasks.control", "app.tasks.episodes", "app.tasks.training", "app.tasks.teacher"],
 )
 
 app.conf.update(
@@ -36,6 +36,7 @@ app.conf.update(
         "rollout.*": {"queue": "rollout"},
         "grade.*": {"queue": "grade"},
         "gpu.*": {"queue": "gpu"},
+        "teacher.*": {"queue": "teacher"},
     },
     task_serializer="json",
     result_serializer="json",

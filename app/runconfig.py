@@ -17,12 +17,14 @@ AdvantageMode = Literal["mean", "leave_one_out"]
 LossAggregation = Literal["token", "sequence"]
 Builder = Literal["prefix_merging", "per_request"]
 KLEstimator = Literal["k3", "k2"]
+Algorithm = Literal["grpo", "opd", "grpo+opd"]
 RuntimeKind = Literal["auto", "local", "oci", "docker", "podman"]
 RUNTIME_KINDS: tuple[str, ...] = get_args(RuntimeKind)
 ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
 LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 BUILDERS: tuple[str, ...] = get_args(Builder)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
 
 
 class Timeouts(BaseModel):
@@ -102,6 +104,37 @@ class Scheduling(BaseModel):
         None, ge=1, description="fail the run once this many episodes failed (default: 2 x group_size x tasks_per_step)")
 
 
+class TeacherChoice(BaseModel):
+    """The teacher of on-policy distillation: a model sharing the student's tokenizer that
+    prefill-scores the token ids the student sampled (`app.training.teacher`).
+
+    `checkpoint` (a model folder) or `name` ('smollm2', 'tiny', or, with `engine_urls`, the model
+    name a vLLM or embedded engine serves).  Without `engine_urls` the `teacher` worker loads the
+    weights itself (the embedded engine's model code); with them it asks those engines for
+    `prompt_logprobs` on `/v1/completions` (vLLM's field).
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str | None = Field(None, min_length=1, max_length=255, description="'smollm2', 'tiny', or a served model name")
+    checkpoint: str | None = Field(None, min_length=1, max_length=4096, description="a checkpoint model folder")
+    engine_urls: list[Annotated[str, Field(max_length=2048)]] = Field(
+        default_factory=list, max_length=256, description="engines serving the teacher (empty: scored in the teacher worker)")
+    version: str | None = Field(
+        None, min_length=1, max_length=128, description="cache key of the teacher's weights (default: derived from "
+                                                        "the checkpoint's files, or the name)")
+    timeout_s: float = Field(900.0, gt=0, le=24 * 3600, description="how long a training step waits for its chains' "
+                                                                    "teacher scores before it fails")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "TeacherChoice":
+        if not self.name and not self.checkpoint:
+            raise ValueError("teacher: give a checkpoint folder or a model name")
+        if self.engine_urls and not self.name:
+            raise ValueError("teacher.name: a teacher served by engine_urls needs the model name they serve")
+        return self
+
+
 class TrainingConfig(BaseModel):
     """GRPO trainer settings: the `training` section of a run, validated when the run is created.
 
@@ -158,6 +191,12 @@ class TrainingConfig(BaseModel):
                           "KL(policy || ref) (Tang & Munos 2025, arXiv:2506.09477). The reported `kl` metric is k3's "
                           "value either way.")
     loss_aggregation: LossAggregation = Field("token", description="Loss mean over tokens of the batch, or per sequence.")
+    algorithm: Algorithm = Field(
+        "grpo", description="\"grpo\": the group advantage on every sampled token. \"opd\": on-policy distillation, "
+                            "A_t = opd_coef * (log pi_teacher - log pi_student,rollout) per sampled token. "
+                            "\"grpo+opd\": their sum (app.training.opd).")
+    teacher: TeacherChoice | None = Field(None, description="the distillation teacher (algorithm opd or grpo+opd)")
+    opd_coef: float = Field(1.0, gt=0, le=100, description="weight of the per-token distillation advantage")
     # the data
     builder: Builder = Field("prefix_merging", description="Trajectory builder.")
     # the model
@@ -167,6 +206,14 @@ class TrainingConfig(BaseModel):
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale = alpha / r).")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
     seed: int = Field(0, description="Seed for torch (dropout, LoRA init).")
+
+    @model_validator(mode="after")
+    def _check_teacher(self) -> "TrainingConfig":
+        if self.algorithm != "grpo" and self.teacher is None:
+            raise ValueError(f"teacher: algorithm {self.algorithm!r} needs a teacher (checkpoint or name)")
+        if self.algorithm == "grpo" and self.teacher is not None:
+            raise ValueError("teacher: a teacher is used only with algorithm 'opd' or 'grpo+opd'")
+        return self
 
     def to_dict(self) -> dict:
         """The settings as a JSON-ready dict (every field, defaults included)."""
@@ -214,7 +261,7 @@ class RunConfig(BaseModel):
             raise ValueError(f"harness: unknown harness {self.harness!r}; choose one of {', '.join(HARNESSES)}")
         if self.kind == "train" and self.steps < 1:
             raise ValueError("steps: a train run needs at least one step")
-        if self.kind == "train" and self.group_size < 2:
+        if self.kind == "train" and self.group_size < 2 and self.training.algorithm != "opd":
             raise ValueError("group_size: GRPO needs at least 2 episodes per group for a train run")
         if self.kind == "train" and (self.model.checkpoint or "").startswith("run:"):
             # 'run:<id>' means that run's newest checkpoint, which moves while it trains; the trainer

@@ -284,6 +284,28 @@ class Trajectory(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class TeacherScore(Base):
+    """A distillation teacher's prefill scores of one chain (`app.training.teacher`).
+
+    Keyed by (`chain_hash`, `teacher_version`): `chain_hash` is the SHA-256 of the chain's
+    token ids and loss mask (`teacher.chain_hash`), so every trajectory with those exact ids
+    shares one score.  `logprobs` float32 [T], beside `Trajectory.logprobs`: the teacher's
+    log-probability (nats) of each sampled token (loss mask 1), 0.0 elsewhere.  `seconds`:
+    the teacher's wall time for the chain.
+    """
+
+    __tablename__ = "teacher_scores"
+    __table_args__ = (UniqueConstraint("chain_hash", "teacher_version", name="uq_teacher_score"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    chain_hash: Mapped[str] = mapped_column(String(64))
+    teacher_version: Mapped[str] = mapped_column(String(128))
+    logprobs: Mapped[list[float]] = mapped_column(Float32Array)
+    tokens: Mapped[int] = mapped_column(Integer)  # sampled tokens scored
+    seconds: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 STEP_STATES = ("pending", "training", "completed", "failed")
 
 

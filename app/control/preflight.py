@@ -81,6 +81,11 @@ def check_installation(cfg: RunConfig) -> tuple[str, str] | None:
     fit = check_prompt_fits(cfg)
     if fit is not None:
         return fit
+    from app.training.teacher_check import check_teacher
+
+    teacher = check_teacher(cfg)  # on-policy distillation: loadable, same tokenizer, prompt logprobs
+    if teacher is not None:
+        return teacher
     from app.harnesses import get_preset
 
     preset = get_preset(cfg.harness)

@@ -28,5 +28,10 @@ def train_step(run_id: int, step: int, episode_ids: list[int] | None = None) -> 
         if run is None:
             raise LookupError(f"run {run_id} does not exist")
         cfg = run.run_config()
+    if cfg.training.algorithm != "grpo" and cfg.simulate is None:
+        # The teacher scores the step's chains on its own queue; the step waits for the scores in SQL.
+        from app.tasks.teacher import score_step
+
+        score_step.apply_async((run_id, step, episode_ids), queue="teacher")
     metrics = stages_for(cfg).train(run_id, step, episode_ids)
     return {"run_id": run_id, "step": step, "policy_version": metrics.get("policy_version")}

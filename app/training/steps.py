@@ -35,7 +35,7 @@ from app.db import session_scope
 from app.paths import RunPaths
 from app.tables import Episode, Group, Run, TrainingStep, utcnow
 from app.transitions import transition
-from app.training import checkpoints
+from app.training import checkpoints, opd
 from app.runconfig import TrainingConfig
 from app.training.batching import StepSequence
 from app.training.grpo import group_advantages
@@ -174,7 +174,12 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
         metrics, policy_version, path = state["metrics"], int(state["policy_version"]), own
         metrics["resumed_from_checkpoint"] = True
     else:
+        waited = None
+        if config.algorithm != "grpo":  # the teacher worker scores the chains (sent with this step)
+            waited = opd.wait_for_scores(run_id, step, episode_ids, config, trainer.vocab_size)
         sequences, metrics = step_sequences(run_id, episode_ids, config, trainer.vocab_size)
+        if waited is not None:
+            metrics["opd"]["teacher_wait_s"] = waited
         metrics.update(trainer.update(sequences))
         policy_version = _RESIDENT.policy_version + 1
         metrics["policy_version"] = policy_version
@@ -246,6 +251,7 @@ def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, 
             for e, v in zip(members, values):
                 advantage[e.id] = v * weights.get(index, 1.0)
         sequences: list[StepSequence] = []
+        distill = opd.StepDistillation(s, config) if config.algorithm != "grpo" else None
         merge = Counter()
         cut_reasons, rejected_reasons = Counter(), Counter()
         for e in episodes:
@@ -256,7 +262,12 @@ def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, 
                 if row.token_ids and max(row.token_ids) >= vocab_size:
                     merge["sequences_out_of_vocab"] += 1
                     continue
-                sequences.append(StepSequence(row.token_ids, row.loss_mask, row.logprobs, advantage[e.id], e.id))
+                sequence = StepSequence(row.token_ids, row.loss_mask, row.logprobs, advantage[e.id], e.id)
+                if distill is not None:  # per-token advantages; a chain without teacher scores is never trained
+                    sequence = distill.sequence(row, sequence)
+                    if sequence is None:
+                        continue
+                sequences.append(sequence)
             for key in ("completions", "rejected", "chains", "completions_merged", "chains_cut", "tokens", "trainable_tokens"):
                 merge[key] += int(report.get(key, 0))
             cut_reasons.update(report.get("cut_reasons", {}))
@@ -264,6 +275,7 @@ def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, 
         rewards = [e.reward for e in episodes if e.status == "completed" and e.reward is not None]
         resolved = [bool(e.resolved) for e in episodes if e.resolved is not None]
         advs = list(advantage.values())
+        distill_metrics = distill.metrics() if distill is not None else None
     metrics = {
         "episodes": len(episodes),
         "groups": len(groups),
@@ -278,6 +290,8 @@ def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, 
         "builder": config.builder,
         "merge": {**merge, "cut_reasons": dict(cut_reasons), "rejected_reasons": dict(rejected_reasons)},
     }
+    if distill is not None:
+        metrics["opd"] = distill_metrics
     return sequences, metrics
 
 

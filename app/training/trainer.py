@@ -40,6 +40,7 @@ from app.training import distributed, policy
 from app.training.batching import MicroBatch, StepSequence, make_micro_batches
 from app.runconfig import TrainingConfig
 from app.training.grpo import policy_loss
+from app.training.opd import apply_token_advantages
 
 OPTIMIZER_FILE = "optimizer.pt"
 ADAPTER_FILE = "adapter.pt"
@@ -195,6 +196,7 @@ class Trainer:
         cfg = self.config
         self.check_lengths(sequences)
         batches = make_micro_batches(sequences, cfg.micro_batch_tokens, cfg.loss_aggregation, self.pad_id, self.packing)
+        batches = apply_token_advantages(batches, sequences)  # on-policy distillation: A_t per token
         metrics = {
             "sequences": sum(1 for s in sequences if s.trainable > 0),
             "micro_batches": len(batches),

@@ -159,6 +159,10 @@ class BatchScheduler:
                 raise box["error"]
             return self.policy_version
 
+    def weights_pinned(self):
+        """A context in which no reload starts (a scoring pass outside the loop reads stable weights)."""
+        return self._reload_lock
+
     def load(self) -> dict:
         """Queue sizes and counters (for /health and logs)."""
         with self._cond:

@@ -15,7 +15,8 @@ Routes (shapes follow vLLM's OpenAI server, https://docs.vllm.ai/en/latest/servi
   ``engine_id`` to every response and chunk.  ``n`` must be 1.  ``presence_penalty``,
   ``frequency_penalty``, ``logit_bias`` and ``response_format`` are accepted and ignored.
 * ``POST /v1/completions``: legacy completions with ``prompt`` as a string or a list of token ids
-  (the "tokens in, tokens out" path: the caller renders the template, no re-tokenization).
+  (the "tokens in, tokens out" path: the caller renders the template, no re-tokenization);
+  with vLLM's ``prompt_logprobs`` a prefill-only scoring pass (``app.engines.embedded.scoring``).
 * ``POST /tokenize`` / ``POST /detokenize``, ``GET /v1/models``, ``GET /health``.
 * ``POST /v1/load_weights {"path", "policy_version"}`` → ``{"policy_version"}`` and
   ``GET /v1/policy_version``: see ``BatchScheduler.reload`` for the in-flight rule.  Loading
@@ -41,7 +42,7 @@ import time
 from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from app.engines.embedded import generate
+from app.engines.embedded import generate, scoring
 from app.engines.embedded.engine import DEFAULT_MAX_MODEL_LEN, Engine, build_engine
 from app.engines.embedded.validation import EngineError, get_field, json_body
 from app.engines.modeling import load_model, read_state_dict
@@ -89,6 +90,8 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
 
     @app.post("/v1/completions")
     def completions():
+        if scoring.wants_prompt_logprobs(json_body()):  # a teacher scoring a chain (prefill only)
+            return scoring.completions_with_prompt_logprobs(engine)
         return generate.completions(engine)
 
     @app.post("/tokenize")

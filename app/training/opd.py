@@ -1,0 +1,204 @@
+"""On-policy distillation (OPD): a dense, per-token advantage from a teacher's logprobs.
+
+The student samples with the unmodified harness through the gateway; the teacher prefill-scores
+the exact ids it sampled (`app.training.teacher`).  Per sampled token t of a chain of episode i
+(loss mask 1; prompt, tool-output, observation and template tokens have mask 0 and get 0):
+
+    d_t = log pi_T(y_t | y_<t) - log pi_S,rollout(y_t | y_<t)          teacher - student (rollout)
+    A_t = [algorithm has grpo] * A_i  +  opd_coef * sg(d_t)             sg = stop-gradient
+
+A_t replaces the episode's single advantage A_i in the GRPO loss of `app.training.grpo`
+(`policy_loss`: PPO ratio, clip-higher, TIS against the rollout logprobs) unchanged.  On policy
+(ratio 1) the loss gradient is -sum_t w_t A_t grad log pi_S(y_t): with A_GRPO = 0 this is a
+descent step on the per-token reverse KL, since
+E_{y~pi_S}[(log pi_S(y) - log pi_T(y)) grad log pi_S(y)] = grad KL(pi_S || pi_T), the score-function
+form of the reverse-KL gradient (per token, without the effect of a token on later tokens' terms).
+Sign: a token the teacher likes more than the student did (d_t > 0) is pushed up.
+
+* Thinking Machines Lab, "On-Policy Distillation" (Lu et al., 2025,
+  https://thinkingmachines.ai/blog/on-policy-distillation/): per-token reverse KL to the
+  teacher as the advantage of an importance-sampled policy-gradient loss, the teacher scoring
+  the student's own samples.
+* Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from Self-Generated
+  Mistakes" (GKD, arXiv:2306.13649): distillation on student-generated sequences, with the
+  reverse KL among the divergences (§3, eq. 2-4).
+
+d_t uses the *rollout* logprob (the engine's, recorded by the gateway), not the trainer's: the
+advantage is a constant of the sampled data (its gradient is exactly 0), and it depends on the
+sampled token y_t through both logprobs.  The reported reverse KL per token is the mean of
+-d_t over the step's sampled tokens (the k1 estimate of KL(pi_S || pi_T) under the student's own
+samples; Schulman 2020, joschu.net/blog/kl-approx.html); per turn it is the sum over one
+completion's sampled tokens, averaged over completions.
+
+A chain without a stored teacher score is never trained: `StepDistillation.sequence` drops it
+and the share of such chains is a step metric (`opd.chains_unscored_fraction`, 0 in a healthy run).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from app.db import session_scope
+from app.runconfig import TrainingConfig
+from app.tables import Run, Trajectory
+from app.training.batching import MicroBatch, StepSequence
+from app.training.store import build_episode_trajectories
+from app.training.teacher import chain_hash, stored_scores, teacher_version
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OPDSequence(StepSequence):
+    """A `StepSequence` whose advantage varies per token: `token_advantages` float [T], the
+    A_t of the module docstring at loss-mask-1 positions and 0.0 elsewhere.  `advantage` holds
+    the part that came from GRPO (for reports)."""
+
+    token_advantages: Sequence[float] = ()
+
+
+def token_advantages(
+    grpo_advantage: float,
+    teacher_logprobs: Sequence[float] | torch.Tensor,
+    rollout_logprobs: Sequence[float] | torch.Tensor,
+    loss_mask: Sequence[int] | torch.Tensor,
+    coef: float,
+    include_grpo: bool,
+) -> torch.Tensor:
+    """A_t (float32 [T]) of one chain: see the module docstring.
+
+    `teacher_logprobs`, `rollout_logprobs`: nats [T] (values at mask-0 positions are ignored);
+    `loss_mask`: 0/1 [T].  The logprobs are detached (stop-gradient) even when they carry
+    gradients.  Raises ValueError when the lengths differ.
+    """
+    teacher = torch.as_tensor(teacher_logprobs, dtype=torch.float32).detach()
+    rollout = torch.as_tensor(rollout_logprobs, dtype=torch.float32).detach()
+    mask = torch.as_tensor(loss_mask).bool()
+    if not teacher.shape == rollout.shape == mask.shape:
+        raise ValueError(f"teacher {tuple(teacher.shape)}, rollout {tuple(rollout.shape)} and mask "
+                         f"{tuple(mask.shape)} logprobs must have one length")
+    values = coef * (teacher - rollout)
+    if include_grpo:
+        values = values + float(grpo_advantage)
+    return torch.where(mask, values, torch.zeros_like(values))
+
+
+def apply_token_advantages(batches: list[MicroBatch], sequences: Sequence[StepSequence]) -> list[MicroBatch]:
+    """Put each `OPDSequence`'s per-token advantages into the micro-batches built from `sequences`.
+
+    A micro-batch holds, per sequence, its trainable tokens in position order (`sequence_index`
+    says whose); those entries of `advantages` become the sequence's `token_advantages` at its
+    loss-mask-1 positions.  Other sequences keep their episode advantage.  Raises ValueError
+    when a micro-batch's targets are not the sequence's sampled ids in that order.
+    """
+    for mb in batches:
+        for i in mb.sequence_index.unique().tolist():
+            seq = sequences[i]
+            if not isinstance(seq, OPDSequence):
+                continue
+            mask = torch.as_tensor(list(seq.loss_mask)).bool()
+            where = mb.sequence_index == i
+            ids = torch.as_tensor(list(seq.token_ids), dtype=torch.long)[mask]
+            if not torch.equal(mb.targets[where].cpu(), ids):
+                raise ValueError(f"micro-batch targets of sequence {i} are not its sampled ids in order")
+            mb.advantages[where] = torch.as_tensor(list(seq.token_advantages), dtype=torch.float32)[mask].to(
+                mb.advantages.device)
+    return batches
+
+
+class StepDistillation:
+    """The distillation part of one step's data: per chain, its teacher score -> `OPDSequence`.
+
+    Built inside `step_sequences`' session with the run's `TrainingConfig`; `sequence` turns a
+    chain's `StepSequence` into an `OPDSequence` (None when the chain has no teacher score: it
+    is dropped), `metrics` reports the step's distillation figures.
+    """
+
+    def __init__(self, session, config: TrainingConfig):
+        self.session = session
+        self.config = config
+        self.version = teacher_version(config.teacher)
+        self.chains = 0
+        self.unscored = 0
+        self.tokens = 0
+        self.gap_sum = 0.0  # sum of (rollout - teacher) over sampled tokens
+        self.turn_kl: list[float] = []
+        self.seconds: list[float] = []
+
+    def sequence(self, row: Trajectory, base: StepSequence) -> OPDSequence | None:
+        """`base` with per-token advantages from `row`'s teacher score, or None without one."""
+        if not any(row.loss_mask):
+            return None
+        self.chains += 1
+        score = stored_scores(self.session, [row], self.version).get(chain_hash(row.token_ids, row.loss_mask))
+        if score is None:
+            self.unscored += 1
+            return None
+        include = self.config.algorithm == "grpo+opd"
+        adv = token_advantages(base.advantage, score.logprobs, row.logprobs, row.loss_mask,
+                               self.config.opd_coef, include)
+        teacher = torch.as_tensor(score.logprobs, dtype=torch.float32)
+        rollout = torch.as_tensor(row.logprobs, dtype=torch.float32)
+        mask = torch.as_tensor(row.loss_mask).bool()
+        gap = torch.where(mask, rollout - teacher, torch.zeros_like(rollout))
+        self.tokens += int(mask.sum())
+        self.gap_sum += float(gap.sum())
+        for start, end in (row.meta or {}).get("spans") or [(0, len(row.token_ids))]:
+            self.turn_kl.append(float(gap[start:end].sum()))
+        self.seconds.append(float(score.seconds))
+        return OPDSequence(base.token_ids, base.loss_mask, base.logprobs, base.advantage if include else 0.0,
+                           base.episode_id, token_advantages=adv.tolist())
+
+    def metrics(self) -> dict:
+        """`reverse_kl_per_token`, `reverse_kl_per_turn` (nats), `tokens_scored`,
+        `teacher_seconds_per_chain`, `chains_unscored_fraction`, `chains`, `teacher_version`."""
+        return {
+            "reverse_kl_per_token": self.gap_sum / self.tokens if self.tokens else 0.0,
+            "reverse_kl_per_turn": sum(self.turn_kl) / len(self.turn_kl) if self.turn_kl else 0.0,
+            "tokens_scored": self.tokens,
+            "teacher_seconds_per_chain": sum(self.seconds) / len(self.seconds) if self.seconds else 0.0,
+            "chains_unscored_fraction": self.unscored / self.chains if self.chains else 0.0,
+            "chains": self.chains,
+            "teacher_version": self.version,
+        }
+
+
+class TeacherScoresMissing(RuntimeError):
+    """A step's chains still lack teacher scores after `teacher.timeout_s`, or the run failed
+    (a teacher error fails the run with its cause)."""
+
+
+def wait_for_scores(run_id: int, step: int, episode_ids: list[int], config: TrainingConfig, vocab_size: int,
+                    poll_s: float = 0.5) -> float:
+    """Block until every trainable chain of `episode_ids` has a teacher score; return the seconds waited.
+
+    The `teacher` worker writes the scores (`app.tasks.teacher`, sent with the training step).
+    Raises `TeacherScoresMissing` naming the count after `config.teacher.timeout_s`, or with the
+    run's error as soon as the run is no longer running.
+    """
+    started = time.monotonic()
+    version = teacher_version(config.teacher)
+    while True:
+        with session_scope() as s:
+            missing, total = 0, 0
+            for episode_id in episode_ids:
+                rows, _ = build_episode_trajectories(s, episode_id, config.builder, vocab_size)
+                rows = [r for r in rows if any(r.loss_mask)]
+                total += len(rows)
+                missing += len(rows) - len(stored_scores(s, rows, version))
+            run = s.get(Run, run_id)
+            status, error = run.status, run.error
+        waited = time.monotonic() - started
+        if not missing:
+            return waited
+        if status != "running":
+            raise TeacherScoresMissing(f"run {run_id} is {status} while step {step} waited for teacher scores: {error}")
+        if waited >= config.teacher.timeout_s:
+            raise TeacherScoresMissing(
+                f"{missing} of {total} chains of step {step} have no teacher score after {waited:.0f}s "
+                f"(teacher {version}); is a `teacher` worker running (Procfile `teacher`, queue 'teacher')?")
+        log.info("run=%s step=%s waiting for teacher scores: %s of %s chains", run_id, step, missing, total)
+        time.sleep(poll_s)

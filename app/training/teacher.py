@@ -1,0 +1,331 @@
+"""The distillation teacher: prefill-scores the exact token ids of each trainable chain.
+
+    score_episodes(run_id, episode_ids)
+      trajectories  built (or loaded) per episode with the run's builder (after prefix merging)
+      cache         a chain whose (chain_hash, teacher_version) has a `TeacherScore` is skipped
+      score         one prefill pass of the teacher over the chain's ids; the teacher's logprob of
+                    every sampled token (loss mask 1), 0.0 elsewhere: float32 [T], stored as
+                    `TeacherScore.logprobs`, the same packed array type as `Trajectory.logprobs`
+
+Two scorers.  `LocalScorer` loads the teacher's weights in this process with the embedded
+engine's model code (`app.engines.modeling.load_model`) and runs one fp32 forward per chain:
+deterministic on CPU, so re-scoring an old episode from SQL (`rescore_episode`) reproduces the
+stored values bit for bit.  `RemoteScorer` asks engines for vLLM's `prompt_logprobs` on
+`POST /v1/completions` with the chain as a token-id prompt (vLLM's sampling parameter,
+https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html; the embedded engine serves the
+same field).  Any failure is a `TeacherError` naming the cause: a teacher that cannot be
+loaded, an engine without prompt logprobs, a NaN or positive logprob, a length mismatch.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from app.db import session_scope
+from app.runconfig import TeacherChoice
+from app.tables import Episode, Run, TeacherScore, Trajectory
+from app.training.store import build_episode_trajectories
+from app.training.teacher_check import (  # noqa: F401 (TeacherError re-exported)
+    TeacherError,
+    check_local_tokenizer,
+    parse_prompt_logprobs,
+    student_source,
+)
+
+log = logging.getLogger(__name__)
+
+
+def chain_hash(token_ids, loss_mask) -> str:
+    """SHA-256 (hex, 64 chars) of a chain's token ids (int32 LE) and loss mask (uint8)."""
+    digest = hashlib.sha256()
+    digest.update(np.asarray(token_ids, dtype="<i4").tobytes())
+    digest.update(b"|")
+    digest.update(np.asarray(loss_mask, dtype=np.uint8).tobytes())
+    return digest.hexdigest()
+
+
+def teacher_spec(teacher: TeacherChoice) -> str:
+    """The model spec the teacher's weights load from: its checkpoint folder, else its name.
+
+    Raises `TeacherError` for a checkpoint that does not exist.
+    """
+    if teacher.checkpoint:
+        from app.training.checkpoints import resolve_checkpoint
+
+        try:
+            return str(resolve_checkpoint(teacher.checkpoint)[0])
+        except FileNotFoundError as exc:
+            raise TeacherError(f"teacher cannot be loaded: {exc}") from exc
+    return str(teacher.name)
+
+
+_VERSIONS: dict[tuple, str] = {}
+
+
+def teacher_version(teacher: TeacherChoice) -> str:
+    """The cache key of the teacher's weights (at most 128 chars).
+
+    `teacher.version` when given; for a checkpoint folder `ckpt:` + SHA-256 of its weight files'
+    bytes (so rewritten weights at the same path get new scores); for engines `engine:<name>`;
+    for 'tiny' / 'smollm2' the name.  Raises `TeacherError` for a missing checkpoint.
+    """
+    if teacher.version:
+        return teacher.version
+    if teacher.engine_urls:
+        return f"engine:{teacher.name}"[:128]
+    spec = teacher_spec(teacher)
+    folder = Path(spec)
+    if not folder.is_dir():
+        return spec[:128]
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
+    key = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    if (spec, key) not in _VERSIONS:
+        digest = hashlib.sha256()
+        for p in files:
+            digest.update(p.name.encode())
+            with open(p, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 22), b""):
+                    digest.update(block)
+        _VERSIONS[(spec, key)] = "ckpt:" + digest.hexdigest()
+    return _VERSIONS[(spec, key)]
+
+
+def check_scores(values, token_ids, loss_mask, where: str) -> list[float]:
+    """`values` as float32-rounded floats [T]; raises `TeacherError` when the length differs
+    from `token_ids` or a scored value is not a finite logprob <= 0 (NaN included)."""
+    if len(values) != len(token_ids):
+        raise TeacherError(f"{where}: {len(values)} teacher logprobs for a chain of {len(token_ids)} tokens")
+    out = np.asarray(values, dtype=np.float32)
+    for i, (value, mask) in enumerate(zip(out.tolist(), loss_mask)):
+        if mask and not (math.isfinite(value) and value <= 1e-4):
+            raise TeacherError(f"{where}: the teacher's logprob of token {i} (id {token_ids[i]}) is {value!r}, "
+                               f"not a finite value <= 0")
+    return [v if m else 0.0 for v, m in zip(out.tolist(), loss_mask)]
+
+
+class LocalScorer:
+    """The teacher's weights in this process (fp32, CPU or CUDA): one forward per chain."""
+
+    def __init__(self, spec: str, device=None):
+        import torch
+
+        from app.engines.modeling import load_model
+
+        try:
+            model, _tokenizer = load_model(spec)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise TeacherError(f"teacher {spec!r} cannot be loaded: {exc}") from exc
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = model.to(self.device).eval()
+        self.spec = spec
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+
+    def score(self, token_ids, loss_mask) -> list[float]:
+        """The teacher's logprob (nats) of every token with mask 1, 0.0 elsewhere: floats [T].
+
+        Raises `TeacherError` for ids outside the teacher's vocabulary and bad values."""
+        return check_scores(score_with_model(self.model, token_ids, loss_mask, self.device), token_ids, loss_mask,
+                            f"teacher {self.spec}")
+
+
+def score_with_model(model, token_ids, loss_mask, device=None) -> list[float]:
+    """One fp32 prefill pass of a causal LM over `token_ids` (int [T]): log p(token_t | tokens_<t)
+    at every position with `loss_mask` 1, 0.0 elsewhere (position 0 has no context: 0.0)."""
+    import torch
+
+    from app.training.policy import token_logprobs
+
+    device = device or next(model.parameters()).device
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+    positions = torch.tensor([i for i, m in enumerate(loss_mask) if m and i > 0], dtype=torch.long, device=device)
+    out = [0.0] * len(token_ids)
+    if positions.numel() == 0:
+        return out
+    with torch.no_grad():
+        values = token_logprobs(model, ids, torch.ones_like(ids), torch.zeros_like(positions), positions - 1,
+                                ids[0, positions]).float().cpu().tolist()
+    for p, v in zip(positions.tolist(), values):
+        out[p] = v
+    return out
+
+
+class RemoteScorer:
+    """Engines serving the teacher: `prompt_logprobs` of a token-id prompt (vLLM's shape:
+    `choices[0].prompt_logprobs[t]` maps `str(id)` to `{"logprob", ...}`, None at t = 0)."""
+
+    def __init__(self, teacher: TeacherChoice):
+        from app.engines.client import EngineClient
+
+        self.name = teacher.name
+        self.clients = [EngineClient(url, timeout=teacher.timeout_s) for url in teacher.engine_urls]
+        self.next = 0
+
+    def score(self, token_ids, loss_mask) -> list[float]:
+        from app.engines.errors import EngineCallError
+
+        client = self.clients[self.next % len(self.clients)]
+        self.next += 1
+        body = {"model": self.name, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": 0}
+        try:
+            answer = client.request("POST", "/v1/completions", body)
+        except EngineCallError as exc:
+            raise TeacherError(f"teacher engine {client.base_url} cannot score: {exc}") from exc
+        return check_scores(parse_prompt_logprobs(answer, token_ids, client.base_url), token_ids, loss_mask,
+                            f"teacher engine {client.base_url}")
+
+
+_SCORERS: dict[tuple, object] = {}
+
+
+def scorer_for(teacher: TeacherChoice):
+    """The (process-resident) scorer of `teacher`: remote with `engine_urls`, else local."""
+    key = (teacher.name, teacher.checkpoint, tuple(teacher.engine_urls))
+    if key not in _SCORERS:
+        _SCORERS.clear()  # one teacher resident at a time
+        _SCORERS[key] = RemoteScorer(teacher) if teacher.engine_urls else LocalScorer(teacher_spec(teacher))
+    return _SCORERS[key]
+
+
+@dataclass
+class ScoreReport:
+    """What one `score_episodes` call did: chains scored now, found cached, without trainable tokens."""
+
+    scored: int = 0
+    cached: int = 0
+    empty: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"scored": self.scored, "cached": self.cached, "empty": self.empty, "seconds": self.seconds}
+
+
+def score_episodes(run_id: int, episode_ids: list[int], scorer=None) -> ScoreReport:
+    """Score every trainable chain of the episodes with run `run_id`'s teacher; idempotent.
+
+    Chains come from the run's builder (built here if the trainer has not yet).  A chain whose
+    (hash, teacher version) is stored is skipped.  Raises LookupError (unknown run), ValueError
+    (the run has no teacher), `TeacherError` (see the class).
+    """
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        if run is None:
+            raise LookupError(f"run {run_id} does not exist")
+        run_cfg = run.run_config()
+        cfg = run_cfg.training
+    if cfg.teacher is None:
+        raise ValueError(f"run {run_id} has no teacher (training.algorithm is {cfg.algorithm!r})")
+    version = teacher_version(cfg.teacher)
+    report = ScoreReport()
+    if scorer is None:
+        scorer = scorer_for(cfg.teacher)
+        if isinstance(scorer, LocalScorer):  # creation checked it too, unless the tokenizer cache was not written
+            check_local_tokenizer(student_source(run_cfg), scorer.spec)
+    vocab = getattr(scorer, "vocab_size", None)
+    for episode_id in episode_ids:
+        with session_scope() as s:
+            rows, _report = build_episode_trajectories(s, episode_id, cfg.builder, vocab)
+            chains = {chain_hash(r.token_ids, r.loss_mask): (list(r.token_ids), list(r.loss_mask))
+                      for r in rows if any(r.loss_mask)}
+            report.empty += sum(1 for r in rows if not any(r.loss_mask))
+            have = set(s.scalars(select(TeacherScore.chain_hash).where(
+                TeacherScore.teacher_version == version, TeacherScore.chain_hash.in_(list(chains))))) if chains else set()
+        for digest, (ids, mask) in chains.items():
+            if digest in have:
+                report.cached += 1
+                continue
+            started = time.perf_counter()
+            values = scorer.score(ids, mask)
+            seconds = time.perf_counter() - started
+            report.scored += 1
+            report.seconds += seconds
+            try:
+                with session_scope() as s:
+                    s.add(TeacherScore(chain_hash=digest, teacher_version=version, logprobs=values,
+                                       tokens=int(sum(mask)), seconds=seconds))
+            except IntegrityError:
+                log.info("run=%s chain %s was scored by another process", run_id, digest[:12])
+    return report
+
+
+def stored_scores(session, rows: list[Trajectory], version: str) -> dict[str, TeacherScore]:
+    """The stored scores of `rows` (trajectories) under teacher `version`, by chain hash."""
+    hashes = [chain_hash(r.token_ids, r.loss_mask) for r in rows]
+    if not hashes:
+        return {}
+    found = session.scalars(select(TeacherScore).where(TeacherScore.teacher_version == version,
+                                                       TeacherScore.chain_hash.in_(hashes)))
+    return {row.chain_hash: row for row in found}
+
+
+def rescore_episode(episode_id: int, teacher: TeacherChoice | None = None, scorer=None) -> list[dict]:
+    """Score an old episode's stored chains again from SQL and compare with the stored scores.
+
+    `teacher` defaults to the episode's run's teacher.  Returns one dict per trainable chain:
+    `{"chain_index", "chain_hash", "stored": bool, "bit_exact": bool | None, "max_abs_diff"}`
+    (bit_exact None when nothing was stored).  Writes nothing.
+    """
+    with session_scope() as s:
+        episode = s.get(Episode, episode_id)
+        if episode is None:
+            raise LookupError(f"episode {episode_id} does not exist")
+        cfg = s.get(Run, episode.run_id).run_config().training
+        teacher = teacher or cfg.teacher
+        if teacher is None:
+            raise ValueError(f"episode {episode_id}'s run has no teacher")
+        rows = list(s.scalars(select(Trajectory).where(Trajectory.episode_id == episode_id,
+                                                       Trajectory.builder == cfg.builder)
+                              .order_by(Trajectory.chain_index)))
+        version = teacher_version(teacher)
+        stored = {h: list(r.logprobs) for h, r in stored_scores(s, rows, version).items()}
+        chains = [(r.chain_index, list(r.token_ids), list(r.loss_mask)) for r in rows if any(r.loss_mask)]
+    scorer = scorer or scorer_for(teacher)
+    out = []
+    for index, ids, mask in chains:
+        digest = chain_hash(ids, mask)
+        fresh = np.asarray(scorer.score(ids, mask), dtype=np.float32)
+        old = stored.get(digest)
+        entry = {"chain_index": index, "chain_hash": digest, "stored": old is not None, "bit_exact": None,
+                 "max_abs_diff": None}
+        if old is not None:
+            old_arr = np.asarray(old, dtype=np.float32)
+            entry["bit_exact"] = old_arr.tobytes() == fresh.tobytes()
+            entry["max_abs_diff"] = float(np.max(np.abs(old_arr - fresh))) if fresh.size else 0.0
+        out.append(entry)
+    return out
+
+
+def score_step(run_id: int, step: int, episode_ids: list[int] | None = None) -> dict:
+    """`score_episodes` for training step `step` (episodes from its `TrainingStep` row, else
+    `episode_ids`); a `TeacherError` fails the run with the cause (`Run.error` "teacher: …").
+
+    Returns the report as a dict, `{"error": …}` after failing the run, or `{"skipped": …}`
+    when the run is not running.
+    """
+    from app.tables import TrainingStep, utcnow
+    from app.transitions import transition
+
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        if run is None:
+            raise LookupError(f"run {run_id} does not exist")
+        if run.status != "running":
+            return {"skipped": f"run {run_id} is {run.status}"}
+        row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.step == step))
+        ids = list((row.episode_ids if row is not None else None) or episode_ids or [])
+    try:
+        return score_episodes(run_id, ids).as_dict()
+    except TeacherError as exc:
+        error = f"teacher: {exc}"[:2000]
+        log.error("run=%s step=%s %s", run_id, step, error)
+        with session_scope() as s:
+            transition(s, Run, run_id, "failed", error=error, finished_at=utcnow())
+        return {"error": error}
