@@ -1,4 +1,4 @@
-"""`python -m app …`: the Turnstile command line (see `python -m app --help`)."""
+"""`python -m app …`: the Turnstile command line, the same program as the `turnstile` script (see `turnstile --help`)."""
 from app.cli import main
 
 raise SystemExit(main())

@@ -220,6 +220,18 @@ class TrainingConfig(BaseModel):
         return self.model_dump(mode="json")
 
 
+class RunSeries(BaseModel):
+    """The runs one command made together, so their pages link to each other: `turnstile learn`'s
+    held-out eval `before`, the `train` run, and the eval `after` of its checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["learn"] = "learn"
+    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                    description="shared by every run of the series")
+    role: Literal["before", "train", "after"]
+
+
 class RunConfig(BaseModel):
     """Everything a run needs; stored verbatim (after defaults) in `runs.config`."""
 
@@ -246,6 +258,8 @@ class RunConfig(BaseModel):
     scheduling: Scheduling = Field(default_factory=Scheduling)
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="GRPO trainer settings")
     simulate: Simulation | None = None
+    series: RunSeries | None = Field(None, description="the series of runs this one belongs to (set by "
+                                                       "`turnstile learn`: before, train, after)")
     priority: int = Field(0, ge=0, le=9, description="higher runs first on shared queues (eval runs default to 5)")
     splice_history: bool = Field(
         True, strict=True,
@@ -257,17 +271,21 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
+        # Every problem at once, one "field: message" per line (the API reports each line as a detail).
+        problems = []
         if self.harness not in HARNESSES:
-            raise ValueError(f"harness: unknown harness {self.harness!r}; choose one of {', '.join(HARNESSES)}")
+            problems.append(f"harness: unknown harness {self.harness!r}; choose one of {', '.join(HARNESSES)}")
         if self.kind == "train" and self.steps < 1:
-            raise ValueError("steps: a train run needs at least one step")
+            problems.append(f"steps: a train run needs at least one step, got {self.steps}")
         if self.kind == "train" and self.group_size < 2 and self.training.algorithm != "opd":
-            raise ValueError("group_size: GRPO needs at least 2 episodes per group for a train run")
+            problems.append(f"group_size: GRPO needs at least 2 episodes per group for a train run, got {self.group_size}")
         if self.kind == "train" and (self.model.checkpoint or "").startswith("run:"):
             # 'run:<id>' means that run's newest checkpoint, which moves while it trains; the trainer
             # (re)loads its start weights at every restore, so they must not change under it.
-            raise ValueError("model.checkpoint: a train run starts from a fixed checkpoint folder "
-                             "(var/runs/<id>/checkpoints/step_<k>/model), not 'run:<id>'")
+            problems.append(f"model.checkpoint: a train run starts from a fixed checkpoint folder "
+                            f"(var/runs/<id>/checkpoints/step_<k>/model), not {self.model.checkpoint!r}")
         if self.model.engine == "vllm" and not self.model.engine_urls:
-            raise ValueError("model.engine_urls: a vllm model needs at least one engine URL")
+            problems.append("model.engine_urls: a vllm model needs at least one engine URL")
+        if problems:
+            raise ValueError("\n".join(problems))
         return self

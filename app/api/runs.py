@@ -14,12 +14,14 @@ from flask import Blueprint, Response, jsonify, request, url_for
 from pydantic import ValidationError
 from sqlalchemy import Integer, cast, func, select
 
+from app.api import problems
 from app.api.errors import ApiError
 from app.api.openapi import openapi_spec
 from app.api.schemas import Health
 from app.api.serialize import completion_to_dict, episode_to_dict, run_to_dict
+from app.api.tokenizer import decoder_for
 from app.db import new_session, session_scope
-from app.tables import EPISODE_STATES, Completion, Episode, Run, TrainingStep, Trajectory
+from app.tables import EPISODE_STATES, Completion, Episode, Run, TrainingStep, Trajectory, utcnow
 from app.runconfig import RunConfig
 from app.text import text_problem
 from app.transitions import TERMINAL, transition
@@ -27,19 +29,46 @@ from app.transitions import TERMINAL, transition
 bp = Blueprint("api", __name__)
 
 
-def _validation_error(exc: ValidationError) -> ApiError:
-    details = []
-    for err in exc.errors(include_url=False, include_input=False):
-        loc = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"]
-        if not loc and msg.startswith("Value error, "):
-            # model-level checks carry their field as "field: message"
-            msg = msg.removeprefix("Value error, ")
-            loc, _, msg = msg.partition(": ") if ": " in msg else ("", "", msg)
-        details.append({"field": loc or None, "message": msg})
+def _validation_error(details: list[dict]) -> ApiError:
+    """The 400 of a rejected run config: the first problem in the message, every one in `details`."""
     first = details[0]
     where = f"{first['field']}: " if first["field"] else ""
     return ApiError(400, f"invalid run config: {where}{first['message']}", first["field"], details)
+
+
+def _top(field: str | None) -> str | None:
+    return field.split(".", 1)[0] if field else None
+
+
+def config_problems(body: dict) -> tuple[RunConfig | None, list[dict]]:
+    """The validated config of a request body (None when invalid) and every problem with it.
+
+    Problems are `{"field", "message"}` dicts (`app.api.problems` words them: value received, "did
+    you mean").  Schema problems come first; then this installation's checks
+    (`app.control.runs.run_config_problems`: task set, instances, model, harness, ...), which also
+    run when the schema failed, on the body without its bad top-level fields, so one round trip
+    names every problem.  An installation problem of a field that was itself bad is left out (it
+    would be about the default that replaced it).
+    """
+    from app.control.runs import run_config_problems  # validates choices against this installation
+
+    try:
+        return _checked(RunConfig.model_validate(body), [], set(), run_config_problems)
+    except ValidationError as exc:
+        details = problems.schema_problems(exc, RunConfig)
+    bad = {_top(d["field"]) for d in details}
+    try:
+        partial = RunConfig.model_validate({k: v for k, v in body.items() if k not in bad})
+    except ValidationError:
+        return None, details
+    _cfg, extra = _checked(partial, details, bad, run_config_problems)
+    return None, extra
+
+
+def _checked(cfg: RunConfig, details: list[dict], bad: set, check) -> tuple[RunConfig | None, list[dict]]:
+    found = [{"field": f, "message": m} for f, m in check(cfg) if _top(f) not in bad]
+    out = details + found
+    return (cfg if not out else None), out
 
 
 def _status_counts(session, run_id: int) -> dict[str, int]:
@@ -116,15 +145,9 @@ def create_run():
     bad = _unstorable(body)
     if bad is not None:
         raise ApiError(400, f"invalid run config: {bad[0]}: {bad[1]}", bad[0] or None)
-    try:
-        cfg = RunConfig.model_validate(body)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-    from app.control.runs import check_run_config  # validates choices against this installation
-
-    problem = check_run_config(cfg)
-    if problem is not None:
-        raise ApiError(400, problem[1], problem[0])
+    cfg, details = config_problems(body)
+    if details:
+        raise _validation_error(details)
     priority = cfg.priority or (5 if cfg.kind == "eval" else 0)
     with session_scope() as session:
         run = Run(kind=cfg.kind, config=cfg.model_dump(mode="json"), priority=priority)
@@ -186,6 +209,13 @@ def cancel_run(run_id: int):
         run = _get_run(session, run_id)
         if run.status in TERMINAL:
             raise ApiError(409, f"run {run_id} is already {run.status}")
+        # A run no control worker has started has nothing to stop: it ends here, so its cancel
+        # completes even when no worker runs.  The compare-and-set loses to a start under way
+        # (the run is `running` then) and the cancel goes to the control worker as usual; a start
+        # message that arrives later finds the run cancelled and does nothing.
+        if transition(session, Run, run_id, "cancelled", expect=("queued",), finished_at=utcnow()):
+            session.commit()
+            return jsonify(run_to_dict(session.get(Run, run_id, populate_existing=True))), 202
         transition(session, Run, run_id, "cancelling")
     from app.tasks.send import send_cancel_run
 
@@ -257,10 +287,9 @@ def _messages_of(completion: Completion | None, model_name: str | None) -> list 
         return None
     messages = list(completion.normalized_request.get("messages", []))
     text = None
-    if model_name in ("tiny", "smollm2") and completion.sampled_ids:
-        from app.engines.modeling import load_tokenizer
-
-        text = load_tokenizer().decode(completion.sampled_ids, skip_special_tokens=False)
+    decode = decoder_for(model_name) if completion.sampled_ids else None  # tokenizers only: no torch here
+    if decode is not None:
+        text = decode(completion.sampled_ids)
     elif completion.api == "chat" and completion.response:
         choice = (completion.response.get("choices") or [{}])[0]
         text = (choice.get("message") or {}).get("content")

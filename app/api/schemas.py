@@ -68,6 +68,9 @@ class Run(_Out):
     finished_at: str | None
     live: LiveStats | None = None
     steps: list[Step] | None = Field(None, description="training steps (`GET /api/runs/{run_id}` only)")
+    waiting: str | None = Field(None, description="set while a queued (or cancelling) run has waited longer than a "
+                                                  "lease plus a watchdog period for a control worker: what is "
+                                                  "missing and how long it has waited")
 
 
 class Completion(_Out):

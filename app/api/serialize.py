@@ -5,11 +5,39 @@ from __future__ import annotations
 import datetime as dt
 
 from app.api import schemas
-from app.tables import Completion, Episode, Run, TrainingStep
+from app.config import get_settings
+from app.tables import Completion, Episode, Run, TrainingStep, aware_utc, utcnow
 
 
 def _ts(value: dt.datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
+
+
+def waiting_reason(run: Run, now: dt.datetime | None = None) -> str | None:
+    """Why a run is not moving, when no control worker has acted on it in time; else None.
+
+    A control worker takes a queued run as soon as its start message arrives, and the beat's
+    watchdog re-sends a lost start (or ticks a cancelling run) every `watchdog_interval_s`; a
+    worker that died mid-stage is seen once its lease (`lease_ttl_s`) expires.  So a run still
+    `queued` (since `created_at`) or `cancelling` (since `updated_at`, the cancel request) after
+    `lease_ttl_s + watchdog_interval_s` seconds has no control worker (or no beat) serving it.
+    """
+    if run.status not in ("queued", "cancelling"):
+        return None
+    settings = get_settings()
+    limit = settings.lease_ttl_s + settings.watchdog_interval_s
+    since = aware_utc(run.created_at if run.status == "queued" else run.updated_at)
+    if since is None:
+        return None
+    waited = ((now or utcnow()) - since).total_seconds()
+    if waited <= limit:
+        return None
+    what = "taken this run" if run.status == "queued" else "finished its cancel"
+    return (f"no control worker has {what} in {waited:.0f} s (more than a {settings.lease_ttl_s:.0f} s lease plus "
+            f"a {settings.watchdog_interval_s:.0f} s watchdog period): is a `worker` process serving queue "
+            f"`control` running (`make up`), with `beat`, on the broker the API sends to (REDIS_URL, CELERY_BROKER_URL)?"
+            + (" A queued run can be cancelled at once: `turnstile cancel " + str(run.id) + "`."
+               if run.status == "queued" else ""))
 
 
 def run_to_dict(run: Run, counts: dict[str, int] | None = None, live: dict | None = None,
@@ -29,6 +57,7 @@ def run_to_dict(run: Run, counts: dict[str, int] | None = None, live: dict | Non
         "finished_at": _ts(run.finished_at),
         "live": live,
         "steps": [step_to_dict(st) for st in steps] if steps is not None else None,
+        "waiting": waiting_reason(run),
     }).model_dump(mode="json")
 
 

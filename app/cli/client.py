@@ -21,6 +21,11 @@ from app.cli.report import make_console, render_summary
 from app.config import get_settings
 
 
+# Seconds an export may go without a line: the API writes each episode as it reads it, but the
+# first export after the API starts may first build the tokenizer cache (about 10 s).
+EXPORT_READ_TIMEOUT_S = 300.0
+
+
 def api_client() -> httpx.Client:
     """An HTTP client of the REST API that sends the API token (`app.auth.api_token`)."""
     from app.auth import auth_header
@@ -73,17 +78,31 @@ def submit_run(config: dict) -> dict:
     return resp.json()
 
 
-def _age_s(run: dict) -> float:
-    """Seconds since the run was created (its age), whenever the command attached to it."""
+def _when(value: str | None):
     import datetime as dt
 
-    created = run.get("created_at")
-    if not created:
-        return 0.0
-    when = dt.datetime.fromisoformat(created)
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.timezone.utc)
-    return max(0.0, (dt.datetime.now(dt.timezone.utc) - when).total_seconds())
+    if not value:
+        return None
+    when = dt.datetime.fromisoformat(value)
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.timezone.utc)
+
+
+def running_s(run: dict) -> float | None:
+    """Seconds the run has been running: from `started_at` to `finished_at` (or now); None while it
+    has not started (queued).  Not the run's age: a run that waited an hour in the queue and ran
+    for a minute ran for a minute."""
+    import datetime as dt
+
+    started = _when(run.get("started_at"))
+    if started is None:
+        return None
+    end = _when(run.get("finished_at")) or dt.datetime.now(dt.timezone.utc)
+    return max(0.0, (end - started).total_seconds())
+
+
+def _elapsed(run: dict) -> str:
+    seconds = running_s(run)
+    return "not started" if seconds is None else f"{seconds:.0f} s"
 
 
 def _progress_table(run: dict) -> Table:
@@ -109,14 +128,18 @@ def _progress_table(run: dict) -> Table:
     if live.get("reward_mean") is not None:
         table.add_row("reward (graded)", f"{live['reward_mean']:.3f} over {live['graded']}")
     table.add_row("completions", str(live.get("completions", 0)))
-    elapsed = max(1e-6, _age_s(run))
-    table.add_row("sampled tokens/s", f"{live.get('sampled_tokens', 0) / elapsed:.1f}")
-    table.add_row("elapsed", f"{elapsed:.0f} s")
+    seconds = running_s(run)
+    if seconds:
+        table.add_row("sampled tokens/s", f"{live.get('sampled_tokens', 0) / seconds:.1f}")
+    table.add_row("elapsed (running)", _elapsed(run))
+    if run.get("waiting"):
+        table.add_row("[bold red]waiting[/bold red]", run["waiting"])
     return table
 
 
 def progress_line(run: dict) -> str:
-    """One line of progress for logs and pipes: status, episodes by state, steps, reward, age."""
+    """One line of progress for logs and pipes: status, episodes by state, steps, reward, time
+    running; then, for a run no worker has taken, why it waits (`waiting` of the API)."""
     from app.tables import EPISODE_STATES
 
     counts = run.get("episodes_by_status") or {}
@@ -128,8 +151,9 @@ def progress_line(run: dict) -> str:
     live = run.get("live") or {}
     if live.get("reward_mean") is not None:
         parts.append(f"reward {live['reward_mean']:.3f} over {live['graded']}")
-    parts.append(f"elapsed {_age_s(run):.0f} s")
-    return "; ".join(parts)
+    parts.append(f"elapsed {_elapsed(run)}")
+    line = "; ".join(parts)
+    return f"{line}\n  waiting: {run['waiting']}" if run.get("waiting") else line
 
 
 def follow_run(run_id: int, poll_s: float = 1.0, timeout_s: float | None = None, console: Console | None = None) -> dict:
@@ -150,8 +174,9 @@ def follow_run(run_id: int, poll_s: float = 1.0, timeout_s: float | None = None,
 
             def show(run: dict) -> None:
                 line = progress_line(run)
-                if [line.rsplit("; elapsed", 1)[0]] != last:  # print on change, not every poll
-                    last[:] = [line.rsplit("; elapsed", 1)[0]]
+                key = line.split("; elapsed", 1)[0] + ("; waiting" if run.get("waiting") else "")
+                if [key] != last:  # print on change, not every poll (the seconds alone are no change)
+                    last[:] = [key]
                     print(line, flush=True)
 
             return _poll(client, run_id, poll_s, timeout_s, started, show)
@@ -163,8 +188,8 @@ class FollowInterrupted(KeyboardInterrupt):
     """Ctrl-C while following: the run goes on; the message says how to get back to it."""
 
     def __init__(self, run_id: int):
-        super().__init__(f"stopped following; run {run_id} continues. Follow it again with `python -m app follow {run_id}`, "
-                         f"cancel it with `python -m app cancel {run_id}`.")
+        super().__init__(f"stopped following; run {run_id} continues. Follow it again with `turnstile follow {run_id}`, "
+                         f"cancel it with `turnstile cancel {run_id}`.")
 
 
 def _poll(client, run_id: int, poll_s: float, timeout_s: float | None, started: float, show) -> dict:
@@ -178,6 +203,26 @@ def _poll(client, run_id: int, poll_s: float, timeout_s: float | None, started: 
         if timeout_s is not None and time.monotonic() - started > timeout_s:
             raise SystemExit(f"run {run_id} still {run['status']} after {timeout_s:.0f} s")
         time.sleep(poll_s)
+
+
+def dashboard_url(run_id: int) -> str:
+    """The run's dashboard page (`<TURNSTILE_API_URL>/runs/<id>`)."""
+    return f"{get_settings().api_url.rstrip('/')}/runs/{run_id}"
+
+
+def steps_table(run: dict) -> Table:
+    """The training steps of a run still going (API shape `steps`): state, version, episodes,
+    reward, loss; "-" for what a step has not produced yet."""
+    table = Table(title="training steps")
+    for col in ("step", "status", "ver", "episodes", "reward", "loss", "error"):
+        table.add_column(col)
+    for st in run.get("steps") or []:
+        m = st.get("metrics") or {}
+        reward, loss = m.get("reward_mean"), m.get("loss")
+        table.add_row(str(st["step"]), st["status"], "-" if st.get("policy_version") is None else str(st["policy_version"]),
+                      str(len(st.get("episode_ids") or [])), "-" if reward is None else f"{reward:.3f}",
+                      "-" if loss is None else f"{loss:.4f}", st.get("error") or "")
+    return table
 
 
 def print_summary(run: dict, console: Console | None = None) -> None:

@@ -1,4 +1,4 @@
-"""`python -m app compare BEFORE AFTER`: two eval runs side by side.
+"""`turnstile compare BEFORE AFTER`: two eval runs side by side.
 
 Prints the instances each run solved (some sample resolved it, from the run summaries), then
 pass@1 per instance and overall with 95% paired clustered-bootstrap intervals, the difference

@@ -1,4 +1,4 @@
-"""`python -m app harness install|check|list NAME|all`: install the pinned CLIs and check them end to end.
+"""`turnstile harness install|check|list NAME|all`: install the pinned CLIs and check them end to end.
 
 * `install NAME|all` installs into `<var_dir>/tools` (idempotent; prints time and size).
 * `check NAME|all` runs each CLI once, headless, against a fresh gateway (gunicorn
@@ -94,7 +94,7 @@ def cmd_check_pipeline(args) -> int:
     names = [n for n in _names(args.name)]
     missing = [n for n in names if not get_preset(n).is_installed()]
     if missing:
-        print(f"FAIL not installed: {', '.join(missing)} (python -m app harness install NAME)", file=sys.stderr)
+        print(f"FAIL not installed: {', '.join(missing)} (turnstile harness install NAME)", file=sys.stderr)
         return 1
     redis_url = _check_redis_url(args.redis_url)
     print(f"pipeline check of {', '.join(names)} (collect runs on task set {args.task_set}; queues on {redis_url})",

@@ -1,8 +1,8 @@
-"""`python -m app learn`: evaluate, train, evaluate again, compare, draw `var/runs/<id>/learning.png`.
+"""`turnstile learn`: evaluate, train, evaluate again, compare, draw `var/runs/<id>/learning.png`.
 
-    python -m app learn --config demo/learn.json       # what `make learn` runs (the stack must be up)
-    python -m app warm-start --config demo/learn.json  # only the warm start (prints its model folder)
-    python -m app learn-plot TRAIN_ID --compare FILE   # redraw the figure of a finished train run
+    turnstile learn --config demo/learn.json       # what `make learn` runs (the stack must be up)
+    turnstile warm-start --config demo/learn.json  # only the warm start (prints its model folder)
+    turnstile learn-plot TRAIN_ID --compare FILE   # redraw the figure of a finished train run
 
 The config file holds one train run config (`RunConfig`) plus a `learn` section:
 `heldout` / `train` (instance ids, or the name of a split of the starter set: "starter:heldout",
@@ -24,6 +24,7 @@ budget for the eval runs, default the train run's), `warm_start` (optional: hype
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -136,11 +137,14 @@ def cmd_learn(args) -> int:
                      budget=learn.get("eval_budget") or config.get("budget") or {}, model=dict(config["model"]))
     if "scheduling" in config:
         eval_base["scheduling"] = {s: v for s, v in config["scheduling"].items() if s in ("rollout_slots", "ready_depth")}
-    before = _run(eval_base, console, args.timeout)
-    train = _run({**config, "kind": "train", "instances": train_ids}, console, args.timeout)
+    # one series id on the three runs, so their dashboard pages link to each other
+    series = {"kind": "learn", "id": uuid.uuid4().hex[:12]}
+    before = _run({**eval_base, "series": {**series, "role": "before"}}, console, args.timeout)
+    train = _run({**config, "kind": "train", "instances": train_ids, "series": {**series, "role": "train"}},
+                 console, args.timeout)
     after_cfg = json.loads(json.dumps(eval_base))
     after_cfg["model"]["checkpoint"] = f"run:{train['id']}"
-    after = _run(after_cfg, console, args.timeout)
+    after = _run({**after_cfg, "series": {**series, "role": "after"}}, console, args.timeout)
     with client.api_client() as api:
         samples = [client.run_samples(api, r["id"]) for r in (before, after)]
     result = compare_samples(*samples, seed=0)

@@ -1,4 +1,4 @@
-"""`python -m app model warm [SPEC]`: build the model cache once (SmolLM2: GGUF -> safetensors under var/)."""
+"""`turnstile model warm [SPEC]`: build the model cache once (SmolLM2: GGUF -> safetensors under var/)."""
 from __future__ import annotations
 
 

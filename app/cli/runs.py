@@ -1,10 +1,11 @@
-"""Run commands: submit (and follow), follow, runs, export, cancel, and the demo."""
+"""Run commands: submit (and follow), follow, show, runs, export, cancel, and the demo."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
+import httpx
 from rich.table import Table
 
 from app.cli import client
@@ -50,7 +51,21 @@ def _set(config: dict, dotted: str, raw: str) -> None:
     node[keys[-1]] = value
 
 
+SUBMIT_EXAMPLES = """examples:
+  turnstile submit --config demo/train.json --follow          # the demo's train run (a config that learns)
+  turnstile submit --set kind=eval --set task_set=starter --follow
+  turnstile submit --config run.yaml --set steps=4           # --set overrides a field of the file
+the run options: app/runconfig.py, or RunConfig in /api/openapi.json"""
+
+
 def cmd_submit(args) -> int:
+    if not args.config and not args.set:
+        # Every option has a default, so an empty body is a real run (a 2-step train run): a bare
+        # `submit` is a newcomer asking how, and gets the usage, not a run.
+        args.parser.print_usage(sys.stderr)
+        print("turnstile submit: give a run config (--config FILE) and/or fields (--set KEY=VALUE); nothing was "
+              f"submitted\n{SUBMIT_EXAMPLES}", file=sys.stderr)
+        return 2
     config: dict = client.read_config_file(args.config) if args.config else {}
     for item in args.set or []:
         key, eq, value = item.partition("=")
@@ -66,6 +81,29 @@ def cmd_submit(args) -> int:
 
 def cmd_follow(args) -> int:
     return client.follow_to_end(args.run_id, args.timeout)
+
+
+def cmd_show(args) -> int:
+    """One run: what it is, where it stands (why it waits, if it does), its steps, and its summary once ended."""
+    from app.transitions import TERMINAL
+
+    with client.api_client() as api:
+        run = api.get(f"/api/runs/{args.run_id}").raise_for_status().json()
+    console = make_console()
+    cfg = run["config"]
+    model = cfg.get("model") or {}
+    console.print(f"[bold]run {run['id']}[/bold] {run['kind']} · [bold]{run['status']}[/bold] · harness "
+                  f"{cfg.get('harness')} · model {model.get('checkpoint') or model.get('name')} · task set {cfg.get('task_set')}"
+                  + (f" ({len(cfg['instances'])} instances)" if cfg.get("instances") else ""))
+    console.print(client.progress_line(run), markup=False, highlight=False)
+    if run.get("error"):
+        console.print(f"error: {run['error']}", markup=False)
+    if run["status"] in TERMINAL and run.get("summary"):
+        client.print_summary(run, console)
+    elif run.get("steps"):
+        console.print(client.steps_table(run))
+    console.print(f"dashboard: {client.dashboard_url(run['id'])}", markup=False, highlight=False)
+    return 0
 
 
 def cmd_runs(args) -> int:
@@ -87,7 +125,8 @@ def cmd_runs(args) -> int:
 
 def cmd_export(args) -> int:
     n = 0
-    with client.api_client() as api, api.stream("GET", f"/api/runs/{args.run_id}/export") as resp:
+    timeout = httpx.Timeout(30.0, read=client.EXPORT_READ_TIMEOUT_S)
+    with client.api_client() as api, api.stream("GET", f"/api/runs/{args.run_id}/export", timeout=timeout) as resp:
         if resp.status_code != 200:
             resp.read()
             try:
@@ -150,17 +189,22 @@ def cmd_demo(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("submit", help="create a run (train/eval/collect) and optionally follow it")
+    p = sub.add_parser("submit", help="create a run (train/eval/collect) and optionally follow it",
+                       epilog=SUBMIT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="run config file: JSON, YAML (.yaml/.yml) or TOML (.toml); see /api/openapi.json")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. --set group_size=4")
     p.add_argument("--follow", action="store_true", help="show live progress until the run ends")
     p.add_argument("--timeout", type=float, default=None, help="give up following after this many seconds")
-    p.set_defaults(handler=cmd_submit)
+    p.set_defaults(handler=cmd_submit, parser=p)
 
     p = sub.add_parser("follow", help="show live progress of a run until it ends, then its summary")
     p.add_argument("run_id", type=int)
     p.add_argument("--timeout", type=float, default=None)
     p.set_defaults(handler=cmd_follow)
+
+    p = sub.add_parser("show", help="one run: its config, progress (and why it waits), steps or summary")
+    p.add_argument("run_id", type=int)
+    p.set_defaults(handler=cmd_show)
 
     p = sub.add_parser("runs", help="list runs")
     p.add_argument("--limit", type=int, default=20)

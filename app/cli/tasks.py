@@ -1,4 +1,8 @@
-"""`python -m app tasks validate SET`: grade every instance's gold patch and an empty patch, list the bad ones."""
+"""`turnstile tasks list [SET]`: the named task sets, or one set's instances; `turnstile tasks validate SET`:
+grade every instance's gold patch and an empty patch, list the bad ones.
+
+Both read the task set on this machine (the files the workers read), not through the API.
+"""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +52,36 @@ def cmd_validate(args) -> int:
     return 1 if bad else 0
 
 
+def cmd_list(args) -> int:
+    from rich.table import Table
+
+    from app.cli.report import make_console
+    from app.tasksets import NAMED_SETS, load_task_set
+
+    console = make_console()
+    if not args.task_set:
+        table = Table(title="named task sets (or give a path: a JSONL/JSON/parquet file or folder)")
+        for col in ("name", "file", "here"):
+            table.add_column(col, overflow="fold")
+        for name, path in NAMED_SETS.items():
+            table.add_row(name, str(path), "yes" if path.exists() else "no (not on this machine)")
+        console.print(table)
+        return 0
+    task_set = load_task_set(args.task_set)
+    table = Table(title=f"task set {task_set.name}: {len(task_set.instances)} instance(s) ({task_set.path})")
+    for col in ("instance", "repo", "FAIL_TO_PASS", "PASS_TO_PASS", "image", "difficulty"):
+        table.add_column(col, overflow="fold")
+    for r in task_set.instances:
+        table.add_row(r.instance_id, r.repo, str(len(r.FAIL_TO_PASS)), str(len(r.PASS_TO_PASS)), r.image or "-",
+                      r.difficulty or "-")
+    console.print(table)
+    if task_set.formats:
+        console.print(f"formats: {', '.join(f'{k} {v}' for k, v in task_set.formats.items())}", markup=False)
+    for warning in task_set.warnings:
+        console.print(f"warning: {warning}", markup=False, highlight=False)
+    return 0
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -61,6 +95,9 @@ def _positive(text: str) -> int:
 def register(sub) -> None:
     p = sub.add_parser("tasks", help="task set commands")
     tsub = p.add_subparsers(dest="tasks_command", required=True)
+    ls = tsub.add_parser("list", help="the named task sets, or the instances of one (id, repo, tests, image)")
+    ls.add_argument("task_set", metavar="SET", nargs="?", help="a named task set (synthetic, starter) or a path")
+    ls.set_defaults(handler=cmd_list)
     v = tsub.add_parser("validate", help="grade every instance's gold patch and an empty patch; list instances that "
                                          "cannot be solved or that an empty patch solves (exit 1 if any)")
     v.add_argument("task_set", metavar="SET", help="a named task set (synthetic, swebench-real) or a path")

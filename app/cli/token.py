@@ -1,4 +1,4 @@
-"""`python -m app token`: print the API token (for curl, scripts and the dashboard's sign-in page).
+"""`turnstile token`: print the API token (for curl, scripts and the dashboard's sign-in page).
 
 The token is created on first use when neither `TURNSTILE_API_TOKEN` nor `var/api_token` holds one
 (`app.auth` states the rules).  `--header` prints a ready `Authorization: Bearer …` header line.

@@ -52,49 +52,64 @@ def _short(message: str, limit: int = 400) -> str:
 
 
 def check_installation(cfg: RunConfig) -> tuple[str, str] | None:
-    """`(field, message)` of the first choice the real stages cannot serve here, or None.
+    """`(field, message)` of the first choice the real stages cannot serve here, or None
+    (the first of `installation_problems`)."""
+    problems = installation_problems(cfg)
+    return problems[0] if problems else None
+
+
+def installation_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """Every `(field, message)` the real stages cannot serve here, in field order; [] when none.
 
     Checks the checkpoint, the task set and its instances, the embedded model, whether the
-    harness's minimum prompt fits the model's context (`check_prompt_fits`) and whether the
-    harness is installed.
+    harness's minimum prompt fits the model's context (`check_prompt_fits`), whether the
+    harness is installed, and the cached images.  All of them are reported at once (a user
+    fixes them in one go, not one per round trip); a check that needs an earlier answer (the
+    instances need the task set) is skipped when that one failed.
     """
+    problems: list[tuple[str, str]] = []
     if cfg.model.checkpoint:
         from app.training.checkpoints import resolve_checkpoint
 
         try:
             resolve_checkpoint(cfg.model.checkpoint)
         except FileNotFoundError as exc:
-            return "model.checkpoint", str(exc)
+            problems.append(("model.checkpoint", str(exc)))
     from app.tasksets import load_task_set
 
+    task_set = None
     try:
         task_set = load_task_set(cfg.task_set)
     except (FileNotFoundError, ValueError) as exc:
-        return "task_set", _short(str(exc))
-    known = {r.instance_id for r in task_set.instances}
-    missing = [name for name in cfg.instances or [] if name not in known]
-    if missing:
-        return "instances", f"task set {task_set.name!r} has no instance(s) {missing}"
+        problems.append(("task_set", _short(str(exc))))
+    if task_set is not None:
+        known = {r.instance_id for r in task_set.instances}
+        missing = [name for name in cfg.instances or [] if name not in known]
+        if missing:
+            problems.append(("instances", f"task set {task_set.name!r} has no instance(s) {missing}"))
     if cfg.model.engine == "embedded" and cfg.model.name not in EMBEDDED_MODELS:
-        return "model.name", (f"the embedded engine serves {' or '.join(EMBEDDED_MODELS)}, not {cfg.model.name!r}; "
-                              "use model.engine=vllm with model.engine_urls for other models")
+        problems.append(("model.name", (f"the embedded engine serves {' or '.join(EMBEDDED_MODELS)}, not "
+                                        f"{cfg.model.name!r}; use model.engine=vllm with model.engine_urls for "
+                                        "other models")))
     fit = check_prompt_fits(cfg)
     if fit is not None:
-        return fit
+        problems.append(fit)
     from app.training.teacher_check import check_teacher
 
     teacher = check_teacher(cfg)  # on-policy distillation: loadable, same tokenizer, prompt logprobs
     if teacher is not None:
-        return teacher
+        problems.append(teacher)
     from app.harnesses import get_preset
 
     preset = get_preset(cfg.harness)
     if not preset.is_installed():
-        return "harness", (
-            f"harness {cfg.harness!r} is not installed; run `make harnesses` (or "
-            f"`python -m app harness install {cfg.harness}`) first"
-        )
-    return check_images(cfg, task_set.instances)
+        problems.append(("harness", (f"harness {cfg.harness!r} is not installed; run `make harnesses` (or "
+                                     f"`turnstile harness install {cfg.harness}`) first")))
+    elif task_set is not None:
+        image = check_images(cfg, task_set.instances)
+        if image is not None:
+            problems.append(image)
+    return problems
 
 
 def check_images(cfg: RunConfig, records: list) -> tuple[str, str] | None:

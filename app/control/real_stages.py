@@ -18,7 +18,7 @@ from typing import Callable
 from sqlalchemy import func, select
 
 from app.config import get_settings
-from app.control.preflight import check_installation
+from app.control.preflight import installation_problems
 from app.control.stages import HARNESS_FAILED, Claim, GradeOutcome, HarnessOutcome
 from app.db import session_scope
 from app.paths import RunPaths
@@ -84,8 +84,8 @@ class RealStages:
 
     uses_engines = True
 
-    def preflight(self, cfg: RunConfig) -> tuple[str, str] | None:
-        return check_installation(cfg)
+    def preflight(self, cfg: RunConfig) -> list[tuple[str, str]]:
+        return installation_problems(cfg)
 
     # --- run start ----------------------------------------------------------------------
 

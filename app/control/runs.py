@@ -38,7 +38,13 @@ def stages_for(cfg: RunConfig) -> Stages:
 
 
 def check_run_config(cfg: RunConfig) -> tuple[str, str] | None:
-    """`(field, message)` of the first choice in `cfg` this installation cannot serve, or None.
+    """`(field, message)` of the first choice in `cfg` this installation cannot serve, or None."""
+    problems = run_config_problems(cfg)
+    return problems[0] if problems else None
+
+
+def run_config_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """Every `(field, message)` of a choice in `cfg` this installation cannot serve; [] when none.
 
     Run by the API before a run is created; imports nothing heavy (no torch).
     """

@@ -44,8 +44,8 @@ class SimulatedStages:
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
 
-    def preflight(self, cfg: RunConfig) -> tuple[str, str] | None:
-        return None  # nothing of this installation is used
+    def preflight(self, cfg: RunConfig) -> list[tuple[str, str]]:
+        return []  # nothing of this installation is used
 
     def load_instances(self, cfg: RunConfig) -> list[int]:
         """Placeholder instances `sim-<i>` (or `cfg.instances`) in the task set "simulated"."""

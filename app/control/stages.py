@@ -75,8 +75,8 @@ class Stages(Protocol):
     #: True when the stages sample from the shared inference engines (they then matter to other runs).
     uses_engines: bool
 
-    def preflight(self, cfg: RunConfig) -> tuple[str, str] | None:
-        """(field, message) of the first choice this installation cannot serve, or None."""
+    def preflight(self, cfg: RunConfig) -> list[tuple[str, str]]:
+        """Every (field, message) of a choice this installation cannot serve; [] when none."""
 
     def load_instances(self, cfg: RunConfig) -> list[int]:
         """`TaskInstance` row ids the run cycles through (rows created as needed)."""

@@ -1,14 +1,19 @@
 """REST API: validation errors name the field and write nothing; runs, episodes, export, OpenAPI."""
 from __future__ import annotations
 
+import base64
+import datetime as dt
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from sqlalchemy import func, select
 
 from app import create_app
 from app.db import session_scope
-from app.tables import Completion, Episode, Run, TaskInstance
+from app.tables import Completion, Episode, Run, TaskInstance, utcnow
 from support import ROOT, api_client
 
 REDIS_DB = 10
@@ -168,13 +173,51 @@ def test_create_run_commits_then_enqueues(client, redis_db):
     assert [r["id"] for r in listed] == [run["id"]]
 
 
-def test_cancel_and_not_found(client):
+def _sent(redis_db, task: str) -> list[list]:
+    """Args of every `task` message waiting on the control queues of the real broker."""
+    payloads = [m for k in redis_db.keys("control*") for m in redis_db.lrange(k, 0, -1)]
+    return [json.loads(base64.b64decode(json.loads(p)["body"]))[0] for p in payloads
+            if json.loads(p)["headers"]["task"] == task]
+
+
+def test_cancel_and_not_found(client, redis_db):
     assert client.get("/api/runs/999").status_code == 404
     assert client.post("/api/runs/999/cancel").status_code == 404
-    run_id = client.post("/api/runs", json=SIM).get_json()["id"]
-    assert client.post(f"/api/runs/{run_id}/cancel").status_code == 202
+    # A queued run (no control worker took it) ends at once: nothing of it runs anywhere.
+    queued = client.post("/api/runs", json=SIM).get_json()["id"]
+    resp = client.post(f"/api/runs/{queued}/cancel")
+    assert resp.status_code == 202 and resp.get_json()["status"] == "cancelled"
     with session_scope() as s:
-        assert s.get(Run, run_id).status == "cancelling"
+        assert s.get(Run, queued).status == "cancelled" and s.get(Run, queued).finished_at is not None
+    assert _sent(redis_db, "control.cancel_run") == []
+    assert client.post(f"/api/runs/{queued}/cancel").status_code == 409
+    # A started run is stopped by the control worker: cancelling, and the cancel task is sent.
+    running = client.post("/api/runs", json=SIM).get_json()["id"]
+    with session_scope() as s:
+        s.get(Run, running).status = "running"
+    resp = client.post(f"/api/runs/{running}/cancel")
+    assert resp.status_code == 202 and resp.get_json()["status"] == "cancelling"
+    assert _sent(redis_db, "control.cancel_run") == [[running]]
+
+
+def test_a_run_no_control_worker_takes_says_so(client, monkeypatch):
+    from app import config
+
+    monkeypatch.setenv("TURNSTILE_LEASE_TTL_S", "2")
+    monkeypatch.setenv("TURNSTILE_WATCHDOG_INTERVAL_S", "3")
+    config.reset_settings()
+    run_id = client.post("/api/runs", json=SIM).get_json()["id"]
+    assert client.get(f"/api/runs/{run_id}").get_json()["waiting"] is None  # just created: not late yet
+    with session_scope() as s:
+        s.get(Run, run_id).created_at = utcnow() - dt.timedelta(seconds=6)  # past 2 s lease + 3 s watchdog
+    waiting = client.get(f"/api/runs/{run_id}").get_json()["waiting"]
+    assert waiting.startswith("no control worker has taken this run in 6 s") and "2 s lease" in waiting
+    assert "3 s watchdog" in waiting and f"turnstile cancel {run_id}" in waiting
+    with session_scope() as s:
+        s.get(Run, run_id).status = "running"
+    assert client.get(f"/api/runs/{run_id}").get_json()["waiting"] is None
+    monkeypatch.undo()
+    config.reset_settings()
 
 
 def test_episode_with_completions_and_export(client):
@@ -203,6 +246,44 @@ def test_episode_with_completions_and_export(client):
 
     # the final answer is the policy's own sampled ids decoded, token-exact
     assert record["messages"][-1] == {"role": "assistant", "content": load_tokenizer().decode([4, 5], skip_special_tokens=False)}
+
+
+def test_export_decodes_with_the_tokenizer_alone_and_streams(client):
+    """A fresh API process exports a smollm2 run without importing torch or transformers, and the
+    answer is a stream (one line per episode, produced as read), not a body built in memory."""
+    from app.api.tokenizer import smollm2_tokenizer
+
+    smollm2_tokenizer()  # the cache the engine (or `turnstile model warm`) writes; built here if absent
+    with session_scope() as s:
+        run = Run(kind="collect", config={"harness": "mini-swe-agent", "model": {"name": "smollm2"}})
+        inst = TaskInstance(task_set="t", instance_id="demo-1", repo="r", record={})
+        s.add_all([run, inst])
+        s.flush()
+        for k in range(2):
+            ep = Episode(run_id=run.id, instance_id=inst.id, group_index=0, sample_index=k, status="completed")
+            s.add(ep)
+            s.flush()
+            s.add(Completion(episode_id=ep.id, seq=0, request_key=f"k{k}", api="chat", raw_request={"messages": []},
+                             normalized_request={"messages": [{"role": "user", "content": "hi"}]},
+                             prompt_ids=[1, 2], sampled_ids=[28120, 2], logprobs=[-0.1, -0.2], finish_reason="stop"))
+        run_id = run.id
+    code = (
+        "import json, sys\n"
+        "from app import create_app\n"
+        "from support import api_client\n"
+        f"resp = api_client(create_app({{'TESTING': True}})).get('/api/runs/{run_id}/export', buffered=False)\n"
+        "streamed = resp.is_streamed\n"
+        "lines = [json.loads(x) for x in resp.get_data(as_text=True).splitlines()]\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
+        "print(json.dumps({'streamed': streamed, 'answers': [r['messages'][-1] for r in lines], 'heavy': heavy}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["heavy"] == [] and out["streamed"] is True
+    text = smollm2_tokenizer().decode([28120, 2], skip_special_tokens=False)
+    assert out["answers"] == [{"role": "assistant", "content": text}] * 2 and text.endswith("<|im_end|>")
 
 
 def test_openapi_documents_every_route(client):

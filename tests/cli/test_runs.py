@@ -26,12 +26,14 @@ def api(database, redis_db, monkeypatch):
     return flask_app
 
 
-def _run(status: str = "completed", rewards=(1.0, 0.0, 1.0, 1.0), age_s: float = 90.0) -> int:
+def _run(status: str = "completed", rewards=(1.0, 0.0, 1.0, 1.0), age_s: float = 90.0,
+         running_s: float | None = None) -> int:
     with session_scope() as s:
         inst = TaskInstance(task_set="synthetic", instance_id="calc-add", repo="r", record={})
         s.add(inst)
         created = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=age_s)
-        run = Run(kind="eval", status=status, created_at=created,
+        started = None if running_s is None else dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=running_s)
+        run = Run(kind="eval", status=status, created_at=created, started_at=started,
                   config={"kind": "eval", "harness": "mini-swe-agent", "task_set": "a-very-long-task-set-name/" + "x" * 60,
                           "group_size": 4, "steps": 1, "model": {"name": "smollm2"}})
         s.add(run)
@@ -76,8 +78,8 @@ def test_runs_shows_reward_and_resolved_without_truncating_when_piped(api, capsy
     assert "a-very-long-task-set-name/" + "x" * 60 in row  # the whole cell, on one line
 
 
-def test_follow_prints_progress_lines_when_not_a_terminal_with_the_runs_age(api, capsys, monkeypatch):
-    run_id = _run(status="running", age_s=600)
+def test_follow_prints_progress_lines_when_not_a_terminal_with_the_time_running(api, capsys, monkeypatch):
+    run_id = _run(status="running", age_s=600, running_s=45)  # queued 555 s, then running for 45 s
     polls = []
 
     def finish(_seconds):
@@ -92,7 +94,7 @@ def test_follow_prints_progress_lines_when_not_a_terminal_with_the_runs_age(api,
     assert len(lines) == 2, lines  # printed on change only: running (twice polled), then completed
     assert lines[0].startswith(f"run {run_id} running; episodes completed 4") and "reward 0.750 over 4" in lines[0]
     elapsed = int(lines[0].rsplit("elapsed ", 1)[1].split()[0])
-    assert 600 <= elapsed < 700  # the run's age, not the seconds since following began
+    assert 45 <= elapsed < 100  # since it started running: not its age (600 s), nor since following began
     assert lines[1].startswith(f"run {run_id} completed")
 
 
@@ -106,7 +108,7 @@ def test_ctrl_c_in_follow_says_the_run_continues(api, capsys, monkeypatch):
     assert main(["follow", str(run_id)]) == 130
     err = capsys.readouterr().err
     assert f"run {run_id} continues" in err
-    assert f"python -m app follow {run_id}" in err and f"python -m app cancel {run_id}" in err
+    assert f"turnstile follow {run_id}" in err and f"turnstile cancel {run_id}" in err
     with session_scope() as s:
         assert s.get(Run, run_id).status == "running"
 

@@ -19,7 +19,12 @@ from app.training.store import build_episode_trajectories
 
 T0 = dt.datetime(2026, 11, 30, 9, 0, tzinfo=dt.timezone.utc)
 INSTANCES = ["synthetic__calc-add", "synthetic__strings-slug", "synthetic__dates-range"]
-SYSTEM = "You are a helpful assistant that can interact with a computer shell to solve programming tasks."
+# As long as a real harness's system prompt (its rules take hundreds of tokens): the sampled tokens
+# start far below the top of the token view.
+SYSTEM = ("You are a helpful assistant that can interact with a computer shell to solve programming tasks.\n\n"
+          + "".join(f"Rule {i}: reply with exactly one bash code block and a THOUGHT line explaining why; commands "
+                    "run in a fresh subshell, so chain them with && and never rely on an earlier cd.\n"
+                    for i in range(1, 41)))
 PATCH = """diff --git a/calc.py b/calc.py
 index 3b18e51..a1c2d3f 100644
 --- a/calc.py
@@ -129,16 +134,18 @@ def _step_metrics(step: int, rewards: list[float], rng: random.Random) -> dict:
 
 def seed() -> dict:
     """Write the runs; returns their ids and the ids of notable episodes."""
-    from app.api.dashboard.episode import smollm2_tokenizer
+    from app.api.tokenizer import smollm2_tokenizer
 
     tok = smollm2_tokenizer()
     rng = random.Random(7)
     ids: dict = {}
     with session_scope() as s:
         inst = [_instance(s, name) for name in INSTANCES]
+        # the train run and the two evals below are one `turnstile learn` series: before, train, after
         cfg = RunConfig.model_validate({"kind": "train", "harness": "mini-swe-agent", "task_set": "synthetic",
                                         "group_size": 2, "tasks_per_step": 2, "steps": 3,
-                                        "training": {"kl_coef": 0.001}}).model_dump(mode="json")
+                                        "training": {"kl_coef": 0.001},
+                                        "series": {"id": LEARN_SERIES, "role": "train"}}).model_dump(mode="json")
         train = Run(kind="train", status="completed", config=cfg, policy_version=3, created_at=T0,
                     started_at=T0, finished_at=T0 + dt.timedelta(minutes=9))
         s.add(train)
@@ -186,9 +193,10 @@ def seed() -> dict:
         for label, pattern in (("eval_base", [[0, 0, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]]),
                                ("eval_trained", [[1, 0, 1, 1], [0, 1, 0, 0], [1, 1, 0, 1]])):
             model = {"name": "smollm2", "checkpoint": None if label == "eval_base" else f"run:{train.id}"}
+            role = "before" if label == "eval_base" else "after"
             cfg = RunConfig.model_validate({"kind": "eval", "harness": "mini-swe-agent", "task_set": "synthetic",
-                                            "group_size": 4, "tasks_per_step": 3, "steps": 1,
-                                            "model": model}).model_dump(mode="json")
+                                            "group_size": 4, "tasks_per_step": 3, "steps": 1, "model": model,
+                                            "series": {"id": LEARN_SERIES, "role": role}}).model_dump(mode="json")
             run = Run(kind="eval", status="completed", config=cfg, priority=5, created_at=T0 + dt.timedelta(minutes=10),
                       started_at=T0 + dt.timedelta(minutes=10), finished_at=T0 + dt.timedelta(minutes=14))
             s.add(run)
@@ -312,12 +320,17 @@ def _other_states(s, inst: list[TaskInstance], now: dt.datetime, ids: dict) -> N
                            policy_version=1 if step == 0 else None, episode_ids=[e.id for e in eps],
                            metrics=_step_metrics(0, [1.0, 0.0], random.Random(1)) if step == 0 else None,
                            error=None if step == 0 else "CUDA out of memory (tried to allocate 2.1 GiB)"))
-    run("queued_eval", "eval", "queued")
+    run("queued_eval", "eval", "queued")  # 20 minutes old: past a lease plus a watchdog period (no worker took it)
+    fresh = run("queued_train", "train", "queued")
+    fresh.created_at = now  # just submitted: waiting for a worker is normal
     cancelling = run("cancelling_eval", "eval", "cancelling")
     _episodes(s, cancelling, inst[0], 0, 0, "1R", now - dt.timedelta(minutes=3))
     _episodes(s, cancelling, inst[1], 0, 1, "CC", now - dt.timedelta(minutes=3))
     cancelled = run("cancelled_train", "train", "cancelled", error="cancelled by the user")
     _episodes(s, cancelled, inst[2], 0, 0, "0C", now - dt.timedelta(minutes=10))
+
+
+LEARN_SERIES = "seedlearn01"
 
 
 def _write_log(run_id: int, episode_id: int) -> None:

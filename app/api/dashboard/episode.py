@@ -5,18 +5,16 @@ and the token view of each trained sequence.  Nothing here renders HTML.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.config import get_settings
 from app.paths import RunPaths
 from app.proxy.apis import REGISTRY
 from app.api.dashboard.data import seconds_between
 from app.api.dashboard.groups import episode_group
+from app.api.tokenizer import decoder_for
 from app.tables import Completion, Episode, Trajectory
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -122,32 +120,10 @@ def conversation(completions: list[Completion]) -> list[dict]:
     return calls
 
 
-# Where `app.engines.modeling.load_tokenizer` caches SmolLM2's tokenizer (the embedded models' vocabulary).
-TOKENIZER_FILE = Path("models") / "smollm2-135m-instruct-tokenizer" / "tokenizer.json"
-
-
-@lru_cache(maxsize=1)
-def smollm2_tokenizer():
-    """The embedded models' tokenizer, read with the `tokenizers` library from the cache
-    `load_tokenizer()` writes: 0.2 s to import instead of torch + transformers (~6 s and
-    hundreds of MB in each API worker).  Builds the cache through `load_tokenizer()` when absent."""
-    from tokenizers import Tokenizer
-
-    path = get_settings().var_dir / TOKENIZER_FILE
-    if not path.is_file():
-        from app.engines.modeling import load_tokenizer  # writes the cache (torch, transformers: once)
-
-        load_tokenizer()
-    return Tokenizer.from_file(str(path))
-
-
 def _decoder(model_name: str | None):
     """A token-id -> text function for the run's model, loaded on first use; None when this
     installation has no tokenizer for it (the view then shows ids)."""
-    if model_name not in ("tiny", "smollm2"):
-        return None
-    tok = smollm2_tokenizer()
-    return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
+    return decoder_for(model_name)
 
 
 def logprob_colour(logprob: float) -> str:

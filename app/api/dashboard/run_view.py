@@ -15,6 +15,7 @@ from app.api.dashboard.charts import UPDATE_METRICS, metric, not_computed, step_
 from app.api.dashboard.compare import eval_results
 from app.api.dashboard.data import age, seconds_between
 from app.api.dashboard.groups import run_groups
+from app.api.serialize import waiting_reason
 from app.tables import EPISODE_STATES, Completion, Episode, Run, TaskInstance, TrainingStep, utcnow
 from app.transitions import TERMINAL
 
@@ -87,13 +88,39 @@ def checkpoint_run(config: dict | None) -> int | None:
     return int(tail) if spec.startswith("run:") and tail.isdigit() else None
 
 
+SERIES_ROLES = ("before", "train", "after")
+
+
+def series_of(config: dict | None) -> tuple[str, str] | None:
+    """(series id, role) of a run made with others (`series` of its config, set by `turnstile learn`), or None."""
+    series = (config or {}).get("series") or {}
+    return (str(series["id"]), str(series.get("role"))) if series.get("id") else None
+
+
 def related_runs(s: Session, run: Run, window: int = 500) -> dict:
-    """{"parent": run id this run's checkpoint names or None, "children": [(id, kind, status)] of the
-    later runs (of the next `window`) that start from this run's checkpoint}."""
+    """The runs made from or with this one: {"parent": run id this run's checkpoint names or None,
+    "children": [(id, kind, status)] of the later runs (of the next `window`) that start from this
+    run's checkpoint, "series": [{id, kind, status, role, current}] of its `turnstile learn`
+    sequence in role order (before, train, after; [] when it has none), "compare": (before id,
+    after id) of that sequence or None}."""
     later = s.execute(select(Run.id, Run.kind, Run.status, Run.config).where(Run.id > run.id)
                       .order_by(Run.id).limit(window)).all()
+    mine = series_of(run.config)
+    members = []
+    if mine is not None:
+        # a series is made by one command, one run after another: its runs lie within `window` ids
+        near = s.execute(select(Run.id, Run.kind, Run.status, Run.config)
+                         .where(Run.id >= run.id - window, Run.id <= run.id + window).order_by(Run.id)).all()
+        for i, kind, status, cfg in near:
+            tag = series_of(cfg)
+            if tag is not None and tag[0] == mine[0]:
+                members.append({"id": i, "kind": kind, "status": status, "role": tag[1], "current": i == run.id})
+        members.sort(key=lambda m: (SERIES_ROLES.index(m["role"]) if m["role"] in SERIES_ROLES else 9, m["id"]))
+    roles = {m["role"]: m["id"] for m in members}
     return {"parent": checkpoint_run(run.config),
-            "children": [(i, kind, status) for i, kind, status, cfg in later if checkpoint_run(cfg) == run.id]}
+            "children": [(i, kind, status) for i, kind, status, cfg in later if checkpoint_run(cfg) == run.id],
+            "series": members if len(members) > 1 else [],
+            "compare": (roles["before"], roles["after"]) if "before" in roles and "after" in roles else None}
 
 
 def run_detail(s: Session, run_id: int, status: str | None = None, instance: str | None = None,
@@ -118,7 +145,7 @@ def run_detail(s: Session, run_id: int, status: str | None = None, instance: str
         .join(Episode, Episode.id == Completion.episode_id).where(Episode.run_id == run_id)).one()
     return {
         "run": run, "config": cfg, "counts": counts, "total": sum(counts.values()),
-        "terminal": run.status in TERMINAL, "age": age(run.created_at),
+        "terminal": run.status in TERMINAL, "age": age(run.created_at), "waiting": waiting_reason(run),
         "duration_s": seconds_between(run.started_at, run.finished_at or (None if run.status in TERMINAL else utcnow())),
         "graded": graded, "reward": float(reward) if reward is not None else None,
         "resolved_rate": int(resolved or 0) / graded if graded else None,
@@ -131,5 +158,6 @@ def run_detail(s: Session, run_id: int, status: str | None = None, instance: str
         "states": EPISODE_STATES,
         # what the live refresh compares with `GET /api/runs/<id>` to see that something changed
         "state": {"status": run.status, "episodes_by_status": counts, "policy_version": run.policy_version,
-                  "steps": [st.status for st in steps], "completions": n_calls},
+                  "steps": [st.status for st in steps], "completions": n_calls,
+                  "waiting": waiting_reason(run) is not None},
     }

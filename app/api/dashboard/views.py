@@ -1,11 +1,11 @@
 """Dashboard routes.  Each page reads SQL through its module (`data.py` runs, `run_view.py`, `episode.py`,
-`compare.py`) and renders one template."""
+`compare.py`, `overlay.py`) and renders one template."""
 from __future__ import annotations
 
-from flask import Blueprint, abort, render_template, request
+from flask import Blueprint, abort, redirect, render_template, request, url_for
 from sqlalchemy import select
 
-from app.api.dashboard import compare, data, episode, run_view
+from app.api.dashboard import compare, data, episode, overlay, run_view
 from app.api.dashboard.form import run_config_form
 from app.api.openapi import openapi_spec
 from app.db import session_scope
@@ -49,6 +49,25 @@ def runs_page():
         rows = data.runs_overview(s, status=status, kind=kind)
         return render_template("dashboard/runs.html", rows=rows, status=status, kind=kind,
                                states=RUN_STATES, kinds=RUN_KINDS)
+
+
+@bp.get("/runs")
+def overlay_page():
+    """`/runs?compare=1,3`: the runs' per-step curves overlaid; without `compare`, the runs list."""
+    raw = request.args.getlist("compare")
+    if not raw:
+        return redirect(url_for("dashboard.runs_page"))
+    try:
+        ids = overlay.parse_ids(raw)
+    except ValueError as exc:
+        abort(400, str(exc))
+    if not ids:
+        abort(400, "compare: give run ids, e.g. /runs?compare=1,3")
+    with session_scope() as s:
+        view = overlay.overlay(s, ids)
+        if not view["runs"]:
+            abort(404, f"run {', '.join(map(str, view['missing']))} not found")
+        return render_template("dashboard/overlay.html", v=view)
 
 
 @bp.get("/runs/<id:run_id>")

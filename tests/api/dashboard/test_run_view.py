@@ -16,15 +16,22 @@ from app.tables import EPISODE_STATES, Episode
 
 @pytest.mark.parametrize("label, status", [
     ("live_train", "running"), ("pending_train", "running"), ("failed_train", "failed"),
-    ("queued_eval", "queued"), ("cancelling_eval", "cancelling"), ("cancelled_train", "cancelled"),
+    ("queued_eval", "queued"), ("queued_train", "queued"), ("cancelling_eval", "cancelling"),
+    ("cancelled_train", "cancelled"),
 ])
 def test_every_run_state_renders(browser, site, shots, label, status):
     run_id = site["ids"][label]
     open_page(browser, site, f"/runs/{run_id}")
     assert status in text(browser, "#run-head h1")
     assert ("live-indicator" in browser.page_source) == (status not in ("failed", "cancelled"))
-    if status == "queued":
+    if label == "queued_train":  # just submitted: a normal wait
         assert "no control worker has started it yet" in text(browser, "#run-hint")
+        assert not browser.find_elements(By.ID, "run-waiting")
+    if label == "queued_eval":  # 20 minutes queued: past a lease plus a watchdog period, said in red
+        waiting = text(browser, "#run-waiting")
+        assert "no control worker has taken this run in" in waiting and "watchdog period" in waiting
+        assert f"turnstile cancel {run_id}" in waiting and not browser.find_elements(By.ID, "run-hint")
+    if status == "queued":
         assert "No episodes" in text(browser, "#no-episodes")
     if status == "cancelling":
         assert "Cancel requested" in text(browser, "#run-hint")
@@ -91,3 +98,24 @@ def test_a_failed_refresh_says_so_then_recovers(browser, site, shots):
 
 
 pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_runs_of_one_learn_sequence_link_to_each_other(browser, site):
+    ids = site["ids"]
+    before, train, after = ids["eval_base"], ids["train"], ids["eval_trained"]
+    for current in (before, train, after):
+        open_page(browser, site, f"/runs/{current}")
+        series = text(browser, "#run-series")
+        assert series.startswith("made together by turnstile learn:"), series
+        parts = [f"{role} #{i} ({kind}, completed{', this run' if i == current else ''})"
+                 for role, i, kind in (("before", before, "eval"), ("train", train, "train"), ("after", after, "eval"))]
+        assert " → ".join(parts) in series, series
+        links = {a.text for a in browser.find_elements(By.CSS_SELECTOR, "#run-series a[href^='/runs/']")}
+        assert links == {f"#{i}" for i in (before, train, after) if i != current}
+        compare = browser.find_element(By.ID, "series-compare").get_attribute("href")
+        assert compare.endswith(f"/compare?a={before}&b={after}")
+    open_page(browser, site, f"/runs/{train}")  # and by checkpoint: the after eval starts from this run
+    assert f"#{after} (eval, completed)" in text(browser, "#run-related")
+    open_page(browser, site, f"/runs/{ids['live_train']}")
+    assert not browser.find_elements(By.ID, "run-series")  # a run made alone links to none
+    console_clean(browser)

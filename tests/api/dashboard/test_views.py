@@ -229,3 +229,39 @@ def test_tokens_shown_match_the_stored_sequence(site):
 
 
 pytestmark = pytest.mark.timeout(300)
+
+
+def test_episode_page_opens_the_log_at_its_end_and_the_tokens_at_the_first_sampled_one(browser, site):
+    _open(browser, site, f"/episodes/{site['ids']['merged_episode']}")
+    log = browser.execute_script("const p = document.querySelector('#logs pre.log-tail');"
+                                 "return [p.scrollTop, p.clientHeight, p.scrollHeight];")
+    assert log[2] > log[1] and log[0] + log[1] >= log[2] - 2, log  # a long log, shown at its last line
+    box = browser.execute_script("""
+        const box = document.querySelector('#tokens .tokens'), first = box.querySelector('.tok');
+        return [box.scrollTop, box.clientHeight, first.offsetTop, box.scrollHeight];""")
+    scroll, height, first, total = box
+    assert total > height and first > height, box  # the prompt's grey context fills more than the view
+    assert scroll <= first < scroll + height, box  # the first sampled token is in view
+    _assert_console_clean(browser)
+
+
+def test_episode_page_says_how_the_harness_ended_once(browser, site):
+    _open(browser, site, f"/episodes/{site['ids']['failed_episode']}")
+    head = browser.find_element(By.ID, "episode-head").text
+    assert "harness ended: exit 1" in head and "exit exit" not in head
+
+
+def _luminance(rgb: str) -> float:
+    """Relative luminance of a CSS `rgb(...)`/`rgba(...)` colour (WCAG 2.x definition)."""
+    r, g, b = (int(float(x)) / 255 for x in rgb[rgb.index("(") + 1:rgb.index(")")].split(",")[:3])
+    lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in (r, g, b)]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def test_sign_out_is_readable_on_the_top_bar(browser, site):
+    _open(browser, site, "/")
+    fg, bg = browser.execute_script("""
+        const b = document.querySelector('header.top form.logout button');
+        return [getComputedStyle(b).color, getComputedStyle(document.querySelector('header.top')).backgroundColor];""")
+    lighter, darker = sorted((_luminance(fg), _luminance(bg)), reverse=True)
+    assert (lighter + 0.05) / (darker + 0.05) >= 4.5, (fg, bg)  # WCAG AA contrast for normal text

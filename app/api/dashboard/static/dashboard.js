@@ -31,7 +31,8 @@ function drawCharts(root) {
     const series = [{ label: "step", value: (u, v, si, idx) => (idx == null || v == null ? "-" : String(v)) }];
     c.series.forEach((s, i) => {
       const band = c.band && i > 0;
-      series.push({ label: s.label, stroke: band ? "#93c5fd" : PALETTE[i % PALETTE.length], width: band ? 1 : 2,
+      const colour = PALETTE[(s.colour == null ? i : s.colour) % PALETTE.length];
+      series.push({ label: s.label, stroke: band ? "#93c5fd" : colour, width: band ? 1 : 2,
                     dash: band ? [4, 4] : undefined, spanGaps: false, points: { show: true, size: 5 },
                     value: (u, v, si, idx) => (idx == null ? "-" : fmtValue(v)) });
     });
@@ -63,9 +64,9 @@ function resetZoom(id) {
 }
 
 /* Live refresh: poll the run's JSON; when anything changed, re-render the live sections from the page. */
-function signature(status, counts, version, stepStates, completions) {
+function signature(status, counts, version, stepStates, completions, waiting) {
   const sorted = Object.keys(counts || {}).sort().map((k) => [k, counts[k]]);
-  return JSON.stringify([status, sorted, version, stepStates, completions]);
+  return JSON.stringify([status, sorted, version, stepStates, completions, Boolean(waiting)]);
 }
 
 function liveRun(page) {
@@ -73,7 +74,7 @@ function liveRun(page) {
   const rendered = JSON.parse(document.getElementById("run-state").textContent);
   const terminalStates = page.dataset.terminalStates.split(" "); // rendered by the server (app.transitions)
   let last = signature(rendered.status, rendered.episodes_by_status, rendered.policy_version, rendered.steps,
-                       rendered.completions);
+                       rendered.completions, rendered.waiting);
   let lastGood = new Date();
   async function tick() {
     let run;
@@ -85,7 +86,7 @@ function liveRun(page) {
       return failed("the API cannot be reached"); // API restarting: try again on the next tick
     }
     const sig = signature(run.status, run.episodes_by_status, run.policy_version,
-                          (run.steps || []).map((s) => s.status), (run.live || {}).completions);
+                          (run.steps || []).map((s) => s.status), (run.live || {}).completions, run.waiting);
     if (sig !== last) {
       const error = await refreshSections();
       if (error) return failed(error); // keep `last`: the next tick tries the refresh again
@@ -210,8 +211,34 @@ function bindSubmit(form) {
   });
 }
 
+/* The overlay page's legend swatches take the colour of their run's lines. */
+function paintSwatches(root) {
+  root.querySelectorAll(".swatch[data-index]").forEach((el) => {
+    el.style.background = PALETTE[Number(el.dataset.index) % PALETTE.length];
+  });
+}
+
+/* Open where it matters: a harness log at its end (the error, the final answer), a token view at
+   its first sampled token (past the prompt's grey context tokens); also when a closed one is opened. */
+function scrollInto(node) {
+  node.querySelectorAll("pre.log-tail").forEach((pre) => { pre.scrollTop = pre.scrollHeight; });
+  node.querySelectorAll(".tokens").forEach((box) => {
+    const first = box.querySelector(".tok"); // .tokens is positioned: offsetTop is within the box
+    if (first) box.scrollTop = Math.max(0, first.offsetTop - 24);
+  });
+}
+
+function scrollToWhatMatters(root) {
+  scrollInto(root);
+  root.querySelectorAll("details.log, details.sequence").forEach((d) => {
+    d.addEventListener("toggle", () => { if (d.open) scrollInto(d); });
+  });
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   drawCharts(document);
+  paintSwatches(document);
+  scrollToWhatMatters(document);
   bindCancel();
   const page = document.getElementById("run-page");
   if (page && page.dataset.terminal === "false") liveRun(page);
