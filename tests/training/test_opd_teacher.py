@@ -11,10 +11,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 from sqlalchemy import select
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from werkzeug.serving import make_server
+
+from app.api.dashboard.charts import step_charts
 
 from app.db import session_scope
 from app.engines.modeling import build_tiny_model, load_tokenizer, save_weights
+from app.paths import RunPaths
 from app.runconfig import RunConfig, TeacherChoice
 from app.tables import Completion, Episode, Group, Run, TaskInstance, TeacherScore, TrainingStep
 from app.training import steps, teacher
@@ -125,6 +129,13 @@ def test_a_train_step_waits_for_teacher_scores_and_reports_the_distillation_metr
     with session_scope() as s:
         row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id))
         assert row.status == "completed" and row.metrics["opd"]["tokens_scored"] == opd["tokens_scored"]
+        charts, _missing = step_charts([row], s.get(Run, run_id).config)
+    kl = next(c for c in charts if c["title"] == "reverse KL to the teacher (nats)")  # the run page's curve
+    assert kl["series"][0]["values"] == [pytest.approx(opd["reverse_kl_per_token"])]
+    events = EventAccumulator(str(RunPaths(run_id).tensorboard))
+    events.Reload()
+    tags = set(events.Tags().get("scalars", [])) | set(events.Tags().get("tensors", []))
+    assert {"train/opd/reverse_kl_per_token", "train/opd/chains_unscored_fraction"} <= tags
 
 
 def tokenizer_copy(tmp_path, edit) -> str:

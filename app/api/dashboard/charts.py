@@ -92,6 +92,14 @@ CHARTS: list[tuple[str, Series, dict]] = [
                                       ("slot occupancy", "scheduling.rollout_slot_occupancy")], {"range": RATE}),
     ("READY wait (s)", [("p50", "scheduling.ready_wait_s.p50"), ("max", "scheduling.ready_wait_s.max")], {}),
     ("staleness (policy versions)", [("mean", _staleness_mean)], {}),
+    # On-policy distillation (training.algorithm opd / grpo+opd; app.training.opd).
+    ("reverse KL to the teacher (nats)", [("per token", "opd.reverse_kl_per_token"),
+                                          ("per turn", "opd.reverse_kl_per_turn")], {}),
+    ("teacher: tokens scored", [("scored", "opd.tokens_scored")], {}),
+    ("teacher: seconds per chain", [("scoring", "opd.teacher_seconds_per_chain"), ("step wait", "opd.teacher_wait_s")],
+     {}),
+    ("chains without teacher scores (fraction, must be 0)", [("unscored", "opd.chains_unscored_fraction")],
+     {"range": RATE}),
 ]
 
 
