@@ -27,8 +27,8 @@ EPISODE_S = 8.0
 
 @pytest.fixture
 def postgres(pg_url, monkeypatch, tmp_path):
-    """A fresh PostgreSQL database; leases of 4 s renewed every second."""
-    yield from postgres_process_env(pg_url, monkeypatch, tmp_path, TURNSTILE_LEASE_TTL_S="4",
+    """A fresh PostgreSQL database; leases of 6 s renewed every second (room for a loaded box)."""
+    yield from postgres_process_env(pg_url, monkeypatch, tmp_path, TURNSTILE_LEASE_TTL_S="6",
                                     TURNSTILE_LEASE_RENEW_S="1")
 
 
