@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import redis.exceptions
 from celery import Celery
-from celery.signals import worker_process_init
+from celery.signals import celeryd_after_setup, worker_process_init
 from kombu import Queue
 from kombu.transport import redis as kombu_redis
 
@@ -30,14 +30,17 @@ app = Celery(
 app.conf.update(
     task_queues=[Queue(name) for name in QUEUES],
     task_default_queue="control",
-    task_routes={
+    task_routes=(
+        "app.celery.route_rollout_to_its_host",  # before the table: a prepared runtime's rollout
+        {
         "control.*": {"queue": "control"},
         "prepare.*": {"queue": "prepare"},
         "rollout.*": {"queue": "rollout"},
         "grade.*": {"queue": "grade"},
         "gpu.*": {"queue": "gpu"},
         "teacher.*": {"queue": "teacher"},
-    },
+        },
+    ),
     task_serializer="json",
     result_serializer="json",
     accept_content=["json"],
@@ -112,3 +115,36 @@ def _dispose_inherited_pool(**_kwargs) -> None:
     from app.db import dispose_engine
 
     dispose_engine()
+
+
+def host_queue(host: str) -> str:
+    """The rollout queue of one machine: rollouts of the runtimes prepared on its disk."""
+    return f"rollout.{host}"
+
+
+def route_rollout_to_its_host(name, args, kwargs, options, task=None, **kw):
+    """Celery router (`task_routes`): `rollout.run_episode` of an episode whose runtime a prepare
+    worker built goes to that machine's queue (`host_queue`), so no other machine claims it: the
+    runtime is on that machine's disk only.  A later attempt (`attempts` > 0: the first one was
+    lost) builds a fresh runtime wherever it runs, so it goes to the shared `rollout` queue, as do
+    episodes without a recorded host.  Every other task falls through to the queue table.
+    """
+    if name != "rollout.run_episode" or not args:
+        return None
+    from app.db import session_scope
+    from app.tables import Episode
+
+    with session_scope() as s:
+        row = s.get(Episode, int(args[0]))
+        host = (row.runtime or {}).get("host") if row is not None and row.attempts == 0 else None
+    return {"queue": host_queue(host) if host else "rollout"}
+
+
+@celeryd_after_setup.connect
+def _consume_this_hosts_rollouts(sender, instance, **_kwargs) -> None:
+    """A worker serving `rollout` also serves this machine's own rollout queue (`host_queue` of
+    TURNSTILE_HOST_NAME): the rollouts of the runtimes prepared here (Celery's documented way to
+    add a per-worker queue at start, `celeryd_after_setup`)."""
+    queues = instance.app.amqp.queues
+    if queues.consume_from is not None and "rollout" in queues.consume_from:
+        queues.select_add(host_queue(get_settings().host_name))

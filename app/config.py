@@ -28,6 +28,7 @@ default or failing later.
 """
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -225,6 +226,15 @@ class Settings(BaseSettings):
     engine_script: Path | None = Field(None, **_env("TURNSTILE_SCRIPT"),
                                        description="Reply script (JSON) of the scripted test engine "
                                                    "(`python -m app.conformance.scripted`).")
+    weight_transfer: Literal["auto", "path", "push"] = Field(
+        "auto", **_env("TURNSTILE_WEIGHT_TRANSFER"),
+        description="How a new checkpoint reaches an embedded engine: `path` (the engine reads the trainer's "
+                    "folder: one machine or a shared volume), `push` (sent over HTTP with SHA-256 digests), "
+                    "`auto` (push to an engine whose URL is not a loopback address).")
+    host_name: str = Field(default_factory=socket.gethostname, min_length=1,
+                           max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", **_env("TURNSTILE_HOST_NAME"),
+                           description="This machine's name in per-host Celery queues: a runtime prepared here is "
+                                       "rolled out from `rollout.<name>` (default: the hostname).")
 
     # --- task runtimes ------------------------------------------------------------------
     pip_index_url: str | None = Field(None, **_env("PIP_INDEX_URL"),

@@ -10,9 +10,10 @@ What is rendered:
   engines, bind addresses, var folder) plus the spec's `env`; secrets come from the existing
   Secret by `secretKeyRef` (DATABASE_URL, REDIS_URL, TURNSTILE_API_TOKEN), never as values;
 * Deployments + Services `api` (:8000) and `gateway` (:8100);
-* one Deployment per CPU worker group, one container per Celery queue.  The `rollout` container
-  consumes `rollout.$(POD_NAME)`: the pod's own queue, which receives the rollouts of the
-  runtimes that pod's `prepare` container built on the pod's disk (an emptyDir both mount);
+* one Deployment per CPU worker group, one container per Celery queue, with the pod's name as
+  TURNSTILE_HOST_NAME.  The `rollout` container also consumes `rollout.<pod name>` (app.celery):
+  the pod's own queue, which receives the rollouts of the runtimes that pod's `prepare`
+  container built on the pod's disk (an emptyDir both mount);
   the group's `terminationGracePeriodSeconds` covers an episode (Celery's warm shutdown on
   SIGTERM finishes the running task);
 * StatefulSet + headless Service `engine`: `vllm serve` (`app.engines.vllm.serve.serve_command`)
@@ -155,16 +156,14 @@ def gateway(spec: DeploySpec) -> list[Obj]:
 
 
 def celery_args(queue: str, concurrency: int) -> list[str]:
-    """`celery worker` argv of one queue's container (the Procfile's worker options).  The rollout
-    container consumes its pod's own queue, `rollout.$(POD_NAME)` (Kubernetes expands `$(POD_NAME)`
-    from the container's env)."""
-    q = "rollout.$(POD_NAME)" if queue == "rollout" else queue
-    return [CELERY, "-A", "app", "worker", "-Q", q, "-c", str(concurrency), "-n", f"{queue}@%h", "-O", "fair",
+    """`celery worker` argv of one queue's container (the Procfile's worker options).  A worker of
+    `rollout` adds its machine's own queue itself (`app.celery`, from TURNSTILE_HOST_NAME)."""
+    return [CELERY, "-A", "app", "worker", "-Q", queue, "-c", str(concurrency), "-n", f"{queue}@%h", "-O", "fair",
             "--without-gossip", "--without-mingle", "--loglevel", "INFO"]
 
 
 def worker_group(spec: DeploySpec, group: str, worker: Worker) -> Obj:
-    pod_name = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    pod_name = {"name": "TURNSTILE_HOST_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
     containers = [
         _container(spec, queue, celery_args(queue, worker.concurrency_of(queue)), _resources(worker.resources),
                    env=[pod_name], volumeMounts=[{"name": "var", "mountPath": VAR_DIR}])

@@ -1,17 +1,33 @@
 """Tell the inference engines to load new policy weights.
 
-Protocol (the engine server's, app/engines): `POST {engine_url}/v1/load_weights` with JSON
-`{"path": <checkpoint model dir>, "policy_version": N}`; the engine answers
-`{"policy_version": N}` once it serves the new weights.  The path is a directory on a
-filesystem the engine shares with the trainer (one box, or a shared volume).
+Two ways for the embedded engine (the engine server's protocol, app/engines/embedded):
+
+* by path: `POST {engine_url}/v1/load_weights` with JSON `{"path": <checkpoint model dir>,
+  "policy_version": N}`; the path is a directory on a filesystem the engine shares with the
+  trainer (one machine, or a shared volume);
+* pushed over HTTP (`app.engines.embedded.uploads`): every file of the folder is sent with its
+  SHA-256 (`PUT /v1/checkpoints/N/<file>`), then `POST /v1/checkpoints/N/load` with the digests;
+  the engine refuses a file whose digest differs, and the error lands in the step's
+  `engine_sync` metrics.  No disk is shared.
+
+`TURNSTILE_WEIGHT_TRANSFER` picks one: `path`, `push`, or `auto` (push to an engine whose URL
+host is not a loopback address: such an engine is on another machine).  Either way the engine
+answers `{"policy_version": N}` once it serves the new weights.  vLLM engines load by path
+(`app.engines.vllm.VLLMReloader`), so they need the checkpoint folder on their own disk.
 """
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import logging
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
 
 from app import weight_gate
+from app.config import get_settings
 from app.engines.client import EngineCallError, EngineClient, EngineHTTPError
 
 log = logging.getLogger(__name__)
@@ -35,6 +51,8 @@ def push_weights(engine_urls: list[str], path: Path, policy_version: int, *, tim
         with weight_gate.reloading(url, policy_version):
             if engine_kind == "vllm":
                 error = _load_vllm(url, path, policy_version, timeout_s)
+            elif pushes_to(url):
+                error = _push(url, path, policy_version, timeout_s, attempts)
             else:
                 error = _load(url, path, policy_version, timeout_s, attempts)
         results[url] = "ok" if not error else f"error: {error}"
@@ -62,6 +80,86 @@ def _load(url: str, path: Path, policy_version: int, timeout_s: float, attempts:
             if attempt + 1 < attempts:
                 time.sleep(min(2.0**attempt, 10.0))
     return error
+
+
+def pushes_to(engine_url: str) -> bool:
+    """Whether a checkpoint is sent to this (embedded) engine over HTTP rather than by path."""
+    mode = get_settings().weight_transfer
+    if mode != "auto":
+        return mode == "push"
+    host = urlsplit(engine_url).hostname or ""
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True  # a name other than localhost: another machine, as far as the trainer can tell
+
+
+def checkpoint_digests(path: Path) -> dict[str, str]:
+    """`{file name: SHA-256 hex}` of every regular file directly in checkpoint folder `path`."""
+    digests = {}
+    for item in sorted(Path(path).iterdir()):
+        if item.is_file():
+            digest = hashlib.sha256()
+            with open(item, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+            digests[item.name] = digest.hexdigest()
+    if not digests:
+        raise FileNotFoundError(f"checkpoint folder {path} holds no files")
+    return digests
+
+
+def _push(url: str, path: Path, policy_version: int, timeout_s: float, attempts: int) -> str:
+    """Send the checkpoint's files with their digests, then load them; "" on success or the last error.
+    A refusal (4xx: a digest mismatch, a bad token) is not retried."""
+    from app.auth import api_token
+
+    try:
+        digests = checkpoint_digests(path)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    headers = {"Authorization": f"Bearer {api_token()}"}
+    base = f"{url.rstrip('/')}/v1/checkpoints/{int(policy_version)}"
+    error = "not tried"
+    with httpx.Client(timeout=timeout_s, headers=headers) as client:
+        for attempt in range(attempts):
+            try:
+                for name, digest in digests.items():
+                    with open(Path(path) / name, "rb") as body:
+                        _raise_for(client.put(f"{base}/{name}", content=body, headers={"X-Turnstile-Sha256": digest}))
+                answer = client.post(f"{base}/load", json={"sha256": digests, "policy_version": int(policy_version)})
+                _raise_for(answer)
+                served = answer.json()["policy_version"]
+                if served == policy_version:
+                    return ""
+                error = f"engine answered policy_version={served}, expected {policy_version}"
+            except _Refused as exc:
+                return str(exc)
+            except (httpx.HTTPError, OSError, KeyError, TypeError, ValueError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            if attempt + 1 < attempts:
+                time.sleep(min(2.0**attempt, 10.0))
+    return error
+
+
+class _Refused(Exception):
+    """The engine answered 4xx: it refused this checkpoint or request; repeating it will not help."""
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:500]
+    where = f"{response.request.method} {response.request.url.path}"
+    if response.status_code < 500:
+        raise _Refused(f"{where}: {response.status_code} {message}")
+    raise httpx.HTTPStatusError(f"{where}: {response.status_code} {message}", request=response.request,
+                                response=response)
 
 
 def _load_vllm(url: str, path: Path, policy_version: int, timeout_s: float) -> str:

@@ -159,7 +159,10 @@ def test_the_deployment_invariants(example):
         assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= spec.episode_timeout_s + GRACE_MARGIN_S
         queues = {c["name"]: c["args"][c["args"].index("-Q") + 1] for c in _containers(dep)}
         if "rollout" in queues:
-            assert queues["rollout"] == "rollout.$(POD_NAME)" and queues["prepare"] == "prepare"
+            assert queues["rollout"] == "rollout" and queues["prepare"] == "prepare"
+            for c in _containers(dep):  # both name the pod as their host: prepare stamps it, rollout serves it
+                (host,) = [e for e in c["env"] if e["name"] == "TURNSTILE_HOST_NAME"]
+                assert host["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
             mounts = {c["name"]: c["volumeMounts"][0]["name"] for c in _containers(dep)}
             assert mounts["rollout"] == mounts["prepare"]  # the prepared runtimes' disk
     # NetworkPolicy: rollout and grade pods reach the gateway, DNS and the listed outside addresses only.

@@ -22,6 +22,9 @@ Routes (shapes follow vLLM's OpenAI server, https://docs.vllm.ai/en/latest/servi
   ``GET /v1/policy_version``: see ``BatchScheduler.reload`` for the in-flight rule.  Loading
   weights is an admin route: it needs ``Authorization: Bearer <API token>`` (``app.auth``; 401
   otherwise), which ``EngineClient.reload`` / ``reset_to_base`` send.
+* ``PUT /v1/checkpoints/<version>/<file>`` and ``POST /v1/checkpoints/<version>/load``: a
+  checkpoint sent over HTTP with SHA-256 digests, for an engine that shares no disk with the
+  trainer (``app.engines.embedded.uploads``; admin routes too).
 
 The generation routes are ``app.engines.embedded.generate``'s; this module holds the app factory,
 the token, model, health and weight routes, and the CLI.
@@ -43,6 +46,7 @@ from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from app.engines.embedded import generate, scoring
+from app.engines.embedded import uploads
 from app.engines.embedded.engine import DEFAULT_MAX_MODEL_LEN, Engine, build_engine
 from app.engines.embedded.validation import EngineError, get_field, json_body
 from app.engines.modeling import load_model, read_state_dict
@@ -160,6 +164,8 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
         return jsonify({"policy_version": new_version, "path": path, "engine_id": engine.engine_id,
                         "load_s": round(time.perf_counter() - started, 3)})
 
+    # The same swap for a checkpoint sent over HTTP (SHA-256 checked): an engine on another machine.
+    uploads.register(app, engine, require_admin)
     return app
 
 
