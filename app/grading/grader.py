@@ -13,9 +13,17 @@ Steps (as swebench 5.0.2's `run_instance`, without docker):
      `patch --fuzz=5`), at the strip level its paths were read with.  If nothing applies:
      reward 0, `report["apply"]["reason"]` (a one-line summary, the log path, git's errors).
   4. Diff the applied tree against the base (the runtime's hardened `git diff`) and put
-     back the base's version of every test-harness file still changed, pytest tables of
-     `setup.cfg` / `pyproject.toml` included: the tests run under the base commit's test
-     configuration whatever form the patch took (`report["reverted_files"]`).
+     back the base's version of every test-harness file still changed: by name as in step 1,
+     every pytest configuration file whole (`setup.cfg` and `pyproject.toml` included), and by
+     pytest's import rules against the trees and the test environment (probed before the
+     patch is applied): `__init__.py` files on the test path, new modules that shadow an
+     importable one, the test helpers the instance's tests import (`app.grading.surface`).
+     The tests run under the base commit's test harness whatever form the patch took
+     (`report["reverted_files"]`).  A kept Python file that newly reaches into the test
+     framework (`_pytest`, pytest hooks, unittest internals, `sys.modules` or builtins
+     writes: `surface.framework_reach`) grades unresolved, the findings in `report["tampering"]`:
+     the tests run in the process the code under test runs in, so no report it prints can be
+     trusted once that code reaches into it.
   5. Run the record's `eval_script` (exit-code lines inserted as v5's `make_test_spec`
      does) with stdout and stderr merged into one log.  It restores the test files from
      the base, applies `test_patch`, and runs `test_cmd` between the markers.
@@ -28,7 +36,7 @@ Steps (as swebench 5.0.2's `run_instance`, without docker):
 Every grade writes its own log, `<grading_logs>/<instance id>/<record hash>-<patch hash>-<nonce>.log`,
 so grades of different records with one id, or concurrent grades of one patch, never share a file.
 
-The cache is Redis (`REDIS_URL`), key `turnstile:grade:v1:<instance_id>:<record hash>:<patch sha256>`;
+The cache is Redis (`REDIS_URL`), key `turnstile:grade:v2:<instance_id>:<record hash>:<patch sha256>`;
 the record hash covers every field that changes the outcome, so an edited record never hits
 a stale entry.  Without a reachable Redis, grading still works, uncached.
 """
@@ -49,13 +57,12 @@ import redis as redis_lib
 
 from app.config import Settings, get_settings
 from app.redis_client import get_redis
+from app.grading import surface
 from app.grading.patching import (
     APPLY_CMDS,
-    PYTEST_TABLE_FILES,
     PatchReadError,
     apply_script,
     drop_test_changes,
-    pytest_table_changed,
     read_patch,
     harness_change_reason,
     files_of_test_ids,
@@ -70,7 +77,7 @@ from app.tasksets.schema import InstanceRecord
 
 log = logging.getLogger(__name__)
 
-CACHE_PREFIX = "turnstile:grade:v1"
+CACHE_PREFIX = "turnstile:grade:v2"  # v2: the test-surface rules of app.grading.surface
 CACHE_TTL_S = 30 * 24 * 3600
 GRADING_DIR = "/run/turnstile/grading"
 _OUTCOME_FIELDS = ("instance_id", "patch", "test_patch", "eval_script", "test_cmd", "test_files", "FAIL_TO_PASS",
@@ -236,7 +243,7 @@ def _grade_fresh(record: InstanceRecord, patch: str, settings: Settings, timeout
         parts: list[str] = []
         where = _gdir(rt, gdir)
         t2 = apply_then_eval(rt, lambda script: ["/bin/bash", "-c", f"bash {where}/{script} 2>&1"], mounts, kept,
-                             protected, log_path, timeout_s, apply_info, report_extra, parts)
+                             protected, log_path, timeout_s, apply_info, report_extra, parts, record.test_patch)
         t3 = time.monotonic()
         report_extra["confined"] = rt.confined
         report_extra["runtime_timings"] = rt.timings
@@ -248,20 +255,28 @@ def _grade_fresh(record: InstanceRecord, patch: str, settings: Settings, timeout
 
 
 def apply_then_eval(rt: Any, command: Callable[[str], str | list[str]], mounts: list, kept: str, protected: set[str],
-                    log_path: Path, timeout_s: float, apply_info: dict, report_extra: dict, parts: list[str]) -> float:
+                    log_path: Path, timeout_s: float, apply_info: dict, report_extra: dict, parts: list[str],
+                    test_patch: str = "") -> float:
     """Run `apply.sh` (when a patch is kept) then `eval.sh` in `rt`, as swebench's `run_instance` does.
 
     `command(script)` is the argv (or shell line) that runs a script of the grading folder in `rt`.
-    Updates `apply_info` (applied, method or reason) and `report_extra["reverted_files"]` (test
-    files the patch touched, restored after it applied), appends each script's output to `parts`,
-    and returns the monotonic time the apply step ended (the eval step is timed from there).
+    Before the patch is applied, the test environment's importable names are probed
+    (`probe_test_env`).  Updates `apply_info` (applied, method or reason),
+    `report_extra["reverted_files"]` (test-harness files the patch touched, restored after it
+    applied: `_restore_test_harness`) and `report_extra["tampering"]` ({path: findings} of kept
+    files that reach into the test framework: `surface.framework_reach`; any finding grades the
+    patch unresolved), appends each script's output to `parts`, and returns the monotonic time
+    the apply step ended (the eval step is timed from there).
     """
     if kept:
+        env = probe_test_env(rt, command, mounts)
+        report_extra["test_env_probed"] = env.probed
         res = rt.run(command("apply.sh"), timeout_s=300, extra_mounts=mounts)
         parts.append(res.stdout)
         if res.ok:
             apply_info.update(applied=True, method=res.stdout.strip().splitlines()[-1].partition("(")[2].rstrip(")"))
-            report_extra["reverted_files"] = _restore_test_harness(rt, protected)
+            report_extra["reverted_files"] = _restore_test_harness(rt, protected, env, test_patch)
+            report_extra["tampering"] = find_tampering(rt, protected, env)
         else:
             apply_info.update(applied=False, reason=apply_failure_reason(res.exit_code, res.stdout, log_path))
     applied_at = time.monotonic()
@@ -271,6 +286,33 @@ def apply_then_eval(rt: Any, command: Callable[[str], str | list[str]], mounts: 
         if res.timed_out:
             parts.append(f"\n{grading_module().TESTS_TIMEOUT} after {timeout_s:.0f} s\n")
     return applied_at
+
+
+def probe_test_env(rt: Any, command: Callable[[str], str | list[str]], mounts: list) -> surface.EnvNames:
+    """The test environment's importable top-level names (`surface.probe_script`), read in `rt`
+    before the patch is applied, by the interpreter the eval script runs (its `source`/`conda
+    activate`/`export` lines before the test output marker are run first).  Falls back to this
+    interpreter's standard-library names when the probe prints nothing usable."""
+    gdir = rt.root / "grading"
+    eval_sh = (gdir / "eval.sh").read_text() if (gdir / "eval.sh").is_file() else ""
+    setup = []
+    for line in eval_sh.splitlines():
+        if ">>>>> Start Test Output" in line:
+            break
+        if line.startswith(("source ", ". ", "conda activate ", "export ")):
+            setup.append(line)
+    (gdir / "probe_env.py").write_text(surface.probe_script())
+    (gdir / "probe.sh").write_text("\n".join([
+        *setup, 'here="$(dirname "$0")"',
+        'for py in python python3; do if command -v "$py" >/dev/null 2>&1; then exec "$py" -I "$here/probe_env.py"; fi; done',
+    ]) + "\n")
+    try:
+        res = rt.run(command("probe.sh"), timeout_s=120, extra_mounts=mounts)
+    except (OSError, RuntimeSetupError) as exc:
+        log.warning("test-env probe failed in %s: %s", getattr(rt, "id", rt), exc)
+        return surface.EnvNames.fallback()
+    return surface.EnvNames.from_output(res.stdout)
+
 
 def _result(record: InstanceRecord, spec: Any, kept: str, log_path: Path, apply_info: dict, report_extra: dict,
             timings: dict) -> GradeResult:
@@ -283,6 +325,9 @@ def _result(record: InstanceRecord, spec: Any, kept: str, log_path: Path, apply_
     report["tests_missing"] = missing_tests(record, spec, log_path)
     report["timings"] = timings
     missing_f2p = report["tests_missing"]["FAIL_TO_PASS"]
+    if report.get("tampering"):  # the code under test reached into the test framework: never a pass
+        resolved = False
+        report["resolved"] = False
     if missing_f2p:
         log.warning("grade of %s: %d FAIL_TO_PASS test id(s) never appear in the test log %s (counted as failed; "
                     "the instance may be unsolvable): %s", record.instance_id, len(missing_f2p), log_path,
@@ -324,39 +369,35 @@ def apply_failure_reason(exit_code: int, output: str, log_path: Path, max_lines:
     return "\n".join([head, *shown, *more])
 
 
-def _read_inside(root: Path, rel: str) -> str | None | bool:
-    """Text of `root/rel`; None when absent; False when it is not a plain file inside `root`
-    (a symbolic link, a folder) or not UTF-8 text."""
-    full = root / rel
-    if not os.path.lexists(full):
-        return None
-    if full.is_symlink() or not full.is_file() or not full.resolve().is_relative_to(root.resolve()):
-        return False
-    try:
-        return full.read_bytes()[: 4 * 1024 * 1024].decode("utf-8")
-    except (OSError, UnicodeDecodeError):
-        return False
-
-
-def _restore_test_harness(rt: LocalRuntime, protected: set[str]) -> dict[str, str]:
+def _restore_test_harness(rt: Any, protected: set[str], env: surface.EnvNames | None = None,
+                          test_patch: str = "") -> dict[str, str]:
     """Put back the base's version of every test-harness file the applied patch changed.
 
     Reads what really changed from the runtime's hardened `git diff` of the workspace
     against the base (not from the patch text), so no patch format can slip a change
-    past the filter.  Returns {path: reason}.  Raises `RuntimeSetupError` when the
-    files cannot be put back (infrastructure: the grade is not a score).
+    past the filter.  Judged by name (`patching.harness_change_reason`) and against the trees
+    and the test environment `env` (`app.grading.surface`): every pytest configuration file
+    whole, `__init__.py` files on the test path, new modules that shadow an importable one,
+    the test helpers the instance's tests import.  Returns {path: reason}.  Raises
+    `RuntimeSetupError` when the files cannot be put back (infrastructure: the grade is not a score).
     """
     base = Path(rt.describe()["base_repo"])
+    env = env or surface.EnvNames.fallback()
+    changes = read_patch(rt.patch()).files
+    changed = {p for change in changes for p in change.paths}
+    trees = surface.Trees.scan(base, rt.base_commit, rt.workspace, protected)
+    roots = trees.import_roots(env, rt.workdir)
     reasons: dict[str, str] = {}
-    for change in read_patch(rt.patch()).files:
-        for path in change.paths:
-            reason = harness_change_reason(path, protected)
-            if reason is None and PurePosixPath(path).name in PYTEST_TABLE_FILES:
-                before, after = _read_inside(base, path), _read_inside(rt.workspace, path)
-                if before is False or after is False or pytest_table_changed(PurePosixPath(path).name, before, after):
-                    reason = "pytest configuration"
-            if reason:
-                reasons[path] = reason
+    for path in sorted(changed):
+        reason = harness_change_reason(path, protected)
+        if reason is None and PurePosixPath(path).name in surface.CONFIG_FILES:
+            reason = "pytest configuration"  # put back whole: nothing parsed, no parser to disagree with
+        reason = reason or surface.init_reason(trees, path) or surface.shadow_reason(trees, path, env, roots)
+        if reason:
+            reasons[path] = reason
+    for path, reason in surface.helper_reasons(trees, changed - set(reasons), roots,
+                                               surface.test_patch_additions(test_patch)).items():
+        reasons.setdefault(path, reason)
     if not reasons:
         return reasons
     in_base = [p for p in reasons
@@ -371,6 +412,30 @@ def _restore_test_harness(rt: LocalRuntime, protected: set[str]) -> dict[str, st
             raise RuntimeSetupError("grade", f"could not put back test files ({argv[0]} exit {res.exit_code}): "
                                              f"{(res.stderr or res.stdout).strip()[:500]}")
     return dict(sorted(reasons.items()))
+
+
+def find_tampering(rt: Any, protected: set[str], env: surface.EnvNames | None = None) -> dict[str, list[str]]:
+    """{path: findings} for the Python files the applied patch still changes (after
+    `_restore_test_harness`) that newly reach into the test framework or the interpreter
+    (`surface.framework_reach`).  Any entry grades the patch unresolved.
+
+    A new file counts only when something can import it: a changed file or a file of the base
+    names it in an import (`surface.imported_new_files`); a new module nothing imports never runs.
+    """
+    base = Path(rt.describe()["base_repo"])
+    env = env or surface.EnvNames.fallback()
+    trees = surface.Trees.scan(base, rt.base_commit, rt.workspace, protected)
+    own = surface.own_top_names(trees, trees.import_roots(env, rt.workdir))
+    kept = [c.new for c in read_patch(rt.patch()).files if c.new and c.new.endswith((".py", ".pyw"))]
+    reachable = surface.imported_new_files(trees, kept)
+    out: dict[str, list[str]] = {}
+    for path in kept:
+        if not trees.in_base(path) and path not in reachable:
+            continue
+        found = surface.framework_reach(trees.text(path, base=True), trees.text(path), own)
+        if found:
+            out[path] = found
+    return out
 
 
 def _gdir(rt: LocalRuntime, host_dir: Path) -> str:

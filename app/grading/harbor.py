@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from app.config import Settings
-from app.grading.grader import GRADING_DIR, GradeResult, _restore_test_harness, apply_failure_reason, grade_log_path, patch_sha256
+from app.grading.grader import (GRADING_DIR, GradeResult, _restore_test_harness, apply_failure_reason, find_tampering,
+                                grade_log_path, patch_sha256, probe_test_env)
 from app.grading.image import RuntimeFactory, check_tools, default_runtime_factory
 from app.grading.patching import PatchReadError, apply_script, drop_test_changes, read_patch
 from app.grading.verifier import VerifierError, read_reward
@@ -77,11 +78,13 @@ def grade_harbor(record: InstanceRecord, patch: str, *, settings: Settings,
         (gdir / "apply.sh").write_text(apply_script(f"{GRADING_DIR}/patch.diff", strip))
         grading = [Mount(gdir, GRADING_DIR, False)]
         if kept:
+            env = probe_test_env(rt, lambda script: f"bash {GRADING_DIR}/{script} 2>&1", grading)
             res = rt.run(f"bash {GRADING_DIR}/apply.sh 2>&1", timeout_s=300, extra_mounts=grading)
             parts.append(res.stdout)
             if res.ok:
                 apply_info.update(applied=True, method=res.stdout.strip().splitlines()[-1].partition("(")[2].rstrip(")"))
-                report["reverted_files"] = _restore_test_harness(rt, set())
+                report["reverted_files"] = _restore_test_harness(rt, set(), env)
+                report["tampering"] = find_tampering(rt, set(), env)
             else:
                 apply_info.update(applied=False, reason=apply_failure_reason(res.exit_code, res.stdout, log_path))
         report["apply"] = apply_info
@@ -104,7 +107,8 @@ def grade_harbor(record: InstanceRecord, patch: str, *, settings: Settings,
         except VerifierError as exc:
             raise VerifierError(f"instance {record.instance_id}: {exc} (test.sh exit {res.exit_code}; log {log_path})") from None
     report["reward_file"] = details
-    resolved = reward >= 1.0
+    # Code under test that reached into the test framework never passes, whatever test.sh reported.
+    resolved = reward >= 1.0 and not report.get("tampering")
     report["resolved"] = resolved
     return GradeResult(resolved, reward, report, str(log_path))
 

@@ -120,7 +120,7 @@ def grade_in_image(record: InstanceRecord, patch: str, *, settings: Settings, ti
         (gdir / "eval.sh").write_text(spec.eval_script if record.grader != "r2egym" else r2e_eval_script(record))
         mounts = [Mount(gdir, GRADING_DIR, False)]
         t2 = apply_then_eval(rt, lambda script: f"bash {GRADING_DIR}/{script} 2>&1", mounts, kept, protected,
-                             log_path, timeout_s, apply_info, extra, parts)
+                             log_path, timeout_s, apply_info, extra, parts, record.test_patch)
         t3 = time.monotonic()
         extra.update(confined=True, runtime_timings=rt.timings, image_digest=getattr(rt, "digest", None))
     log_path.write_text("".join(parts), encoding="utf-8", errors="replace")
@@ -162,6 +162,6 @@ def _rejudge(record: InstanceRecord, spec: Any, log_path: Path, result: GradeRes
         result.report["tests_missing"] = {
             "FAIL_TO_PASS": [t for t in record.FAIL_TO_PASS if r2e_test_id(t) in missing], "PASS_TO_PASS": []}
         ok = bool(ran) and ok
-    result.resolved = ok and bool(result.report["apply"]["applied"])
+    result.resolved = ok and bool(result.report["apply"]["applied"]) and not result.report.get("tampering")
     result.report["resolved"] = result.resolved
     result.reward = 1.0 if result.resolved else 0.0

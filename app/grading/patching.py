@@ -10,9 +10,9 @@ change is what runs the tests and how.  A change to any of these is dropped:
     https://docs.pytest.org/en/stable/reference/reference.html#confval-python_files);
   * pytest configuration files: `pytest.ini`, `.pytest.ini`, `tox.ini`, `pytest.toml`,
     `.pytest.toml` (https://docs.pytest.org/en/stable/reference/customize.html);
-    `setup.cfg`'s `[tool:pytest]` and `pyproject.toml`'s `[tool.pytest*]` tables are
-    compared after the patch is applied (`pytest_table_changed`), since the rest of
-    those files may be part of a fix;
+    `setup.cfg` and `pyproject.toml` are kept in the patch (a fix may need the rest of the
+    tree to apply) and put back whole after it is applied (`app.grading.surface`): pytest
+    reads them with its own parsers, so nothing short of the whole file is safe to keep;
   * interpreter start-up hooks: `sitecustomize.py`, `usercustomize.py`, `*.pth`
     (https://docs.python.org/3/library/site.html);
   * package metadata (`*.dist-info`, `*.egg-info`, `*.egg`), where a `pytest11` entry
@@ -222,7 +222,9 @@ def files_of_test_ids(test_ids: list[str]) -> set[str]:
 def harness_change_reason(path: str, protected: set[str]) -> str | None:
     """Why a change to `path` is not the agent's to make (see the module docstring), or None.
 
-    `setup.cfg` and `pyproject.toml` are not judged by path: see `pytest_table_changed`.
+    `setup.cfg` and `pyproject.toml` are not judged by path: the grader puts them back whole
+    after the patch is applied.  Rules that need the trees and the test environment (an
+    `__init__.py` on the test path, shadowing, test helpers) are `app.grading.surface`'s.
     """
     p = PurePosixPath(path)
     if path in protected:
@@ -246,7 +248,10 @@ def harness_change_reason(path: str, protected: set[str]) -> str | None:
 def pytest_table_changed(name: str, base_text: str | None, new_text: str | None) -> bool:
     """True when the pytest table of `setup.cfg` (`[tool:pytest]`) or `pyproject.toml`
     (`[tool.pytest]`, `[tool.pytest.ini_options]`) differs between the two texts (None = no
-    file).  A text that does not parse counts as changed."""
+    file).  A text that does not parse counts as changed.
+
+    Not what grading uses: configparser and pytest's iniconfig read some texts differently (a
+    comment in a section header), so the grader puts `setup.cfg` and `pyproject.toml` back whole."""
 
     def table(text: str | None):
         if text is None:
