@@ -58,6 +58,22 @@ SUBMIT_EXAMPLES = """examples:
 the run options: app/runconfig.py, or RunConfig in /api/openapi.json"""
 
 
+def _warm_start(config: dict) -> None:
+    """A config's `warm_start` section (not a run option): run or reuse that supervised warm start
+    on this machine (`app.training.warmstart.warm_start_folder`, cached by its inputs) and start
+    the run from it (`model.checkpoint`).  The section is removed from `config`."""
+    section = config.pop("warm_start", None)
+    if section is None:
+        return
+    from app.training.warmstart import warm_start_folder
+
+    print("warm start: supervised fine-tuning on the fixes of its instances (reused when done before) ...",
+          file=sys.stderr, flush=True)
+    folder = warm_start_folder(config, section, "starter:train")
+    print(f"warm start: {folder}", file=sys.stderr)
+    config["model"] = {**(config.get("model") or {}), "checkpoint": str(folder)}
+
+
 def cmd_submit(args) -> int:
     if not args.config and not args.set:
         # Every option has a default, so an empty body is a real run (a 2-step train run): a bare
@@ -72,6 +88,7 @@ def cmd_submit(args) -> int:
         if not eq or not key:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set group_size=4")
         _set(config, key, value)
+    _warm_start(config)
     run = client.submit_run(config)
     print(f"run {run['id']} created ({run['kind']}, {run['config']['harness']}, task set {run['config']['task_set']})")
     if not args.follow:
@@ -164,12 +181,7 @@ def cmd_demo(args) -> int:
     """
     config = client.read_config_file(args.config)
     console = make_console()
-    section = config.pop("warm_start", None)
-    if section is not None:
-        from app.training.warmstart import warm_start_folder
-
-        folder = warm_start_folder(config, section, "starter:train")
-        config["model"] = {**(config.get("model") or {}), "checkpoint": str(folder)}
+    _warm_start(config)
     run = client.submit_run(config)
     console.print(f"run {run['id']} submitted: {config.get('kind')} {config.get('harness')} on "
                   f"{', '.join(config.get('instances') or [config.get('task_set')])}, "
@@ -191,7 +203,8 @@ def cmd_demo(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("submit", help="create a run (train/eval/collect) and optionally follow it",
                        epilog=SUBMIT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="run config file: JSON, YAML (.yaml/.yml) or TOML (.toml); see /api/openapi.json")
+    p.add_argument("--config", help="run config file: JSON, YAML (.yaml/.yml) or TOML (.toml); see /api/openapi.json. "
+                                    "A `warm_start` section first runs (or reuses) that supervised warm start here")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. --set group_size=4")
     p.add_argument("--follow", action="store_true", help="show live progress until the run ends")
     p.add_argument("--timeout", type=float, default=None, help="give up following after this many seconds")

@@ -196,3 +196,19 @@ def test_an_api_that_is_not_there_is_reported_as_unreachable(monkeypatch, capsys
     monkeypatch.setattr(cli_client, "api_client", lambda: httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=2))
     assert main(["runs"]) == 1
     assert "cannot reach the Turnstile API" in capsys.readouterr().err
+
+
+def test_the_readmes_example_task_record_loads_as_a_task_set(tmp_path, capsys):
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- example-task-record -->", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    record = json.loads(" ".join(block.split("\n")).replace("<40-hex commit id>", "a" * 40))
+    path = tmp_path / "calc.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    assert main(["tasks", "list", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "calc__add-1" in out and "you/calc" in out
+    for field in ("instance_id", "repo", "problem_statement", "FAIL_TO_PASS", "PASS_TO_PASS"):
+        broken = {k: v for k, v in record.items() if k != field}  # every field the README calls required is
+        path.write_text(json.dumps(broken) + "\n")
+        assert main(["tasks", "list", str(path)]) == 1, field  # ... refused when missing, by name
+        assert field in capsys.readouterr().err

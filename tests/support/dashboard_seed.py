@@ -320,9 +320,10 @@ def _other_states(s, inst: list[TaskInstance], now: dt.datetime, ids: dict) -> N
                            policy_version=1 if step == 0 else None, episode_ids=[e.id for e in eps],
                            metrics=_step_metrics(0, [1.0, 0.0], random.Random(1)) if step == 0 else None,
                            error=None if step == 0 else "CUDA out of memory (tried to allocate 2.1 GiB)"))
-    run("queued_eval", "eval", "queued")  # 20 minutes old: past a lease plus a watchdog period (no worker took it)
-    fresh = run("queued_train", "train", "queued")
-    fresh.created_at = now  # just submitted: waiting for a worker is normal
+    # Queued 3 hours: past a lease plus a watchdog period (the site sets them to 15 min each, so
+    # the runs seeded "now" stay within theirs however long the tests take), no worker took it.
+    run("queued_eval", "eval", "queued").created_at = now - dt.timedelta(hours=3)
+    run("queued_train", "train", "queued").created_at = now  # just submitted: waiting for a worker is normal
     cancelling = run("cancelling_eval", "eval", "cancelling")
     _episodes(s, cancelling, inst[0], 0, 0, "1R", now - dt.timedelta(minutes=3))
     _episodes(s, cancelling, inst[1], 0, 1, "CC", now - dt.timedelta(minutes=3))

@@ -1,5 +1,6 @@
 """Several runs on one set of charts (`/runs?compare=1,3`): each per-step curve of the run page
-(`charts.CHARTS`), one line per run, every run named by kind, harness, model and task set.
+(`charts.CHARTS`), one line per run, every run named by kind, harness, model and task set in the
+page's table (its colour beside it), and by its id in each chart's legend.
 
 A chart here carries one series per run: that run's value of the chart's first series (the
 reward mean, the loss, the step time, ...), aligned on the union of the runs' completed steps,
@@ -72,7 +73,8 @@ def overlay(s: Session, run_ids: list[int]) -> dict:
                 continue
             first = c["series"][0]
             by_step = dict(zip(c["x"], first["values"]))
-            series.append({"label": f"{run_label(run)}: {first['label']}", "values": [by_step.get(step) for step in x],
+            # short in the chart's legend: the page's table above names each run in full, in its colour
+            series.append({"label": f"#{run.id} {first['label']}", "values": [by_step.get(step) for step in x],
                            "colour": position})  # a run keeps its colour on every chart
             pinned = pinned and c["range"] is not None
             if c["not_computed"]:

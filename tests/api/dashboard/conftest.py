@@ -35,7 +35,10 @@ def site(tmp_path_factory):
     if models.is_dir():  # reuse the tokenizer cache `make model` built instead of rebuilding it
         (var / "models").symlink_to(models)
     url = f"sqlite:///{tmp / 'turnstile.db'}"
-    env = {"DATABASE_URL": url, "REDIS_URL": REDIS_URL, "TURNSTILE_VAR_DIR": str(var)}
+    # A lease plus a watchdog period of 30 min: a run seeded "now" is not late while the tests run
+    # (a module takes minutes on a busy box); the seed's 3-hour-old queued run is.
+    env = {"DATABASE_URL": url, "REDIS_URL": REDIS_URL, "TURNSTILE_VAR_DIR": str(var),
+           "TURNSTILE_LEASE_TTL_S": "900", "TURNSTILE_WATCHDOG_INTERVAL_S": "900"}
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)

@@ -27,9 +27,9 @@ def test_every_run_state_renders(browser, site, shots, label, status):
     if label == "queued_train":  # just submitted: a normal wait
         assert "no control worker has started it yet" in text(browser, "#run-hint")
         assert not browser.find_elements(By.ID, "run-waiting")
-    if label == "queued_eval":  # 20 minutes queued: past a lease plus a watchdog period, said in red
+    if label == "queued_eval":  # 3 hours queued: past a lease plus a watchdog period, said in red
         waiting = text(browser, "#run-waiting")
-        assert "no control worker has taken this run in" in waiting and "watchdog period" in waiting
+        assert "no control worker has taken this run in" in waiting and "900 s watchdog period" in waiting
         assert f"turnstile cancel {run_id}" in waiting and not browser.find_elements(By.ID, "run-hint")
     if status == "queued":
         assert "No episodes" in text(browser, "#no-episodes")
