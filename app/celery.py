@@ -8,6 +8,11 @@ task, soft and hard time limits, JSON only, explicit task names.
 """
 from __future__ import annotations
 
+import ipaddress
+import socket
+import time
+from urllib.parse import urlsplit
+
 import redis.exceptions
 from celery import Celery
 from celery.signals import celeryd_after_setup, worker_process_init
@@ -148,3 +153,63 @@ def _consume_this_hosts_rollouts(sender, instance, **_kwargs) -> None:
     queues = instance.app.amqp.queues
     if queues.consume_from is not None and "rollout" in queues.consume_from:
         queues.select_add(host_queue(get_settings().host_name))
+
+
+def _address(url: str) -> tuple[str, int] | None:
+    """`(host, port)` of a network URL (default ports of PostgreSQL, MySQL, HTTP(S)); None for a
+    file or socket URL (SQLite)."""
+    parts = urlsplit(url)
+    if not parts.hostname:
+        return None
+    defaults = {"postgresql": 5432, "mysql": 3306, "http": 80, "https": 443}
+    return parts.hostname, parts.port or defaults.get(parts.scheme.split("+")[0], 0)
+
+
+def _on_another_machine(host: str) -> bool:
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True
+
+
+def unreachable(queues, settings=None) -> str | None:
+    """Why a worker serving `queues` cannot work from this machine, or None.
+
+    Checked: the database (every worker) and, for a worker of `rollout`, the gateway its
+    harnesses call; each only when it is on another machine (a loopback address starts beside
+    the worker, as `make up` starts them).  Each is tried by TCP connect until
+    `TURNSTILE_REACH_TIMEOUT_S` passes (a database or gateway that starts a little later is
+    waited for).  The answer names the address and its setting.
+    """
+    settings = settings or get_settings()
+    targets = [("the database", _address(settings.database_url), "DATABASE_URL")]
+    if "rollout" in queues:
+        targets.append(("the gateway", _address(settings.gateway_url), "TURNSTILE_GATEWAY_URL"))
+    deadline = time.monotonic() + settings.reach_timeout_s
+    for what, address, name in targets:
+        if address is None or not _on_another_machine(address[0]):
+            continue
+        while True:
+            try:
+                socket.create_connection(address, timeout=min(5.0, max(settings.reach_timeout_s, 0.5))).close()
+                break
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    host, port = address
+                    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                    return (f"cannot reach {what} at {where} ({name}) from this machine "
+                            f"({settings.host_name}) within {settings.reach_timeout_s:g} s: {exc}")
+                time.sleep(1.0)
+    return None
+
+
+@celeryd_after_setup.connect
+def _exit_unless_reachable(sender, instance, **_kwargs) -> None:
+    """A worker that cannot reach its database or gateway stops at start with the address, instead
+    of taking tasks it can only fail."""
+    queues = instance.app.amqp.queues
+    problem = unreachable(list(queues.consume_from or queues))
+    if problem:
+        raise SystemExit(f"turnstile worker {sender}: {problem}")

@@ -235,6 +235,10 @@ class Settings(BaseSettings):
                            max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", **_env("TURNSTILE_HOST_NAME"),
                            description="This machine's name in per-host Celery queues: a runtime prepared here is "
                                        "rolled out from `rollout.<name>` (default: the hostname).")
+    reach_timeout_s: float = Field(60.0, ge=0, allow_inf_nan=False, **_env("TURNSTILE_REACH_TIMEOUT_S"),
+                                   description="How long a Celery worker tries at start to reach the database (and, "
+                                               "for rollout, the gateway) on another machine before it exits "
+                                               "naming the address.")
 
     # --- task runtimes ------------------------------------------------------------------
     pip_index_url: str | None = Field(None, **_env("PIP_INDEX_URL"),
