@@ -50,6 +50,8 @@ from pathlib import PurePosixPath
 
 import unidiff
 
+from app.runtimes.patch import link_escapes, symlink_refusal, symlink_target
+
 APPLY_CMDS = (  # {p}: the strip level, -p0 or -p1
     "git apply --verbose {p}",
     "git apply --verbose --3way {p}",
@@ -174,7 +176,8 @@ def read_patch(patch: str) -> ReadPatch:
     mnemonic prefix), 0 when none does (`git diff --no-prefix`, `diff -u x.orig x`).
     Raises `PatchReadError` when unidiff cannot parse it, when text that is not blank
     holds no file change, when prefixed and unprefixed paths are mixed, or when a path
-    is absolute, climbs out (`..`) or goes into `.git`.
+    is absolute, climbs out (`..`) or goes into `.git`, or when it adds a symbolic link that
+    points outside the repository.
     """
     if not patch or not patch.strip():
         return ReadPatch(patch or "", [], 1)
@@ -206,6 +209,12 @@ def read_patch(patch: str) -> ReadPatch:
             None if old is None else _check_path(old.split("/", strip)[-1] if strip else old, old),
             None if new is None else _check_path(new.split("/", strip)[-1] if strip else new, new),
         ))
+    # A link out of the repository would let the tests read a host file (one rule with the
+    # rollout's patch extraction: app.runtimes.patch).
+    escapes = [(f.new, target) for f in files if f.new is not None
+               and (target := symlink_target(f.text)) is not None and link_escapes(f.new, target)]
+    if escapes:
+        raise PatchReadError(symlink_refusal(escapes))
     return ReadPatch(preamble, files, strip)
 
 

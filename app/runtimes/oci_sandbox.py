@@ -3,7 +3,8 @@
 `image_environment` builds a command's environment from the image config's Env; `image_bwrap_argv`
 builds the bwrap argv: a tmpfs root rebuilt read-only from the image's rootfs
 (`rootfs.layout_args`, minus the runtime's hidden paths), /proc, /dev, /tmp, /run, then the
-runtime's mounts (repository copy, HOME, host tools, grading files), the image's uid/gid,
+runtime's mounts (repository copy, HOME, host tools, grading files; a host Python installation
+with its installed packages hidden, `exposure.prefix_args`), the image's uid/gid,
 and for `network="gateway"` the in-sandbox listener that bridges to the gateway's socket.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from app.runtimes.exposure import is_python_prefix, prefix_args
 from app.runtimes.rootfs import layout_args, resolve_inside
 from app.runtimes.sandbox import BRIDGE_SOCKET, INIT_PATH, MIB, Mount
 
@@ -61,7 +63,12 @@ def image_bwrap_argv(command: list[str], *, rootfs: Path, mounts: list[Mount], w
         argv += [*tmpfs("/dev/shm", tmpfs_mb), "--remount-ro", "/dev"]
     argv += [*tmpfs("/tmp", tmpfs_mb), *tmpfs("/run", 16 if tmpfs_mb else None)]
     for m in mounts:
-        argv += ["--bind" if m.writable else "--ro-bind", str(m.src), m.dst]
+        if not m.writable and is_python_prefix(m.src):
+            # A host interpreter (the gateway listener's, a harness's): its standard library
+            # only, never its site-packages or any other installed Python (app.runtimes.exposure).
+            argv += prefix_args(m.src, m.dst)
+        else:
+            argv += ["--bind" if m.writable else "--ro-bind", str(m.src), m.dst]
     argv += ["--clearenv"]
     for k, v in env.items():
         argv += ["--setenv", k, v]

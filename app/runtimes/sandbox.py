@@ -1,10 +1,12 @@
 """Run a command under bubblewrap (https://github.com/containers/bubblewrap) with limits and a timeout.
 
 What the sandbox enforces (bwrap 0.8, Debian package `bubblewrap`):
-  * Filesystem: a fresh tmpfs root holding read-only binds of /usr (with the
-    /bin, /lib, /lib64, /sbin links), an allowlist of /etc (`ETC_ALLOW`: no
-    shadow, SSH keys or service configs) and the Python installation the venv
-    was made from (its global site-packages hidden by an empty tmpfs), plus
+  * Filesystem: a fresh tmpfs root holding read-only binds of an allowlist of /usr
+    (`exposure.USR_ALLOW`, with the /bin, /lib, /lib64, /sbin links), an allowlist of /etc
+    (`ETC_ALLOW`: no shadow, SSH keys or service configs) and the Python installation the
+    venv was made from, with every installed Python tree of the host hidden but the
+    interpreters' standard libraries (`app.runtimes.exposure`: Debian python3-* packages,
+    system pip installs, SDKs' vendored trees, site-packages: any could hold the fix), plus
     exactly the `Mount`s given: for an episode the workspace (read-write at
     /testbed), the scratch HOME (read-write) and the venv (read-only at /venv).
     /tmp is a private tmpfs.  Nothing else of the host exists inside: not the
@@ -36,8 +38,8 @@ What the sandbox enforces (bwrap 0.8, Debian package `bubblewrap`):
     A cap the command ran into is named in `RunResult.limit_hit`.  Wall time is enforced
     here: on timeout the process group is SIGKILLed, and with it the PID namespace.
 
-Not enforced: kernel exploits (bwrap shares the host kernel), and reads of files under /usr
-and the allowlisted /etc entries.  Without bwrap (`bwrap_available()` False) commands run
+Not enforced: kernel exploits (bwrap shares the host kernel), and reads of the files of the
+allowlisted /usr and /etc entries (programs, libraries, data; no Python packages).  Without bwrap (`bwrap_available()` False) commands run
 directly with the same limits and timeout, and `RunResult.confined` is False.
 """
 from __future__ import annotations
@@ -54,6 +56,7 @@ from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 from app.runtimes import cgroups
+from app.runtimes.exposure import prefix_args, usr_args
 
 Network = Literal["none", "gateway", "host"]
 INIT_PATH = "/run/turnstile/init.py"
@@ -198,18 +201,17 @@ def bwrap_argv(
 
     if tmpfs_mb:
         argv += tmpfs("/", tmpfs_mb)  # bwrap's own root tmpfs has no size: a sized one goes over it first
-    argv += ["--ro-bind", "/usr", "/usr", *_root_links(), *_etc_binds(), "--proc", "/proc", "--dev", "/dev"]
+    argv += [*usr_args(), *_root_links(), *_etc_binds(), "--proc", "/proc", "--dev", "/dev"]
     if tmpfs_mb:
         argv += [*tmpfs("/dev/shm", tmpfs_mb), "--remount-ro", "/dev"]
     argv += [*tmpfs("/tmp", tmpfs_mb), *tmpfs("/run", 16 if tmpfs_mb else None)]
     for prefix in python_prefixes:
         if str(prefix).startswith("/usr/"):
             continue
-        argv += ["--ro-bind", str(prefix), str(prefix)]
-        # The interpreter's own site-packages may hold anything installed on the
-        # host (even pristine copies of task packages); venvs don't use it.
-        for sp in prefix.glob("lib/python3*/site-packages"):
-            argv += tmpfs(str(sp), 1 if tmpfs_mb else None)
+        # Its bin/lib/include, every Python tree but the standard library hidden: the
+        # interpreter's own site-packages may hold anything installed on the host (even
+        # pristine copies of task packages); venvs don't use it (app.runtimes.exposure).
+        argv += prefix_args(prefix)
     for m in mounts:
         argv += ["--bind" if m.writable else "--ro-bind", str(m.src), m.dst]
     argv += ["--clearenv"]
