@@ -39,7 +39,6 @@ an already-applied patch.
 """
 from __future__ import annotations
 
-import configparser
 import dataclasses
 import fnmatch
 import re
@@ -259,21 +258,22 @@ def pytest_table_changed(name: str, base_text: str | None, new_text: str | None)
     (`[tool.pytest]`, `[tool.pytest.ini_options]`) differs between the two texts (None = no
     file).  A text that does not parse counts as changed.
 
-    Not what grading uses: configparser and pytest's iniconfig read some texts differently (a
-    comment in a section header), so the grader puts `setup.cfg` and `pyproject.toml` back whole."""
+    Read whole, with the parsers pytest uses (`_pytest/config/findpaths.py`): `iniconfig` for
+    `setup.cfg` (configparser reads some texts differently, e.g. `[tool:pytest] # ]`), `tomllib`
+    for `pyproject.toml`.  The grader does not rely on it: it puts both files back whole."""
+    import iniconfig
 
     def table(text: str | None):
         if text is None:
             return None
         if name == "setup.cfg":
-            cp = configparser.ConfigParser(interpolation=None, strict=False)
-            cp.read_string(text)
-            return dict(cp["tool:pytest"]) if cp.has_section("tool:pytest") else None
+            ini = iniconfig.IniConfig("setup.cfg", data=text)
+            return dict(ini["tool:pytest"].items()) if "tool:pytest" in ini.sections else None
         return tomllib.loads(text).get("tool", {}).get("pytest")
 
     try:
         return table(base_text) != table(new_text)
-    except (configparser.Error, tomllib.TOMLDecodeError, AttributeError, UnicodeError):
+    except (iniconfig.ParseError, tomllib.TOMLDecodeError, AttributeError, UnicodeError):
         return True
 
 

@@ -24,9 +24,9 @@ applied tree against the base tree, the instance's test files and the test envir
 * **test helpers**: modules the instance's test files (and the conftests on their path)
   import, found with `ast`: a module with a test-like path (`tests/helpers.py`,
   `pkg/testing.py`, followed through its own imports) is reverted with the test files, and
-  so is a module where the patch changes a function or class the tests import by name that no
-  library module uses (`from toolz.utils import raises`: the library uses `no_default` from
-  there, never `raises`).
+  so is a module where the patch changes a checking function the tests import by name
+  (`raises`, `assert_*`, `check_*`) that no library module uses (`from toolz.utils import
+  raises`: the library uses `no_default` from there, never `raises`).
 * **framework reach** (`framework_reach`): pytest runs the tests in the process the code under
   test runs in, so whatever that code does to pytest's objects is what the report shows.  A
   Python file the patch keeps is read with `ast`, and what it newly does (compared with the
@@ -383,15 +383,14 @@ def _definition(module: ast.Module | None, name: str) -> str | None:
 
 
 def _library_uses(trees: Trees, name: str, skip: str) -> bool:
-    """Whether a non-test module of the base (other than `skip`) refers to `name`."""
-    word = re.compile(rf"\b{re.escape(name)}\b")
-    for path in trees.py_files:
+    """Whether a non-test module of the base (other than `skip`) refers to `name` (`git grep`
+    finds the candidates, `ast` confirms)."""
+    res = git(trees.base, "grep", "-l", "-w", "-e", name, trees.commit, "--", "*.py", check=False)
+    for line in res.stdout.splitlines():
+        path = line.split(":", 1)[1] if line.startswith(trees.commit + ":") else line
         if path == skip or path in trees.test_files or is_testish(path):
             continue
-        text = trees.text(path, base=True)
-        if not text or not word.search(text):
-            continue
-        module = _parse(text)
+        module = _parse(trees.text(path, base=True))
         if module is None:
             return True
         for node in ast.walk(module):
@@ -399,6 +398,12 @@ def _library_uses(trees: Trees, name: str, skip: str) -> bool:
                     or (isinstance(node, ast.alias) and name in (node.name, node.asname)):
                 return True
     return False
+
+
+# Names of functions whose job is to check (`raises`, `assert_equal`, `check_output_matches`): the
+# tests' tools, not the code they test.  A public function the tests call (`slugify`) is not one.
+_CHECKER = re.compile(r"^_*(assert|raises|check|expect|verify|fails?_|must|should|eq_|ok_|approx|compare)|assert|raises",
+                      re.I)
 
 
 def helper_reasons(trees: Trees, changed: set[str], roots: list[str], test_patch_added: dict[str, str]) -> dict[str, str]:
@@ -436,7 +441,7 @@ def helper_reasons(trees: Trees, changed: set[str], roots: list[str], test_patch
                 continue
             if _definition(before, name) is None and _definition(after, name) is None:
                 continue
-            if not _library_uses(trees, name, module_path):
+            if _CHECKER.search(name) and not _library_uses(trees, name, module_path):
                 reasons[module_path] = f"changes test helper `{name}`, which {origin} imports and no library module uses"
                 break
     return reasons

@@ -44,7 +44,9 @@ class InstanceCheck:
         if not self.gold.resolved:
             status = self.gold.report.get("tests_status", {})
             failing = [*status.get("FAIL_TO_PASS", {}).get("failure", []), *status.get("PASS_TO_PASS", {}).get("failure", [])]
+            tampering = self.gold.report.get("tampering") or {}
             reason = self.gold.report["apply"].get("reason") or (
+                f"reaches into the test framework: {tampering}" if tampering else None) or (
                 f"reward {self.gold.reward}" if "reward_file" in self.gold.report
                 else f"failing: {', '.join(failing[:5]) or 'no test ran'}")
             out.append(f"cannot be solved: the gold patch does not resolve it ({reason}; log {self.gold.log_path})")

@@ -58,3 +58,39 @@ def test_r2egym_runner_and_tests_the_agent_planted_are_not_used(fixtures):
     result = grade(rec, patch, use_cache=False, timeout_s=300)
     assert (result.resolved, result.reward) == (False, 0.0), result.log_path
     assert result.report["dropped_test_files"] == ["r2e_tests/test_structures.py"]
+
+
+# Library code that makes every test report pass once it is imported (no hook, no plugin).
+REPORT_HACK = '''
+import _pytest.reports as _reports
+
+_orig = _reports.TestReport.from_item_and_call.__func__
+
+
+def _from_item_and_call(cls, item, call):
+    rep = _orig(cls, item, call)
+    rep.outcome, rep.longrepr = "passed", None
+    return rep
+
+
+_reports.TestReport.from_item_and_call = classmethod(_from_item_and_call)
+'''
+
+
+@pytest.mark.parametrize("name", ["swebench_verified.jsonl", "harbor"])
+def test_library_code_that_reaches_into_pytest_never_passes_in_an_image(fixtures, tmp_path, name):
+    """The fix together with code that rewrites pytest's reports: unresolved, the finding recorded
+    (the image grader and the Harbor verifier path apply the local grader's rules)."""
+    from app.gitutil import git
+
+    rec = load_published(fixtures / name)[0][0]
+    gold = oracle_patch(rec, settings=get_settings()) if rec.grader == "harbor" else rec.patch
+    (tmp_path / "gold.diff").write_text(gold)
+    with OciRuntime.prepare(rec, purpose="episode") as rt:
+        git(rt.workspace, "apply", str(tmp_path / "gold.diff"))
+        init = rt.workspace / "requests" / "__init__.py"
+        init.write_text(init.read_text() + REPORT_HACK)
+        patch = rt.patch()
+    result = grade(rec, patch, use_cache=False, timeout_s=300)
+    assert (result.resolved, result.reward, result.report["resolved"]) == (False, 0.0, False), result.log_path
+    assert any("_pytest.reports" in f for f in result.report["tampering"]["requests/__init__.py"])

@@ -27,7 +27,7 @@ def _repo(root, files):
 
 
 BASE = {
-    "pkg/__init__.py": "from .core import f\n",
+    "pkg/__init__.py": "",
     "pkg/core.py": "from pkg.utils import no_default\n\ndef f(x=no_default):\n    return x\n",
     "pkg/utils.py": "no_default = object()\n\ndef raises(err, fn):\n    try:\n        fn()\n    except err:\n"
                     "        return True\n    return False\n",
@@ -131,6 +131,9 @@ def test_a_test_only_name_in_a_library_module_is_a_helper(trees):
     # `no_default` is library code (pkg/core.py uses it): a fix there is kept.
     _write(trees, "pkg/utils.py", text.replace("no_default = object()", "no_default = object()  # sentinel\nY = 1"))
     assert surface.helper_reasons(trees, {"pkg/utils.py"}, roots, {}) == {}
+    # A public function the tests import by name (`f`, used by no other module) is code under test.
+    _write(trees, "pkg/core.py", trees.text("pkg/core.py", base=True).replace("return x", "return x or 0"))
+    assert surface.helper_reasons(trees, {"pkg/core.py"}, roots, {}) == {}
 
 
 def test_test_patch_imports_count(trees):
@@ -200,3 +203,21 @@ def test_only_what_the_patch_adds_counts():
                            own={"_pytest", "pytest"}) == []
     assert framework_reach(None, "from unittest import mock\nimport os\nos.path.join('a')\n") == []
     assert framework_reach(None, "this is not python(") == []
+
+
+def test_pytest_tables_are_read_with_pytests_parsers():
+    from app.grading.patching import pytest_table_changed
+
+    base = "[metadata]\nname = x\n"
+    # configparser reads this header as a section named "tool:pytest] # "; pytest's iniconfig reads [tool:pytest].
+    assert pytest_table_changed("setup.cfg", base, base + "[tool:pytest] # ]\naddopts = -p hackplugin\n")
+    assert pytest_table_changed("setup.cfg", base, base + "[tool:pytest] ; a comment\naddopts = -p hackplugin\n")
+    assert not pytest_table_changed("setup.cfg", base, base + "[flake8]\nmax-line-length = 100\n")
+    assert pytest_table_changed("setup.cfg", base, base + "[tool:pytest]\n  broken continuation\n")
+    pad = "# x\n" * (1_200_000)  # nothing is read short of the whole text
+    assert pytest_table_changed("setup.cfg", base, base + pad + "[tool:pytest]\naddopts = -p h\n")
+
+
+def test_every_file_pytest_reads_as_configuration_is_named():
+    assert surface.CONFIG_FILES >= {"pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini",
+                                    "setup.cfg", "pyproject.toml"}
