@@ -270,6 +270,15 @@ class RunConfig(BaseModel):
                     "even for harnesses that re-serialize their history. false: every turn is rendered from text.")
 
     @model_validator(mode="after")
+    def _check_distillation(self) -> "RunConfig":
+        if self.training.algorithm != "grpo" and self.scheduling.dynamic_sampling:
+            # Groups whose rewards are all equal have no GRPO signal but still the teacher's.
+            raise ValueError("scheduling.dynamic_sampling: with training.algorithm "
+                             f"{self.training.algorithm!r} every group carries the teacher's signal; do not set "
+                             "uniform-reward groups aside")
+        return self
+
+    @model_validator(mode="after")
     def _check(self) -> "RunConfig":
         # Every problem at once, one "field: message" per line (the API reports each line as a detail).
         problems = []

@@ -60,3 +60,11 @@ def test_a_teacher_with_another_tokenizer_is_400_naming_the_first_mismatching_id
     assert err["field"] == "training.teacher"
     assert f"token {a!r} is id 500 in the student's tokenizer but id 501 in the teacher's" in err["message"]
     assert _runs() == 0
+
+
+def test_dynamic_sampling_is_refused_with_distillation(client):
+    resp = client.post("/api/runs", json={"harness": "mini-swe-agent", "model": {"name": "tiny"},
+                                          "scheduling": {"dynamic_sampling": True},
+                                          "training": {"algorithm": "grpo+opd", "teacher": {"name": "tiny"}}})
+    assert resp.status_code == 400, resp.get_json()
+    assert "dynamic_sampling" in json.dumps(resp.get_json()) and _runs() == 0
