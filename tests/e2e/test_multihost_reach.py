@@ -1,6 +1,6 @@
 """A Celery worker on a machine that cannot reach the database, or (a rollout worker) the gateway,
 exits at start naming the address and its setting.  The machines are network namespaces on a
-bridge (support.netns); loopback is down in each, so nothing reaches 127.0.0.1 by accident."""
+bridge (support.netns); none has 127.0.0.1, so nothing reaches it by accident."""
 from __future__ import annotations
 
 import socket

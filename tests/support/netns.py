@@ -3,9 +3,10 @@
 `Network()` makes a bridge in the test's own namespace (address `<subnet>.254`, so the test
 process reaches every host like a user's laptop would) and `add_host(name)` one network
 namespace per machine, joined to the bridge by a veth pair, with its own address
-`<subnet>.<n>/24`.  A host's loopback stays down unless asked for, so a process in it that binds
-or dials 127.0.0.1 fails at once ("Network is unreachable") instead of silently talking to
-something on the same box.  `host.cmd(argv)` wraps a command to run inside the namespace
+`<subnet>.<n>/24`.  A host's loopback device is up (Linux delivers a machine's traffic to its
+own address through it) but holds no 127.0.0.1 or ::1 unless asked for, so a process in it that
+binds 127.0.0.1 ("Cannot assign requested address") or dials it ("Network is unreachable")
+fails at once instead of silently talking to something on the same box.  `host.cmd(argv)` wraps a command to run inside the namespace
 (`ip netns exec`).  Names carry a random id, so parallel test processes never meet; `close()`
 deletes the namespaces and the bridge.
 
@@ -75,8 +76,10 @@ class Network:
         _ip("-n", netns, "link", "set", inside, "name", "eth0")
         _ip("-n", netns, "addr", "add", f"{self.subnet}.{n}/24", "dev", "eth0")
         _ip("-n", netns, "link", "set", "eth0", "up")
-        if loopback:
-            _ip("-n", netns, "link", "set", "lo", "up")
+        _ip("-n", netns, "link", "set", "lo", "up")  # the kernel adds 127.0.0.1/8 and ::1 here
+        if not loopback:
+            _ip("-n", netns, "addr", "del", "127.0.0.1/8", "dev", "lo")
+            _ip("-n", netns, "addr", "del", "::1/128", "dev", "lo")
         _ip("link", "set", outside, "master", self.bridge)
         _ip("link", "set", outside, "up")
         host = Host(name, netns, f"{self.subnet}.{n}")
