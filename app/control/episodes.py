@@ -26,10 +26,11 @@ from sqlalchemy import update
 from app.control import lease, scheduler, redis_state
 from app.control.plan import Plan, celery_priority
 from app.control.runs import stages_for
-from app.control.stages import Claim, HarnessOutcome
+from app.control.stages import Claim, HarnessOutcome, forfeit_record
 from app.config import get_settings
 from app.db import session_scope
 from app.retry import retry_transient
+from app.runtimes.patch import PatchError
 from app.tables import SUPERSEDED, Completion, Episode, Run, utcnow
 from app.runconfig import RunConfig
 from app.transitions import transition
@@ -201,6 +202,8 @@ def rollout(episode_id: int) -> Plan:
                 where={"attempts": claim.attempt, "lease_owner": owner},
                 patch=outcome.patch, exit_status=outcome.exit_status, timed_out=outcome.timed_out,
                 rollout_finished_at=utcnow(), **lease.dispatch_values(),
+                # an episode its own actions ended is scored 0 by the grade stage, not graded
+                grading_report={"forfeit": outcome.forfeit} if outcome.forfeit else None,
                 session_token_hash=None,  # the session ends with the rollout: the gateway now refuses the key
             )
 
@@ -263,7 +266,13 @@ def _harness_failed(claim: Claim, outcome: HarnessOutcome, owner: str) -> Plan:
 
 
 def grade(episode_id: int) -> Plan:
-    """Grade the episode's patch with the instance's own tests; record the reward."""
+    """Grade the episode's patch with the instance's own tests; record the reward.
+
+    An episode that the agent's own actions ended after the policy sampled (its rollout's
+    `forfeit`), or whose patch the grader cannot extract from the applied tree (files of the
+    patch that break git: `PatchError`), is scored 0 ungraded (`Stages.forfeit`) and trains in its
+    group; `grading_report["forfeit"]` says why.  Any other grading error fails the episode.
+    """
     loaded = _load(episode_id)
     if loaded is None:
         return Plan()
@@ -274,9 +283,16 @@ def grade(episode_id: int) -> Plan:
     with session_scope() as s:
         if not lease.claim(s, episode_id, "grading", owner):
             return Plan()  # another worker grades it (a duplicate message), or it moved on
+    stages = stages_for(cfg)
+    forfeit = (ep.grading_report or {}).get("forfeit")
     try:
         with lease.Heartbeat(episode_id, "grading", owner):
-            outcome = stages_for(cfg).grade(record, ep.patch or "", episode_id, cfg)
+            try:
+                outcome = (stages.forfeit(record, episode_id, cfg, forfeit) if forfeit else
+                           stages.grade(record, ep.patch or "", episode_id, cfg))
+            except PatchError as exc:  # the applied patch's own files break extraction in the grader
+                forfeit = forfeit_record("patch_extraction", f"grading could not extract the applied patch: {exc}")
+                outcome = stages.forfeit(record, episode_id, cfg, forfeit)
     except Exception as exc:  # noqa: BLE001 (any grading error fails the episode with its reason)
         return fail(episode_id, f"grading failed: {type(exc).__name__}: {exc}", owner)
     def write() -> bool:
@@ -286,5 +302,8 @@ def grade(episode_id: int) -> Plan:
                               merge_stats=outcome.merge_stats, finished_at=utcnow(), **lease.clear_values())
 
     closing_write(write, f"episode {episode_id} graded")
+    if forfeit:
+        log.warning("episode=%s event=forfeit reward=0 cause=%s reason=%s", episode_id, forfeit["cause"],
+                    forfeit["reason"][:200])
     log.info("episode=%s event=graded reward=%s", episode_id, outcome.reward)
     return scheduler.tick(ep.run_id)

@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 
 from app.config import get_settings
 from app.control.preflight import installation_problems
-from app.control.stages import HARNESS_FAILED, Claim, GradeOutcome, HarnessOutcome
+from app.control.stages import HARNESS_FAILED, Claim, GradeOutcome, HarnessOutcome, forfeit_record
 from app.db import session_scope
 from app.paths import RunPaths
 from app.tables import Completion, Run
@@ -74,8 +74,10 @@ SANDBOX_LIMIT = "sandbox limit reached by the harness's commands: "
 
 def sandbox_limit_failure(limit_hit: str, log_text: str, log_path: Path) -> str:
     """The error of an attempt whose commands ran into a sandbox cap (`RunResult.limit_hit`: processes,
-    memory, disk): `SANDBOX_LIMIT`, the cap, then the tail of the harness log.  Such an attempt is
-    failed, not graded: the command was killed or refused by the deployment's limits."""
+    memory, disk) before the policy sampled anything: `SANDBOX_LIMIT`, the cap, then the tail of
+    the harness log.  Such an attempt is failed, not graded (the harness's own commands hit the
+    deployment's limits).  After the policy sampled, a cap hit is the policy's doing: the episode
+    forfeits (reward 0, `app.control.stages.forfeit_record`)."""
     return f"{SANDBOX_LIMIT}{limit_hit}\n--- harness log tail ({log_path}) ---\n{log_text[-LOG_TAIL_CHARS:]}"
 
 
@@ -189,7 +191,9 @@ class RealStages:
         and the episode is flagged.  An attempt that recorded no completion with sampled
         tokens (crash, context overflow on the first call, exit or timeout before any call)
         comes back with `failure` set (`harness_failure`): the policy was never asked, so
-        there is nothing to reward.
+        there is nothing to reward.  An attempt whose policy did sample and whose commands hit a
+        sandbox cap, or whose files make patch extraction fail or be refused (a link out of the
+        workspace), comes back with `forfeit` set: it is scored 0, ungraded.
         """
         from app.harnesses import get_preset
         from app.runtimes import attach_runtime
@@ -205,7 +209,14 @@ class RealStages:
         result = runtime.run(command, env=env, timeout_s=cfg.timeouts.agent_s, network="gateway",
                              stdin="", path_prepend=path_prepend,
                              should_stop=cancelled)  # a cancelled episode's harness is killed at once
-        patch = runtime.patch()
+        from app.runtimes.patch import PatchError, PatchRefused
+
+        try:
+            patch, patch_error = runtime.patch(), None
+        except PatchRefused as exc:  # a link out of the workspace: the agent's own file
+            patch, patch_error = "", forfeit_record("patch_refused", f"patch refused: {exc}")
+        except PatchError as exc:  # files the agent wrote that git cannot read (extraction is hardened)
+            patch, patch_error = "", forfeit_record("patch_extraction", f"patch extraction failed: {exc}")
         log_path = RunPaths(claim.run_id).harness_log(claim.episode_id, claim.attempt)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         limit = f"sandbox limit: {result.limit_hit}\n" if result.limit_hit else ""
@@ -215,14 +226,20 @@ class RealStages:
         log_path.write_text(log_text)
         stopped = result.stopped or cancelled()
         status = "timeout" if result.timed_out else ("cancelled" if stopped else f"exit {result.exit_code}")
-        failure = None
-        if status != "cancelled" and result.limit_hit:
-            failure = sandbox_limit_failure(result.limit_hit, log_text, log_path)
-        elif status != "cancelled" and usable_completions(claim.episode_id, claim.attempt) == 0:
-            failure = harness_failure(preset.name, result.exit_code, result.timed_out, cfg.timeouts.agent_s,
-                                      log_text, log_path)
+        failure = forfeit = None
+        if status == "cancelled":
+            pass
+        elif usable_completions(claim.episode_id, claim.attempt) == 0:
+            # The policy never sampled: whatever ended the attempt is not the policy's doing.
+            failure = (sandbox_limit_failure(result.limit_hit, log_text, log_path) if result.limit_hit else
+                       harness_failure(preset.name, result.exit_code, result.timed_out, cfg.timeouts.agent_s,
+                                       log_text, log_path))
+        elif result.limit_hit:  # the commands the policy chose ran into a cap
+            forfeit = forfeit_record("sandbox_limit", f"{SANDBOX_LIMIT}{result.limit_hit}")
+        elif patch_error is not None:
+            forfeit = patch_error
         return HarnessOutcome(patch=patch, exit_status=status, timed_out=result.timed_out, log_path=str(log_path),
-                              failure=failure)
+                              failure=failure, forfeit=forfeit)
 
     def grade(self, record: dict, patch: str, episode_id: int, cfg: RunConfig) -> GradeOutcome:
         """Grade the patch with the instance's tests; for train/collect runs also build trajectories.
@@ -235,15 +252,13 @@ class RealStages:
         report = dict(result.report)
         report["cached"] = result.cached
         report["log_path"] = result.log_path  # the apply + eval script output the report was parsed from
-        merge_stats = None
-        if cfg.kind in ("train", "collect"):
-            from app.training.store import build_episode_trajectories
+        return GradeOutcome(bool(result.resolved), float(result.reward), report, _trajectories(episode_id, cfg))
 
-            builder = cfg.training.builder
-            with session_scope() as s:
-                _rows, stats = build_episode_trajectories(s, episode_id, builder)
-                merge_stats = {builder: stats}
-        return GradeOutcome(bool(result.resolved), float(result.reward), report, merge_stats)
+    def forfeit(self, record: dict, episode_id: int, cfg: RunConfig, forfeit: dict) -> GradeOutcome:
+        """Reward 0 for an episode its agent's own actions ended (`app.control.stages.forfeit_record`):
+        not graded; trajectories built for train/collect runs, so it trains in its group."""
+        report = {"resolved": False, "forfeit": forfeit}
+        return GradeOutcome(False, 0.0, report, _trajectories(episode_id, cfg))
 
     # --- training -----------------------------------------------------------------------
 
@@ -251,3 +266,15 @@ class RealStages:
         from app.training.steps import train_step  # torch: imported in the gpu worker's child only
 
         return train_step(run_id, step, episode_ids)
+
+
+def _trajectories(episode_id: int, cfg: RunConfig) -> dict | None:
+    """Build the episode's trajectories for train/collect runs; {builder: merge stats}, else None."""
+    if cfg.kind not in ("train", "collect"):
+        return None
+    from app.training.store import build_episode_trajectories
+
+    builder = cfg.training.builder
+    with session_scope() as s:
+        _rows, stats = build_episode_trajectories(s, episode_id, builder)
+    return {builder: stats}

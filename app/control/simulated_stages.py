@@ -89,6 +89,9 @@ class SimulatedStages:
         resolved = random.Random(f"reward:{self.sim.seed}:{episode_id}").random() < self.sim.reward_p
         return GradeOutcome(resolved, float(resolved), {"simulated": True})
 
+    def forfeit(self, record: dict, episode_id: int, cfg: RunConfig, forfeit: dict) -> GradeOutcome:
+        return GradeOutcome(False, 0.0, {"simulated": True, "resolved": False, "forfeit": forfeit})
+
     def train(self, run_id: int, step: int, episode_ids: list[int] | None = None) -> dict:
         """A training step of `sim.train_s` seconds that does everything a real step does to the
         run's state (step row, policy version); only the optimizer update is replaced by a sleep."""

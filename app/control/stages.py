@@ -41,7 +41,8 @@ class HarnessOutcome:
     crashed, overflowed the context on its first call, exited or timed out before calling):
     one line naming the cause, followed by the tail of the harness log.  Such an episode is
     failed, not graded: a reward of 0 would say the policy tried and lost.  Simulated stages
-    never set it.
+    never set it.  `forfeit` is set when the policy did sample and the agent's own actions ended
+    the episode (`FORFEIT_CAUSES`): it is scored 0 without grading.
     """
 
     patch: str
@@ -49,6 +50,24 @@ class HarnessOutcome:
     timed_out: bool
     log_path: str | None = None
     failure: str | None = None
+    forfeit: dict | None = None  # `forfeit_record(...)`: the agent's own actions ended it; reward 0
+
+
+# The ends of an episode that the agent's own actions caused after the policy sampled (a sandbox
+# cap its commands hit, files it wrote that patch extraction refuses or cannot read).  Such an
+# episode is not graded and not failed: it trains with reward 0 in its GRPO group, because the
+# policy chose those actions.  A policy must not escape a zero reward by breaking its own episode
+# (a failed episode is left out of its group and never gets its negative advantage).
+FORFEIT_CAUSES = ("sandbox_limit", "patch_extraction", "patch_refused")
+
+
+def forfeit_record(cause: str, reason: str) -> dict:
+    """The `grading_report["forfeit"]` of an episode that ends with reward 0 by its own actions:
+    {"cause": one of `FORFEIT_CAUSES`, "reason": one line (at most 2000 characters)}.
+    Raises ValueError for an unknown cause."""
+    if cause not in FORFEIT_CAUSES:
+        raise ValueError(f"unknown forfeit cause {cause!r}; one of {', '.join(FORFEIT_CAUSES)}")
+    return {"cause": cause, "reason": reason.strip().split("\n", 1)[0][:2000]}
 
 
 def harness_failure_cause(error: str | None) -> str | None:
@@ -99,6 +118,10 @@ class Stages(Protocol):
 
     def grade(self, record: dict, patch: str, episode_id: int, cfg: RunConfig) -> GradeOutcome:
         """Grade the patch (and build trajectories for train/collect runs)."""
+
+    def forfeit(self, record: dict, episode_id: int, cfg: RunConfig, forfeit: dict) -> GradeOutcome:
+        """Score an episode that its own actions ended (`forfeit_record`) with reward 0, ungraded,
+        and build its trajectories for train/collect runs as `grade` does."""
 
     def train(self, run_id: int, step: int, episode_ids: list[int] | None = None) -> dict:
         """Run training step `step` of the run; returns its metrics (with `policy_version`)."""

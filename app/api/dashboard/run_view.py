@@ -69,6 +69,9 @@ def _episodes(s: Session, run_id: int, status: str | None, instance: str | None,
         reason = e.error
         if reason is None and e.timed_out:
             reason = "harness timed out"
+        forfeit = (e.grading_report or {}).get("forfeit") if e.status == "completed" else None
+        if reason is None and forfeit:  # scored 0 for the agent's own actions (app.control.stages)
+            reason = forfeit.get("reason")
         if reason is None and e.grading_report and (e.grading_report.get("apply") or {}).get("reason"):
             reason = e.grading_report["apply"]["reason"]
         episodes.append({
@@ -76,7 +79,7 @@ def _episodes(s: Session, run_id: int, status: str | None, instance: str | None,
             "status": e.status, "reward": e.reward, "resolved": e.resolved, "attempts": e.attempts,
             "duration_s": seconds_between(e.started_at, e.rollout_finished_at or e.finished_at),
             "calls": calls.get(e.id, 0), "exit_status": e.exit_status, "reason": reason,
-            "policy_version": e.policy_version,
+            "policy_version": e.policy_version, "forfeit": forfeit,
         })
     return episodes, matched
 
