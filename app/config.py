@@ -197,6 +197,14 @@ class Settings(BaseSettings):
                                             description="Completion token limit when the client sends none.")
     gateway_max_body_bytes: int = Field(32 * 1024 * 1024, ge=1, **_env("TURNSTILE_GATEWAY_MAX_BODY_BYTES"),
                                         description="Largest request body the gateway accepts, bytes.")
+    gateway_max_decoded_bytes: int = Field(1024 * 1024, ge=1, **_env("TURNSTILE_GATEWAY_MAX_DECODED_BYTES"),
+                                           description="Largest value the gateway decodes from inside a request "
+                                                       "(a reasoning signature's text), bytes.")
+    gateway_max_prompt_bytes: int | None = Field(None, ge=1, **_env("TURNSTILE_GATEWAY_MAX_PROMPT_BYTES"),
+                                                 description="Largest engine request the gateway builds from one "
+                                                             "request (its messages, tools and options as JSON, "
+                                                             "expanded history included), bytes (unset: the body "
+                                                             "cap).")
     gateway_keepalive_s: float = Field(10.0, gt=0, allow_inf_nan=False, **_env("TURNSTILE_GATEWAY_KEEPALIVE_S"),
                                        description="Keep-alive interval of streamed answers while the engine "
                                                    "prefills, seconds.")

@@ -107,13 +107,14 @@ def _messages(messages: Any) -> list[dict]:
                 out.append({"role": "user", "content": c.simplify_content(parts)})
             continue
         text, reasoning, calls = [], [], []
-        for b in blocks:
+        for j, b in enumerate(blocks):
             t = b["type"]
             if t == "text" and b.get("text"):
                 text.append(b["text"])
             elif t == "thinking":
                 # keep reasoning; restore it from a gateway-issued signature when empty.
-                restored = b.get("thinking") or c.reasoning_from_signature(b.get("signature")) or ""
+                restored = b.get("thinking") or c.reasoning_from_signature(
+                    b.get("signature"), f"messages.{i}.content.{j}.signature") or ""
                 if restored:
                     reasoning.append(restored)
             elif t == "tool_use":
@@ -171,8 +172,8 @@ def _tool_choice(tc: Any, chat: dict) -> None:
     else:
         c.expect(isinstance(tc.get("name"), str), "tool_choice.name: required for type tool", "tool_choice")
         chat["tool_choice"] = {"type": "function", "function": {"name": tc["name"]}}
-    if tc.get("disable_parallel_tool_use"):
-        chat["parallel_tool_calls"] = False
+    if c.expect_type(tc.get("disable_parallel_tool_use"), bool, "tool_choice.disable_parallel_tool_use"):
+        chat["parallel_tool_calls"] = False  # at most one call is shown (`relay.tool_call_limit`)
 
 
 def thinking_enabled(thinking: Any) -> bool:

@@ -1,7 +1,8 @@
 """A gateway request's body, from the bytes on the wire to a JSON object the gateway may record.
 
 `read_body` applies, in order: the size cap (Flask's MAX_CONTENT_LENGTH, then again after
-decompression), the Content-Encoding (gzip, deflate, zstd), strict JSON (no `NaN`, an object
+decompression), the Content-Encoding (gzip, deflate, zstd; at most `MAX_CODINGS` of them, a zstd
+window of at most `ZSTD_MAX_WINDOW`), strict JSON (no `NaN`, an object
 at the top) and `app.text.storable` (U+0000 and lone surrogates become U+FFFD: the engine must
 see exactly what is recorded).  Every refusal is a `GatewayError`, answered in the caller's
 API shape by the router.
@@ -38,8 +39,13 @@ def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
     """The request body with its Content-Encoding removed (RFC 9110 §8.4: codings listed in
     the order applied).  gzip, deflate and zstd (RFC 8878; Codex compresses with it) are
     accepted; an unknown coding is a 415 (RFC 9110 §15.5.16); the decoded body may not
-    exceed `limit` bytes, so a small compression bomb cannot exhaust memory."""
+    exceed `limit` bytes, so a small compression bomb cannot exhaust memory.  At most
+    `MAX_CODINGS` codings: each is undone up to `limit`, so a header listing hundreds of them would
+    make one small body cost hundreds of decompressions."""
     codings = [c.strip().lower() for c in encoding.split(",") if c.strip()]
+    if len(codings) > MAX_CODINGS:
+        raise GatewayError("unsupported_media", f"At most {MAX_CODINGS} Content-Encoding codings are accepted, "
+                                                f"got {len(codings)}")
     for coding in reversed(codings):
         if coding == "identity":
             continue
@@ -64,12 +70,21 @@ def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
     return raw
 
 
+MAX_CODINGS = 3
+# A zstd frame names its window size, which the decoder allocates up front (up to 128 MiB by default
+# in libzstd, whatever the frame's content): capped at the 8 MiB that RFC 8878 section 3.1.1.1.2
+# asks every decoder to support; Codex's encoder (zstd level 3) uses at most 2 MiB.
+ZSTD_MAX_WINDOW = 8 * 1024 * 1024
+
+
 def _unzstd(raw: bytes, limit: int) -> bytes:
-    """At most `limit` + 1 bytes of zstd-compressed `raw` (one more than allowed tells too large)."""
+    """At most `limit` + 1 bytes of zstd-compressed `raw` (one more than allowed tells too large),
+    every frame of it (RFC 8878 section 3: a body may hold several)."""
     import zstandard  # only Codex sends zstd: imported on first use
 
     try:
-        with zstandard.ZstdDecompressor().stream_reader(raw) as reader:
+        with zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(
+                raw, read_across_frames=True) as reader:
             out = reader.read(limit + 1)
             while len(out) <= limit:
                 more = reader.read(limit + 1 - len(out))
@@ -77,6 +92,9 @@ def _unzstd(raw: bytes, limit: int) -> bytes:
                     break
                 out += more
     except zstandard.ZstdError as exc:
+        if "too much memory" in str(exc):  # libzstd's words for a window past max_window_size
+            raise GatewayError("too_large", f"Request body's zstd frame needs a window over {ZSTD_MAX_WINDOW} "
+                                            f"bytes") from None
         raise GatewayError("invalid_request", f"Request body is not valid zstd data: {exc}") from None
     return out
 

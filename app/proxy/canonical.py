@@ -102,6 +102,8 @@ class Result:
     cached_tokens: int = 0
     policy_version: int | None = None
     flags: list[str] = field(default_factory=list)
+    withheld_calls: list[ToolCall] = field(default_factory=list)  # sampled, not shown (`withhold_calls`)
+    sampled_finish_reason: str | None = None  # the engine's, when withholding changed `finish_reason`
 
     @property
     def prompt_tokens(self) -> int:
@@ -144,11 +146,49 @@ def _logprob_values(lp: Any) -> tuple[list[float], list[dict]]:
     return vals, [e for e in content if isinstance(e, dict)]
 
 
-class ChunkNormalizer:
-    """Feeds upstream Chat Completions stream chunks; emits canonical events; builds a `Result`."""
+def withhold_calls(result: Result, max_calls: int | None) -> None:
+    """Show at most `max_calls` tool calls of a finished `result` (None: all).
 
-    def __init__(self, taken: set[str] | frozenset = frozenset()) -> None:
+    The client asked for one call at a time (`parallel_tool_calls: false`, Anthropic's
+    `disable_parallel_tool_use`), but engines do not all honour it, so the gateway keeps the first
+    call and withholds the others.  Design: the policy's sample is kept whole, never cut:
+    `sampled_ids` and `logprobs` stay every token the engine sampled (the withheld calls included),
+    so what is trained is exactly what the policy sampled; the calls not shown move to
+    `withheld_calls` (recorded in the completion's `normalized_request` as
+    `turnstile_withheld_tool_calls`, with the flag `tool_calls_withheld`), the record's
+    `finish_reason` stays the engine's (`sampled_finish_reason`) while the client is shown a
+    finished call (`finish_reason` "tool_calls", even when the engine stopped for length inside a
+    withheld call).  The next turn's prompt still extends the sampled ids: the splice
+    (`app.proxy.splice`) recognises the turn the client sends back by what it was shown and
+    continues from the recorded sampled ids.  Stopping the engine after the first call instead
+    would need the template's end-of-call tokens to cut the ids exactly, which the gateway does
+    not know for every model.
+    """
+    if max_calls is None or len(result.tool_calls) <= max_calls:
+        return
+    result.withheld_calls = result.tool_calls[max_calls:]
+    result.tool_calls = result.tool_calls[:max_calls]
+    result.sampled_finish_reason = result.finish_reason
+    result.finish_reason = "tool_calls"
+    result.flags.append("tool_calls_withheld")
+
+
+def _shown(events: list[tuple], max_calls: int | None) -> list[tuple]:
+    """`events` without those of tool calls past the first `max_calls` (None: all)."""
+    if max_calls is None:
+        return events
+    return [e for e in events if e[0] not in ("tool_start", "tool_args") or e[1] < max_calls]
+
+
+class ChunkNormalizer:
+    """Feeds upstream Chat Completions stream chunks; emits canonical events; builds a `Result`.
+
+    `max_calls`: events of tool calls past the first `max_calls` are not emitted, and `finish()`
+    withholds those calls (`withhold_calls`); None shows every call."""
+
+    def __init__(self, taken: set[str] | frozenset = frozenset(), max_calls: int | None = None) -> None:
         self.result = Result()
+        self.max_calls = max_calls
         self.taken = set(taken)                 # tool-call ids already in the conversation
         self._by_index: dict[int, int] = {}      # upstream tool index -> k
         self._pending: dict[int, dict] = {}     # k -> {"id","name","args"} before the name is known
@@ -196,7 +236,7 @@ class ChunkNormalizer:
                 r.finish_reason = choice["finish_reason"]
             if choice.get("stop_reason") is not None:
                 r.stop_reason = choice["stop_reason"]
-        return events
+        return _shown(events, self.max_calls)
 
     def _tool_fragment(self, tc: dict) -> list[tuple]:
         r = self.result
@@ -266,7 +306,9 @@ class ChunkNormalizer:
             r.tool_calls = [c for c in r.tool_calls if c not in nameless]
             self._started = set(range(len(r.tool_calls)))
         events = [] if r.finish_reason == "length" else self._close_empty(len(r.tool_calls) - 1)
-        return events + finish_result(r)
+        events = _shown(events + finish_result(r), self.max_calls)
+        withhold_calls(r, self.max_calls)
+        return events
 
 
 _TOOL_IN_REASONING = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
@@ -320,8 +362,10 @@ def finish_result(result: Result) -> list[tuple]:
     return events
 
 
-def result_from_completion(body: dict, taken: set[str] | frozenset = frozenset()) -> Result:
-    """A non-stream `chat.completion` body (with vLLM extensions) -> `Result` (choice 0)."""
+def result_from_completion(body: dict, taken: set[str] | frozenset = frozenset(),
+                           max_calls: int | None = None) -> Result:
+    """A non-stream `chat.completion` body (with vLLM extensions) -> `Result` (choice 0), showing at
+    most `max_calls` tool calls (`withhold_calls`; None: all)."""
     r = Result()
     if body.get("prompt_token_ids") is not None:
         r.prompt_ids = list(body["prompt_token_ids"])
@@ -357,4 +401,5 @@ def result_from_completion(body: dict, taken: set[str] | frozenset = frozenset()
     r.sampled_ids = list(choice.get("token_ids") or [])
     r.logprobs, r.logprobs_content = _logprob_values(choice.get("logprobs"))
     finish_result(r)
+    withhold_calls(r, max_calls)
     return r

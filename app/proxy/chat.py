@@ -136,8 +136,9 @@ def normalize(body: dict, ctx: c.CallContext = c.NO_CONTEXT) -> c.Normalized:
         chat["tools"] = tools
         if body.get("tool_choice") is not None:
             chat["tool_choice"] = _tool_choice(body["tool_choice"])
-        if body.get("parallel_tool_calls") is not None:
-            chat["parallel_tool_calls"] = bool(body["parallel_tool_calls"])
+        parallel = c.expect_type(body.get("parallel_tool_calls"), bool, "parallel_tool_calls")
+        if parallel is not None:  # false: at most one call is shown (`relay.tool_call_limit`)
+            chat["parallel_tool_calls"] = parallel
     chat["max_tokens"] = c.limit_tokens(c.positive_int(body.get("max_tokens"), "max_tokens"),
                                         c.positive_int(body.get("max_completion_tokens"), "max_completion_tokens"))
     c.copy_sampling(body, chat, _PASS)
@@ -156,6 +157,8 @@ def normalize(body: dict, ctx: c.CallContext = c.NO_CONTEXT) -> c.Normalized:
     top = body.get("top_logprobs")
     if top is not None:
         c.expect_type(top, int, "top_logprobs")
+        # OpenAI's range; each alternative adds a token's worth to every sampled token's answer
+        c.expect(0 <= top <= 20, f"top_logprobs: must be between 0 and 20, got {top}", "top_logprobs")
         chat["top_logprobs"] = top
     opts = body.get("stream_options")
     c.expect_type(opts, dict, "stream_options")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from app.config import Settings, get_settings
+from app.proxy import limits
 from app.proxy.canonical import engine_call_id
 from app.proxy.errors import GatewayError
 
@@ -31,6 +32,8 @@ class GatewaySettings:
 
     default_max_tokens: int = _default("default_max_tokens")  # when the client sends no limit (Codex)
     max_body_bytes: int = _default("max_body_bytes")
+    max_decoded_bytes: int = _default("max_decoded_bytes")  # one value decoded from a request (app.proxy.limits)
+    max_prompt_bytes: int | None = _default("max_prompt_bytes")  # the engine request; None: max_body_bytes
     keepalive_s: float = _default("keepalive_s")              # keep-alive interval while the engine prefills
     vision: bool = _default("vision")                          # engine model accepts images; else placeholders
     session_cache_s: float = _default("session_cache_s")      # how long a resolved session token is trusted
@@ -39,6 +42,7 @@ class GatewaySettings:
     @classmethod
     def from_settings(cls, s: Settings) -> "GatewaySettings":
         return cls(default_max_tokens=s.gateway_default_max_tokens, max_body_bytes=s.gateway_max_body_bytes,
+                   max_decoded_bytes=s.gateway_max_decoded_bytes, max_prompt_bytes=s.gateway_max_prompt_bytes,
                    keepalive_s=s.gateway_keepalive_s, vision=s.gateway_vision,
                    session_cache_s=s.gateway_session_cache_s, upstream_timeout_s=s.gateway_upstream_timeout_s)
 
@@ -298,22 +302,62 @@ def tool_call(call_id: str, name: str, arguments: Any) -> dict:
 
 # --- reasoning signatures -------------------------------------------------------------------
 # Anthropic thinking blocks need a signature; Claude Code may ask for thinking text to be
-# omitted (`display: "omitted"`) and replays the empty block with the signature.  The
-# gateway's signature carries the reasoning itself (compressed), so it can be restored
-# on replay and the next prompt keeps the exact prefix.
+# omitted (`display: "omitted"`) and replays the empty block with the signature; Codex replays a
+# Responses reasoning item by its `encrypted_content`; Gemini CLI drops thought parts from its
+# history but keeps each part's `thoughtSignature`.  The gateway's signature carries the
+# reasoning itself (zlib-compressed), so it is restored on replay and the next prompt keeps the
+# exact prefix.  Decoding is capped (`app.proxy.limits.inflate`): a signature is the caller's
+# input, and a forged one is a compression bomb.
 
 SIGNATURE_PREFIX = "tsr1."
+_MAGIC = SIGNATURE_PREFIX.encode("ascii")
+_MAGIC_B64 = base64.b64encode(_MAGIC[:3]).decode("ascii")  # "dHNy": how the bytes form starts
+_TO_STANDARD = str.maketrans("-_", "+/")
 
 
 def reasoning_signature(text: str) -> str:
+    """The text form (Anthropic `signature`, Responses `encrypted_content`): `tsr1.` + URL-safe
+    base64 of the zlib-compressed UTF-8 reasoning."""
     return SIGNATURE_PREFIX + base64.urlsafe_b64encode(zlib.compress(text.encode("utf-8"))).decode("ascii")
 
 
-def reasoning_from_signature(sig: Any) -> str | None:
-    """The reasoning text encoded in a signature the gateway issued, else None."""
-    if not isinstance(sig, str) or not sig.startswith(SIGNATURE_PREFIX):
+def reasoning_signature_bytes(text: str) -> str:
+    """The bytes form (Gemini `thoughtSignature`, a `bytes` field sent as base64: google-genai
+    decodes either alphabet and re-encodes URL-safe): URL-safe base64 of `tsr1.` + the
+    zlib-compressed UTF-8 reasoning."""
+    return base64.urlsafe_b64encode(_MAGIC + zlib.compress(text.encode("utf-8"))).decode("ascii")
+
+
+def _padded(b64: str) -> str:
+    return b64 + "=" * (-len(b64) % 4)
+
+
+def _signature_payload(sig: Any) -> bytes | None:
+    """The compressed reasoning inside a signature of either form, None for any other value."""
+    if not isinstance(sig, str) or not sig:
         return None
     try:
-        return zlib.decompress(base64.urlsafe_b64decode(sig[len(SIGNATURE_PREFIX):])).decode("utf-8")
-    except Exception:  # noqa: BLE001 - a foreign or damaged signature is just "unknown"
+        if sig.startswith(SIGNATURE_PREFIX):
+            return base64.urlsafe_b64decode(_padded(sig[len(SIGNATURE_PREFIX):]))
+        if sig.startswith(_MAGIC_B64):
+            raw = base64.b64decode(_padded(sig.translate(_TO_STANDARD)), validate=True)
+            return raw[len(_MAGIC):] if raw.startswith(_MAGIC) else None
+    except ValueError:  # binascii.Error: not base64
+        return None
+    return None
+
+
+def reasoning_from_signature(sig: Any, where: str = "signature") -> str | None:
+    """The reasoning text encoded in a signature the gateway issued (either form), else None
+    (a foreign or damaged signature is just "unknown").
+
+    Raises:
+        GatewayError: too_large (413) when the signature inflates past its cap (`where` names it).
+    """
+    payload = _signature_payload(sig)
+    if payload is None:
+        return None
+    try:
+        return limits.inflate(payload, where).decode("utf-8")
+    except ValueError:  # damaged zlib data, or not UTF-8 (UnicodeDecodeError is a ValueError)
         return None

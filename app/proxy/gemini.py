@@ -10,6 +10,12 @@ Spec: https://ai.google.dev/api/generate-content; googleapis/python-genai
   both become JSON Schema.
 * JSON mode (`responseMimeType` + `responseSchema`/`responseJsonSchema`) ->
   `response_format` (Gemini CLI's router needs valid JSON back).
+* Thought signatures: an answer that reasoned carries a `thoughtSignature` on its first part
+  after the thinking; it holds the reasoning, restored from it when a client sends the turn
+  back without its thought parts (`_sign`).
+* No parallel-call control: `functionCallingConfig` has modes and allowed names only
+  (https://ai.google.dev/api/caching#FunctionCallingConfig), so every call the model makes is
+  answered.
 * Stream (`?alt=sse`): data-only frames, each a GenerateContentResponse holding
   only new parts; function calls are sent whole; never an empty text part; the
   last frame always carries `finishReason` and `usageMetadata`.
@@ -57,6 +63,13 @@ def json_schema(schema: Any) -> Any:
     return out
 
 
+def _field(obj: dict, camel: str, snake: str) -> Any:
+    """A field by its JSON name or its proto name: proto3 JSON parsers accept both
+    (https://protobuf.dev/programming-guides/json/), so Gemini does, and clients use either."""
+    value = obj.get(camel)
+    return obj.get(snake) if value is None else value
+
+
 def _response_text(resp: Any) -> str:
     if isinstance(resp, dict) and len(resp) == 1:
         (val,) = resp.values()
@@ -76,9 +89,12 @@ def _messages(contents: Any) -> list[dict]:
         c.expect(role in ("user", "model", "function", "system"), f"{where}.role: must be user or model", "contents")
         parts = content.get("parts") or []
         c.expect(isinstance(parts, list), f"{where}.parts: expected a list", "contents")
-        user_parts, tool_msgs, text, reasoning, calls = [], [], [], [], []
+        user_parts, tool_msgs, text, reasoning, calls, signed = [], [], [], [], [], []
         for j, p in enumerate(parts):
             c.expect(isinstance(p, dict), f"{where}.parts[{j}]: expected an object", "contents")
+            sig = _field(p, "thoughtSignature", "thought_signature")
+            if role == "model" and sig is not None:
+                signed.append((sig, f"{where}.parts[{j}].thoughtSignature"))
             if "text" in p:
                 c.expect(isinstance(p["text"], str), f"{where}.parts[{j}].text: expected a string", "contents")
                 if not p["text"]:
@@ -114,6 +130,10 @@ def _messages(contents: Any) -> list[dict]:
             elif "fileData" in p:
                 user_parts.append({"type": "text", "text": f"[file omitted: {(p['fileData'] or {}).get('fileUri')}]"})
             # executableCode, codeExecutionResult, thoughtSignature-only parts: nothing to render
+        if role == "model" and not reasoning:
+            # Gemini CLI drops thought parts from its history and keeps the signatures: the
+            # gateway's own restore the reasoning, so the turn renders as it was sampled.
+            reasoning = [r for r in (c.reasoning_from_signature(sig, at) for sig, at in signed) if r]
         if role == "system":
             out.append({"role": "system", "content": c.text_of(user_parts)})
         elif role == "model":
@@ -202,11 +222,12 @@ def normalize(body: dict, ctx: c.CallContext = c.NO_CONTEXT) -> c.Normalized:
         chat["response_format"] = ({"type": "json_schema", "json_schema": {"name": "output",
                                                                           "schema": json_schema(schema)}}
                                    if isinstance(schema, dict) else {"type": "json_object"})
-    think = gen.get("thinkingConfig")
+    think = _field(gen, "thinkingConfig", "thinking_config")
     include = False
     if isinstance(think, dict):
-        include = bool(think.get("includeThoughts"))
-        budget = think.get("thinkingBudget")
+        # google-genai (3.3) sends this object's fields by their proto names (`include_thoughts`)
+        include = bool(_field(think, "includeThoughts", "include_thoughts"))
+        budget = _field(think, "thinkingBudget", "thinking_budget")
         chat["chat_template_kwargs"] = {"enable_thinking": not (budget == 0 and not include)}
     return c.Normalized(API, chat, model, stream, {"include_thoughts": include})
 
@@ -224,6 +245,26 @@ def _usage(r: Result) -> dict:
 
 def _call_part(call) -> dict:
     return {"functionCall": {"id": call.id, "name": call.name, "args": call.parsed_arguments()}}
+
+
+def _sign(parts: list[dict], reasoning: str) -> list[dict]:
+    """`parts` with the answer's thought signature on its first part after the thinking (the first
+    non-thought part: a functionCall, a text, or the NO_TEXT placeholder), when it reasoned.
+
+    Gemini returns a `thoughtSignature` on the first functionCall part of a step, or on a part of a
+    text answer (https://ai.google.dev/gemini-api/docs/thought-signatures), and clients send it
+    back on that part even when they drop the thought parts (Gemini CLI does).  The gateway's
+    signature carries the reasoning sampled before it (`common.reasoning_signature_bytes`), which
+    `_messages` restores, so with or without splicing the next prompt holds the sampled reasoning.
+    On the first non-thought part, not the last: Gemini CLI merges consecutive streamed text parts
+    into the first one, keeping only that part's other fields."""
+    if not reasoning:
+        return parts
+    for k, p in enumerate(parts):
+        if not p.get("thought"):
+            parts[k] = {**p, "thoughtSignature": c.reasoning_signature_bytes(reasoning)}
+            break
+    return parts
 
 
 def _finish(r: Result) -> str:
@@ -246,7 +287,8 @@ def render(r: Result, norm: c.Normalized, resp_id: str) -> dict:
     parts.extend(_call_part(t) for t in r.runnable_calls)
     if not any("functionCall" in p or not p.get("thought") for p in parts):
         parts.append({"text": NO_TEXT})
-    cand: dict = {"content": {"role": "model", "parts": parts}, "finishReason": _finish(r), "index": 0}
+    cand: dict = {"content": {"role": "model", "parts": _sign(parts, r.reasoning)}, "finishReason": _finish(r),
+                  "index": 0}
     return {"candidates": [cand], "usageMetadata": _usage(r), "modelVersion": norm.model, "responseId": resp_id}
 
 
@@ -286,8 +328,11 @@ class Stream:
         self.sent_calls = max(self.sent_calls, upto)
         return parts
 
-    def _visible(self, parts: list[dict]) -> list[dict]:
+    def _visible(self, parts: list[dict], r: Result) -> list[dict]:
+        """`parts` as sent; the first visible part of the answer carries its thought signature (`_sign`)."""
         if any("functionCall" in p or not p.get("thought") for p in parts):
+            if not self.sent_visible:
+                parts = _sign(parts, r.reasoning)
             self.sent_visible = True
         return parts
 
@@ -296,17 +341,17 @@ class Stream:
         if kind == "reasoning" and self.norm.meta.get("include_thoughts"):
             return [self._chunk([{"text": ev[1], "thought": True}])]
         if kind == "text" or (kind == "refusal" and not r.text):
-            return [self._chunk(self._visible([{"text": ev[1]}]))] if ev[1] else []
+            return [self._chunk(self._visible([{"text": ev[1]}], r))] if ev[1] else []
         if kind == "tool_start" and ev[1] > self.sent_calls:
             # the previous call is complete: send it whole (Gemini never streams partial args)
-            return [self._chunk(self._visible(self._flush_calls(r, ev[1])))]
+            return [self._chunk(self._visible(self._flush_calls(r, ev[1]), r))]
         return []
 
     def finish(self, r: Result) -> list[bytes]:
         self.done = True
-        parts = self._visible(self._flush_calls(r, len(r.runnable_calls)))
+        parts = self._visible(self._flush_calls(r, len(r.runnable_calls)), r)
         if not self.sent_visible:
-            parts = self._visible([{"text": NO_TEXT}])
+            parts = self._visible([{"text": NO_TEXT}], r)
         return [self._chunk(parts, _finish(r), r)]
 
     def fail(self, err: GatewayError, r: Result) -> list[bytes]:

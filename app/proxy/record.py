@@ -46,7 +46,9 @@ from sqlalchemy.exc import IntegrityError
 
 from app.db import get_engine, session_scope
 from app.tables import Completion, Episode
+from app.proxy import limits
 from app.proxy.canonical import Result
+from app.proxy.errors import GatewayError
 
 log = logging.getLogger("turnstile.gateway")
 # Engine-request fields that carry the spliced prompt ids (`app.proxy.splice`); not recorded.
@@ -138,11 +140,15 @@ def write_completion(cap: Capture, result: Result, response: dict | None, respon
     normalized = dict(cap.normalized_request)
     if result.flags:
         normalized["turnstile_flags"] = list(result.flags)
+    if result.withheld_calls:  # sampled (in sampled_ids) but not shown: `canonical.withhold_calls`
+        normalized["turnstile_withheld_tool_calls"] = [
+            {"id": t.id, "name": t.name, "arguments": t.arguments} for t in result.withheld_calls]
     values = dict(
         api=cap.api, model=cap.model, stream=cap.stream, raw_request=cap.raw_request,
         normalized_request=normalized, response=response, response_id=response_id,
         prompt_ids=result.prompt_ids, sampled_ids=list(result.sampled_ids), logprobs=list(result.logprobs),
-        finish_reason=result.finish_reason, engine_id=cap.engine_id,
+        finish_reason=result.sampled_finish_reason if result.withheld_calls else result.finish_reason,
+        engine_id=cap.engine_id,
         policy_version=result.policy_version if result.policy_version is not None else cap.policy_version_fallback,
         queue_ms=cap.ms(cap.t_accepted), first_token_ms=cap.ms(cap.t_first), total_ms=cap.ms(time.perf_counter()),
         partial=partial, error=error,
@@ -190,22 +196,36 @@ def find_response(episode_id: int, response_id: str) -> tuple[dict, dict] | None
     return (row.raw_request or {}).get("body") or {}, row.response
 
 
-def response_history(episode_id: int, response_id: str, depth: int = 0) -> list:
+def response_history(episode_id: int, response_id: str, limit: int | None = None, max_depth: int = 500) -> list:
     """Input items that `previous_response_id` stands for: the whole chain of earlier inputs and
     outputs, oldest first (OpenAI semantics; instructions are not carried over).
 
-    Raises LookupError when a response id is unknown in this episode.
+    `limit`: the most bytes (compact JSON) the items may add up to; the chain is read newest first
+    and stops as soon as it is past the limit, so a short request naming a long chain never
+    holds more than that in memory.
+
+    Raises:
+        LookupError: a response id is unknown in this episode, or the chain is longer than `max_depth`.
+        GatewayError: too_large (413) when the items exceed `limit`.
     """
-    if depth > 500:
-        raise LookupError("previous_response_id chain is too long")
-    found = find_response(episode_id, response_id)
-    if found is None:
-        raise LookupError(response_id)
-    body, response = found
-    items: list = []
-    if isinstance(body.get("previous_response_id"), str):
-        items += response_history(episode_id, body["previous_response_id"], depth + 1)
-    inp = body.get("input")
-    items += [{"role": "user", "content": inp}] if isinstance(inp, str) else list(inp or [])
-    items += list(response.get("output") or [])
-    return items
+    steps: list[list] = []  # newest first
+    size, rid = 0, response_id
+    while rid is not None:
+        if len(steps) >= max_depth:
+            raise LookupError("previous_response_id chain is too long")
+        found = find_response(episode_id, rid)
+        if found is None:
+            raise LookupError(rid)
+        body, response = found
+        inp = body.get("input")
+        step = ([{"role": "user", "content": inp}] if isinstance(inp, str) else list(inp or []))
+        step += list(response.get("output") or [])
+        if limit is not None:
+            size += limits.json_size(step)
+            if size > limit:
+                raise GatewayError("too_large", f"previous_response_id: the history it names exceeds {limit} bytes "
+                                                f"(TURNSTILE_GATEWAY_MAX_PROMPT_BYTES)", param="previous_response_id")
+        steps.append(step)
+        prev = body.get("previous_response_id")
+        rid = prev if isinstance(prev, str) else None
+    return [item for step in reversed(steps) for item in step]

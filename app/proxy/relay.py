@@ -19,7 +19,7 @@ from flask import Response
 from app import weight_gate
 from app.proxy import record
 from app.proxy.apis import ApiModule, StreamWriter
-from app.proxy.canonical import ChunkNormalizer, Result, result_from_completion
+from app.proxy.canonical import ChunkNormalizer, Result, result_from_completion, withhold_calls
 from app.proxy.common import Normalized, gateway_settings
 from app.proxy.errors import GatewayError
 from app.proxy.sse import frame
@@ -84,7 +84,7 @@ def collect_answer(up, engine, body: dict, episode_id: int, cap: record.Capture,
     if not (isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices)):
         raise GatewayError("upstream", "The engine's answer holds no choices the gateway could read")
     try:
-        return result_from_completion(answer, history_call_ids(norm))
+        return result_from_completion(answer, history_call_ids(norm), tool_call_limit(norm))
     except Exception:  # noqa: BLE001 - an answer that breaks the reader is the engine's fault
         log.exception("unreadable engine answer")
         raise GatewayError("upstream", "The engine sent an answer the gateway could not read") from None
@@ -102,7 +102,7 @@ def hold_while_reloading(engine, cap: record.Capture) -> None:
 
 
 def held_stream(writer: StreamWriter, up, engine, body: dict, episode_id: int, cap: record.Capture, resp_id: str,
-                taken: set[str] | frozenset = frozenset()) -> Iterator[bytes]:
+                taken: set[str] | frozenset = frozenset(), max_calls: int | None = None) -> Iterator[bytes]:
     """Stream whose request arrived during a weight reload: opening frames and keep-alives
     while the gate is closed, then the normal relay (errors after this point go in-stream)."""
     t0 = time.perf_counter()
@@ -114,7 +114,7 @@ def held_stream(writer: StreamWriter, up, engine, body: dict, episode_id: int, c
     cap.raw_request["reload_held_ms"] = round(held * 1000, 1)
     weight_gate.record_hold(engine.url, held)
     opening = up.open_stream(engine, body, episode_id, keepalive)
-    yield from stream_answer(writer, opening, cap, resp_id, opened=True, taken=taken)
+    yield from stream_answer(writer, opening, cap, resp_id, opened=True, taken=taken, max_calls=max_calls)
 
 
 def _upstream_item(item, r, error: GatewayError | None) -> tuple[GatewayError | None, bool]:
@@ -157,15 +157,24 @@ def history_call_ids(norm: Normalized) -> set[str]:
     return {tc.get("id") for m in norm.chat.get("messages") or [] for tc in m.get("tool_calls") or []}
 
 
+def tool_call_limit(norm: Normalized) -> int | None:
+    """1 when the client asked for one tool call at a time (Chat and Responses
+    `parallel_tool_calls: false`, Anthropic `tool_choice.disable_parallel_tool_use: true`, all
+    normalized to the engine request's `parallel_tool_calls`), else None (`canonical.withhold_calls`)."""
+    return 1 if norm.chat.get("parallel_tool_calls") is False else None
+
+
 def stream_answer(writer: StreamWriter, opening: PendingStream, cap: record.Capture, resp_id: str,
-                  opened: bool = False, taken: set[str] | frozenset = frozenset()) -> Iterator[bytes]:
-    """Engine stream -> client SSE frames, with keep-alives while the engine is silent.
+                  opened: bool = False, taken: set[str] | frozenset = frozenset(),
+                  max_calls: int | None = None) -> Iterator[bytes]:
+    """Engine stream -> client SSE frames, with keep-alives while the engine is silent; at most
+    `max_calls` tool calls are shown (`canonical.withhold_calls`; None: all).
 
     The completion is recorded before the terminal frames are sent; if the client goes
     away first (GeneratorExit at a yield), the finally path records what was sampled
     so far with partial=True and closes the upstream stream so the engine aborts.
     """
-    norm = ChunkNormalizer(taken)
+    norm = ChunkNormalizer(taken, max_calls)
     r = norm.result
     keepalive = gateway_settings().keepalive_s
     try:
@@ -199,6 +208,7 @@ def stream_answer(writer: StreamWriter, opening: PendingStream, cap: record.Capt
                 frames += writer.on_event(ev, r)
             frames += writer.finish(r)
         else:
+            withhold_calls(r, max_calls)  # (`norm.finish` does it on success) the record shows what was shown
             frames = writer.fail(error, r)
         if not norm.first_chunk_seen:
             cap.written = True  # the engine never started this answer: nothing to record
@@ -211,6 +221,7 @@ def stream_answer(writer: StreamWriter, opening: PendingStream, cap: record.Capt
     finally:
         opening.cancel()
         if not cap.written and norm.first_chunk_seen:
+            withhold_calls(r, max_calls)
             try:
                 record.write_completion(cap, r, writer.final_body(r), resp_id, partial=True,
                                         error="client disconnected before the answer was complete")

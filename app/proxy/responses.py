@@ -119,7 +119,7 @@ def _messages(items: Any, custom_tools: set[str]) -> list[dict]:
             out.extend(c.tool_result_messages(call_id, _output_text(it.get("output"), f"{where}.output")))
         elif t == "reasoning":
             # summary may be [], encrypted_content null; restore our own encrypted content.
-            text = c.reasoning_from_signature(it.get("encrypted_content"))
+            text = c.reasoning_from_signature(it.get("encrypted_content"), f"{where}.encrypted_content")
             if text is None:
                 parts = _parts(it.get("content") or [], f"{where}.content") or \
                     _parts(it.get("summary") or [], f"{where}.summary")
@@ -208,8 +208,9 @@ def normalize(body: dict, ctx: c.CallContext = c.NO_CONTEXT) -> c.Normalized:
         chat["tools"] = tools
         if body.get("tool_choice") is not None:
             chat["tool_choice"] = _tool_choice(body["tool_choice"])
-        if body.get("parallel_tool_calls") is not None:
-            chat["parallel_tool_calls"] = bool(body["parallel_tool_calls"])
+        parallel = c.expect_type(body.get("parallel_tool_calls"), bool, "parallel_tool_calls")
+        if parallel is not None:  # false: at most one call is shown (`relay.tool_call_limit`)
+            chat["parallel_tool_calls"] = parallel
     chat["max_tokens"] = c.limit_tokens(c.positive_int(body.get("max_output_tokens"), "max_output_tokens"))
     c.copy_sampling(body, chat, {"temperature": "temperature", "top_p": "top_p"})
     reasoning = c.expect_type(body.get("reasoning"), dict, "reasoning")

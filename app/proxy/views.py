@@ -14,7 +14,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from app import weight_gate
 from app.engines.disconnect import client_gone_probe
-from app.proxy import record, relay, splice
+from app.proxy import limits, record, relay, splice
 from app.proxy.apis import REGISTRY, ApiModule, api_module
 from app.proxy.body import read_body
 from app.proxy.canonical import ChunkNormalizer
@@ -121,7 +121,7 @@ def get_resource(route: Route) -> Response:
 def count_tokens(route: Route, body: dict, info: SessionInfo) -> Response:
     """The prompt's length in the engine's tokens, as the engine will see it (spliced or rendered)."""
     module = REGISTRY[route.api]
-    norm = module.normalize(body, CallContext(model=route.model or "default", count_only=True))
+    norm = _normalize(module, route, body, info, count_only=True)
     up = get_upstream()
     engine = up.describe(up.pick(info.episode_id))
     spliced = _splice(info, route.api, up, engine, dict(norm.chat, model=engine.model)).prompt_ids
@@ -136,10 +136,18 @@ def count_tokens(route: Route, body: dict, info: SessionInfo) -> Response:
     return json_response(module.count_body(count))
 
 
-def _normalize(module: ApiModule, route: Route, body: dict, info: SessionInfo) -> Normalized:
-    ctx = CallContext(model=route.model or "default", stream=route.stream,
-                      history=lambda response_id: record.response_history(info.episode_id, response_id))
-    return module.normalize(body, ctx)
+def _normalize(module: ApiModule, route: Route, body: dict, info: SessionInfo, count_only: bool = False) -> Normalized:
+    """The request as the engine's Chat request, within the size caps of `app.proxy.limits`: what it
+    decodes (reasoning signatures), the history it names (`previous_response_id`) and the engine
+    request itself.  Raises GatewayError (400 bad input, 413 past a cap) before anything is asked
+    of the engine or recorded."""
+    cap = limits.caps().prompt
+    ctx = CallContext(model=route.model or "default", stream=route.stream and not count_only, count_only=count_only,
+                      history=lambda response_id: record.response_history(info.episode_id, response_id, cap))
+    with limits.decoding(cap):
+        norm = module.normalize(body, ctx)
+    limits.check_prompt(norm.chat, cap)
+    return norm
 
 
 def _has_control(text: str) -> bool:
@@ -203,7 +211,8 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     if weight_gate.is_reloading(engine.url):
         # The engine is loading new weights: answer 200 now, send keep-alives while held, then relay.
         return relay.sse_response(relay.guarded(relay.held_stream(
-            writer, up, engine, upstream_body, info.episode_id, cap, resp_id, relay.history_call_ids(norm)),
+            writer, up, engine, upstream_body, info.episode_id, cap, resp_id, relay.history_call_ids(norm),
+            relay.tool_call_limit(norm)),
             writer, module))
     # Wait briefly for the engine to accept: a rejection (context overflow...) is then a plain
     # HTTP error in the client's shape.  An engine that says nothing while it prefills gets a
@@ -216,7 +225,8 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
         frames = writer.opening() + writer.fail(outcome, ChunkNormalizer().result)
         return relay.sse_response(iter(frames), passthrough=False)
     return relay.sse_response(relay.guarded(
-        relay.stream_answer(writer, opening, cap, resp_id, taken=relay.history_call_ids(norm)), writer, module))
+        relay.stream_answer(writer, opening, cap, resp_id, taken=relay.history_call_ids(norm),
+                            max_calls=relay.tool_call_limit(norm)), writer, module))
 
 
 def _splice(info: SessionInfo, api: str, up, engine, body: dict) -> splice.Splice:

@@ -76,3 +76,33 @@ def test_read_body_caps_the_wire_size_and_decodes_before_parsing():
         with pytest.raises(GatewayError) as exc:
             read_body(request, 1000)
         assert exc.value.kind == "too_large" and exc.value.status == 413
+
+
+def test_a_coding_list_longer_than_the_cap_is_refused_before_decoding():
+    packed = DOC
+    for _ in range(4):
+        packed = gzip.compress(packed, mtime=0)
+    with pytest.raises(GatewayError, match="At most 3") as exc:
+        decode_body(packed, "gzip, gzip, gzip, gzip", 10_000)
+    assert exc.value.status == 415
+    assert decode_body(gzip.compress(gzip.compress(DOC, mtime=0), mtime=0), "gzip, gzip", 10_000) == DOC
+
+
+def test_a_zstd_frame_asking_for_a_huge_window_is_a_413_not_an_allocation():
+    """A 50-byte frame whose header names a 128 MiB window (no content size): libzstd would
+    allocate the window before the first output byte."""
+    import io
+    params = zstandard.ZstdCompressionParameters(window_log=27, write_content_size=False)
+    buf = io.BytesIO()
+    with zstandard.ZstdCompressor(compression_params=params).stream_writer(buf, closefd=False) as w:
+        w.write(b" " * (1 << 20))
+    assert zstandard.get_frame_parameters(buf.getvalue()).window_size == 1 << 27
+    with pytest.raises(GatewayError) as exc:
+        decode_body(buf.getvalue(), "zstd", 1 << 24)
+    assert exc.value.kind == "too_large" and exc.value.status == 413
+
+
+def test_every_zstd_frame_of_a_body_is_decoded():
+    half = len(DOC) // 2
+    packed = zstandard.ZstdCompressor().compress(DOC[:half]) + zstandard.ZstdCompressor().compress(DOC[half:])
+    assert decode_body(packed, "zstd", 10_000) == DOC
