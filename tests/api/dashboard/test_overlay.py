@@ -44,6 +44,12 @@ def test_runs_overlaid_on_one_page_named_by_kind_harness_model_and_task_set(brow
         "return [...document.querySelectorAll('#overlay-runs .swatch')].map((el) => el.style.background);")
     assert len(set(swatches)) == 2 and all(swatches)
     assert browser.execute_script("return CHARTS['chart-0'].plot.scales.y.min") == 0  # rewards keep [0, 1]
+    # both runs' advantage mean is 0 at every step: a flat line on an axis around 0, not on 0..100
+    adv = next(k for k, c in browser.execute_script("return Object.fromEntries(Object.entries(CHARTS).map("
+                                                    "([k, c]) => [k, c.plot.root.closest('figure').dataset.title]))").items()
+               if c == "advantages")
+    low, high = browser.execute_script(f"const s = CHARTS['{adv}'].plot.scales.y; return [s.min, s.max];")
+    assert -1.5 <= low < 0 < high <= 1.5, (low, high)
     browser.save_screenshot(str(shots / "overlay.png"))
     console_clean(browser)
 

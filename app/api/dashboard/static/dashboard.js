@@ -19,6 +19,17 @@ function fmtTick(t) {
   return String(Number(t.toPrecision(3)));
 }
 
+/* The y range of an unpinned chart: the data's, padded; a flat line (every value equal, e.g. an
+   advantage mean of 0) gets +-1 around its value instead of uPlot's 0..100, which reads as a scale. */
+function fitRange(u, min, max) {
+  if (min == null || max == null) return [0, 1];
+  if (min === max) {
+    const pad = Math.max(1, Math.abs(min) * 0.1);
+    return [min - pad, max + pad];
+  }
+  return uPlot.rangeNum(min, max, 0.1, true);
+}
+
 function drawCharts(root) {
   const node = root.querySelector("#chart-data");
   if (!node || typeof uPlot === "undefined") return;
@@ -36,7 +47,7 @@ function drawCharts(root) {
                     dash: band ? [4, 4] : undefined, spanGaps: false, points: { show: true, size: 5 },
                     value: (u, v, si, idx) => (idx == null ? "-" : fmtValue(v)) });
     });
-    const y = c.range ? { range: c.range, auto: false } : { auto: true };
+    const y = c.range ? { range: c.range, auto: false } : { auto: true, range: fitRange };
     const opts = {
       width: Math.max(300, box.clientWidth - 12), height: 190,
       scales: { x: { time: false }, y: y },
