@@ -172,6 +172,11 @@ class TrainingConfig(BaseModel):
         None, description="Recompute the decoder layers' activations in the backward pass instead of storing them "
                           "(less memory per token, ~1/3 more compute). None: on when training on CUDA, off on CPU, "
                           "where the CPU models and contexts fit memory and compute is the bottleneck.")
+    activation_memory_gib: float | None = Field(
+        None, gt=0, description="Activation memory (GiB) the largest micro-batch of a step may use, for the checkpointing "
+                                "chosen per step when `activation_checkpointing` is None (none, every k-th layer, or "
+                                "full, from a memory model of the micro-batch's tokens: app/training/memory.py). None: "
+                                "85% of the free device memory on CUDA; on CPU no checkpointing.")
     gradient_accumulation_steps: int | None = Field(
         None, ge=1, description="Micro-batches accumulated per optimizer update. None: all micro-batches of a step "
                                 "accumulate into one update (on-policy). A number k splits the step into several "
@@ -204,8 +209,20 @@ class TrainingConfig(BaseModel):
                                           "into the weights the engines load.")
     lora_r: int = Field(16, ge=1, description="LoRA rank.")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale = alpha / r).")
-    lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    lora_dropout: float = Field(
+        0.0, ge=0, lt=1, description="LoRA dropout: must be 0. The engines sample with dropout off and the trainer scores "
+                                     "the sampled tokens with dropout off too, so that its logprobs equal the engine's "
+                                     "(a dropout in the scoring forward moved them by ~1.5 nats and corrupted the PPO "
+                                     "ratio and the TIS weight); a dropout > 0 would never act, so it is refused.")
     seed: int = Field(0, description="Seed for torch (dropout, LoRA init).")
+
+    @model_validator(mode="after")
+    def _no_scoring_dropout(self) -> "TrainingConfig":
+        if self.lora_dropout > 0:
+            raise ValueError(f"lora_dropout: {self.lora_dropout} is refused, use 0. The trainer scores sampled tokens "
+                             "with dropout off, as the engines sampled them, so that its logprobs equal the engine's; "
+                             "a LoRA dropout would never act")
+        return self
 
     @model_validator(mode="after")
     def _check_teacher(self) -> "TrainingConfig":

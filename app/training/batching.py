@@ -2,10 +2,11 @@
 
 Packed (`packing=True`, the trainer's default): sequences sorted longest first are placed
 first-fit into micro-batches of at most `micro_batch_tokens` tokens; each micro-batch is one
-row [1, sum T_i] with `position_ids` restarting at 0 for every sequence and no attention mask,
-which transformers turns into variable-length attention (each token attends only to earlier
-tokens of its own sequence): flash-attention's varlen kernel (cu_seqlens from the position
-ids) when the model uses it, a block-diagonal mask under sdpa/eager.  No padding is computed.
+row [1, sum T_i] with `position_ids` restarting at 0 for every sequence and its sequences'
+lengths (`segment_lengths`), from which the trainer builds the document mask
+(`app.training.packing`: a flex-attention BlockMask, or a dense block-diagonal mask under
+sdpa/eager; flash-attention takes cu_seqlens from the position ids), so each token attends
+only to earlier tokens of its own sequence.  No padding is computed.
 Raffel et al. 2020 (T5, arXiv:1910.10683) introduced packing; position restarts and masking
 across boundaries as in Krell et al. 2021, "Efficient Sequence Packing without
 Cross-contamination" (arXiv:2107.02027).
@@ -14,7 +15,9 @@ Padded (`packing=False`): sequences sorted longest first are grouped greedily in
 micro-batches whose padded size (rows x longest row) stays within `micro_batch_tokens`; one
 sequence per row, attention cost sum(T_i^2) with plain causal kernels.
 
-Either way a sequence longer than the budget gets a micro-batch of its own.
+Either way a sequence longer than the budget gets a micro-batch of its own, and the
+padding fraction of a step is 1 - sum(tokens) / sum(padded_tokens) over its micro-batches
+(`padding_fraction`).
 """
 from __future__ import annotations
 
@@ -50,8 +53,8 @@ class MicroBatch:
     """Tensors for one forward/backward pass.
 
     `input_ids`: int64 [B, T]; padded: `attention_mask` int64 [B, T] and `position_ids` None;
-    packed: B = 1, `position_ids` int64 [1, T] (restarting per sequence) and `attention_mask`
-    None.  Per trainable token (N of them): `rows`,
+    packed: B = 1, `position_ids` int64 [1, T] (restarting per sequence), `attention_mask`
+    None and `segment_lengths` (tokens of each packed sequence, in row order).  Per trainable token (N of them): `rows`,
     `cols` int64 [N] (position predicting it), `targets` int64 [N], `rollout_logprobs`
     float32 [N], `advantages` float32 [N], `weights` float32 [N] (loss aggregation weights),
     `sequence_index` int64 [N] (index into the step's sequence list).
@@ -69,6 +72,7 @@ class MicroBatch:
     tokens: int  # real tokens, padding excluded
     padded_tokens: int  # B * T
     position_ids: torch.Tensor | None = None
+    segment_lengths: tuple[int, ...] | None = None
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -82,14 +86,23 @@ def make_micro_batches(
     """Group `sequences` into packed or padded micro-batches (see the module docstring).
 
     Sequences without trainable tokens are skipped.  Aggregation weights are computed over
-    the whole step (`aggregation` "token" or "sequence"), so the micro-batch losses sum to
-    the step's loss.  Returns the micro-batches, longest sequences first.
+    the whole step (`aggregation` "token" or "sequence"; for "sequence" the sample is the
+    episode, `StepSequence.episode_id`, so all chains of one episode share one weight; a
+    sequence without an episode id is its own sample), so the micro-batch losses sum to the
+    step's loss.  Returns the micro-batches, longest sequences first.
     Raises ValueError when a sequence's first token is trainable (nothing predicts it).
     """
     usable = [i for i, s in enumerate(sequences) if s.trainable > 0]
     if not usable:
         return []
     step_tokens = sum(sequences[i].trainable for i in usable)
+    episode_of = {i: (("episode", sequences[i].episode_id) if sequences[i].episode_id is not None else ("sequence", i))
+                  for i in usable}
+    episode_tokens: dict = {}
+    for i in usable:
+        episode_tokens[episode_of[i]] = episode_tokens.get(episode_of[i], 0) + sequences[i].trainable
+    totals = {i: episode_tokens[episode_of[i]] for i in usable}
+    step_samples = len(episode_tokens)
     order = sorted(usable, key=lambda i: len(sequences[i].token_ids), reverse=True)
     groups: list[list[int]] = []
     if packing:
@@ -103,7 +116,7 @@ def make_micro_batches(
             else:
                 groups[slot].append(i)
                 room[slot] -= n
-        return [_tensorize_packed(sequences, g, aggregation, step_tokens, len(usable)) for g in groups]
+        return [_tensorize_packed(sequences, g, aggregation, step_tokens, step_samples, totals) for g in groups]
     for i in order:
         if groups:
             head = len(sequences[groups[-1][0]].token_ids)  # longest row of the open group
@@ -111,7 +124,7 @@ def make_micro_batches(
                 groups[-1].append(i)
                 continue
         groups.append([i])
-    return [_tensorize(sequences, g, aggregation, step_tokens, len(usable), pad_id) for g in groups]
+    return [_tensorize(sequences, g, aggregation, step_tokens, step_samples, totals, pad_id) for g in groups]
 
 
 def _trainable_positions(seq: StepSequence) -> torch.Tensor:
@@ -122,7 +135,7 @@ def _trainable_positions(seq: StepSequence) -> torch.Tensor:
     return positions
 
 
-def _tensorize_packed(sequences, indices, aggregation, step_tokens, step_sequences) -> MicroBatch:
+def _tensorize_packed(sequences, indices, aggregation, step_tokens, step_samples, totals) -> MicroBatch:
     ids, pos, cols, targets, rollout, advantages, seq_index, lengths = [], [], [], [], [], [], [], []
     offset = 0
     for i in indices:
@@ -139,7 +152,8 @@ def _tensorize_packed(sequences, indices, aggregation, step_tokens, step_sequenc
         seq_index.append(torch.full_like(positions, i))
         lengths.append(int(positions.numel()))
         offset += n
-    weights = torch.tensor(aggregation_weights(lengths, aggregation, step_tokens, step_sequences), dtype=torch.float32)
+    weights = torch.tensor(aggregation_weights(lengths, aggregation, step_tokens, step_samples,
+                                               [totals[i] for i in indices]), dtype=torch.float32)
     cols_t = torch.cat(cols)
     return MicroBatch(
         input_ids=torch.cat(ids).unsqueeze(0),
@@ -154,10 +168,11 @@ def _tensorize_packed(sequences, indices, aggregation, step_tokens, step_sequenc
         tokens=offset,
         padded_tokens=offset,
         position_ids=torch.cat(pos).unsqueeze(0),
+        segment_lengths=tuple(len(sequences[i].token_ids) for i in indices),
     )
 
 
-def _tensorize(sequences, indices, aggregation, step_tokens, step_sequences, pad_id) -> MicroBatch:
+def _tensorize(sequences, indices, aggregation, step_tokens, step_samples, totals, pad_id) -> MicroBatch:
     width = max(len(sequences[i].token_ids) for i in indices)
     input_ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(indices), width), dtype=torch.long)
@@ -177,7 +192,8 @@ def _tensorize(sequences, indices, aggregation, step_tokens, step_sequences, pad
         advantages.append(torch.full((positions.numel(),), float(seq.advantage), dtype=torch.float32))
         seq_index.append(torch.full_like(positions, i))
         lengths.append(int(positions.numel()))
-    weights = torch.tensor(aggregation_weights(lengths, aggregation, step_tokens, step_sequences), dtype=torch.float32)
+    weights = torch.tensor(aggregation_weights(lengths, aggregation, step_tokens, step_samples,
+                                               [totals[i] for i in indices]), dtype=torch.float32)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -191,3 +207,10 @@ def _tensorize(sequences, indices, aggregation, step_tokens, step_sequences, pad
         tokens=tokens,
         padded_tokens=len(indices) * width,
     )
+
+
+def padding_fraction(batches: Sequence[MicroBatch]) -> float:
+    """Share of the computed token slots that are padding: 1 - sum(tokens) / sum(padded_tokens)
+    over `batches` (0.0 for packed micro-batches, and for none)."""
+    padded = sum(mb.padded_tokens for mb in batches)
+    return 1.0 - sum(mb.tokens for mb in batches) / padded if padded else 0.0

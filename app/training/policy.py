@@ -74,6 +74,43 @@ def set_activation_checkpointing(model, enabled: bool) -> None:
         (lm.activation_checkpointing_disable if new else lm.gradient_checkpointing_disable)()
 
 
+def set_checkpointed_layers(model, layers) -> None:
+    """Recompute exactly the decoder layers whose indices are in `layers` (selective
+    checkpointing; empty: none).  Uses transformers' per-layer switch (`gradient_checkpointing`
+    of each `GradientCheckpointingLayer`) after enabling checkpointing as a whole."""
+    wanted = set(layers)
+    set_activation_checkpointing(model, bool(wanted))
+    if wanted:
+        for i, layer in enumerate(causal_lm(model).model.layers):
+            layer.gradient_checkpointing = i in wanted
+
+
+def checkpointed_layers(model) -> list[int]:
+    """Indices of the decoder layers recomputed in the backward pass now."""
+    return [i for i, layer in enumerate(causal_lm(model).model.layers) if getattr(layer, "gradient_checkpointing", False)]
+
+
+def disable_dropout(model) -> int:
+    """Switch off every dropout of `model` in place, keeping its training mode; return how many.
+
+    The engines sample with dropout off (inference), so a trainer forward with dropout on scores
+    tokens under another distribution: the PPO ratio and the TIS weight would compare the
+    engine's logprob with a noisy one.  Covers `torch.nn.Dropout*` modules (peft's
+    `lora_dropout` among them) and attention-probability dropout, which transformers' attention
+    functions read from each attention module's `attention_dropout` while it is training.
+    The model stays in training mode because activation checkpointing acts only there.
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.p = 0.0
+            count += 1
+        if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
+            module.attention_dropout = 0.0
+            count += 1
+    return count
+
+
 def causal_lm(model):
     """The underlying `*ForCausalLM` (unwraps a peft model; its LoRA layers stay active)."""
     return model.get_base_model() if is_lora(model) else model
@@ -87,30 +124,42 @@ def autocast(device: torch.device):
 
 
 def token_logprobs(
-    model, input_ids, attention_mask, rows, cols, targets, head_chunk: int | None = None, position_ids=None
+    model, input_ids, attention_mask, rows, cols, targets, head_chunk: int | None = None, position_ids=None,
+    head: str = "fused",
 ) -> torch.Tensor:
     """Log-probabilities (nats, float32 [N]) of `targets` under `model`.
 
-    `input_ids`: int64 [B, T]; either `attention_mask` int64 [B, T] (right-padded rows, 1 on
-    real tokens) or `position_ids` int64 [B, T] with `attention_mask` None (packed rows: the
-    positions restart at 0 where each packed sequence starts, and transformers turns that into
-    variable-length attention: a block-diagonal mask under sdpa/eager, cu_seqlens under
-    flash-attention; see `transformers.masking_utils.find_packed_sequence_indices`).
+    `input_ids`: int64 [B, T]; `attention_mask`: int64 [B, T] (right-padded rows, 1 on real
+    tokens), or a bool [B, 1, T, T] document mask / a flex `BlockMask` for packed rows
+    (`app.training.packing.document_mask`), or None; `position_ids` int64 [B, T] or None
+    (packed rows: the positions restart at 0 where each packed sequence starts; without an
+    explicit mask transformers derives the block-diagonal mask from them, see
+    `transformers.masking_utils.find_packed_sequence_indices`).
     `rows`, `cols`: int64 [N], the position whose output predicts each target (the target
     sits at `cols + 1`); `targets`: int64 [N].
 
     No KV cache is built (`use_cache=False`).  Only the N selected positions go through the LM
-    head, never all B*T: context tokens need no logits, and no [T, vocab] tensor exists.  The
-    [N, vocab] logits are computed `head_chunk` positions at a time (default: a budget of
-    `HEAD_CHUNK_ELEMENTS` logits per chunk); with gradients on, each chunk is recomputed in
-    the backward pass (activation checkpointing), so the autograd graph holds no logits at all.
-    logp = logit[target] - logsumexp(logits), in fp32.
+    head, never all B*T: context tokens need no logits, and no [T, vocab] tensor exists.
+    `head` picks the loss head: "fused" (default, `app.training.head.fused_token_logprobs`:
+    `head_chunk` positions at a time, no [N, vocab] logits in the forward or the backward
+    pass), "checkpointed" (the earlier head: chunks of `HEAD_CHUNK_ELEMENTS` logits, each
+    recomputed in the backward by `torch.utils.checkpoint`) or "plain" (all N at once, logits
+    kept for the backward; the reference the others are tested against).
+    logp = logit[target] - logsumexp(logits), in fp32.  Raises ValueError for another `head`.
     """
     lm = causal_lm(model)
     hidden = lm.model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     ).last_hidden_state
     selected = hidden[rows, cols]
+    if head == "fused" and lm.lm_head.bias is None:
+        from app.training.head import fused_token_logprobs
+
+        return fused_token_logprobs(selected, lm.lm_head.weight, targets, head_chunk)
+    if head == "plain":
+        return _head_logprobs(lm.lm_head, selected, targets)
+    if head not in ("fused", "checkpointed"):
+        raise ValueError(f"unknown loss head {head!r}; choose fused, checkpointed or plain")
     if head_chunk is None:
         head_chunk = max(1, HEAD_CHUNK_ELEMENTS // int(lm.lm_head.weight.shape[0]))
     parts = []
@@ -129,12 +178,14 @@ class TokenLogprobs(torch.nn.Module):
     final norm and LM head, which `token_logprobs` uses outside the model's own forward).
     State-dict keys are the policy's with the prefix `policy.`."""
 
-    def __init__(self, model):
+    def __init__(self, model, head: str = "fused"):
         super().__init__()
         self.policy = model
+        self.head = head
 
     def forward(self, input_ids, attention_mask, position_ids, rows, cols, targets) -> torch.Tensor:
-        return token_logprobs(self.policy, input_ids, attention_mask, rows, cols, targets, position_ids=position_ids)
+        return token_logprobs(self.policy, input_ids, attention_mask, rows, cols, targets, position_ids=position_ids,
+                              head=self.head)
 
 
 def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from app.training import distributed, policy
-from app.training.batching import MicroBatch, StepSequence, make_micro_batches
+from app.training import distributed, head, memory, packing, policy
+from app.training.batching import MicroBatch, StepSequence, make_micro_batches, padding_fraction
 from app.runconfig import TrainingConfig
 from app.training.grpo import policy_loss
 from app.training.opd import apply_token_advantages
@@ -84,12 +84,27 @@ class Trainer:
             model = policy.add_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout)
         self.model = model
         self.model.train()
-        packing = config.packing
-        attention = getattr(policy.causal_lm(model).config, "_attn_implementation", None) or ""
-        self.packing = attention.startswith(VARLEN_ATTENTION) if packing is None else packing
+        # Score with dropout off, as the engines sample (TrainingConfig refuses lora_dropout > 0;
+        # a checkpoint's config may still carry attention dropout).
+        policy.disable_dropout(self.model)
+        lm_config = policy.causal_lm(model).config
+        attention = getattr(lm_config, "_attn_implementation", None) or ""
+        if (config.packing is not False and self.device.type == "cuda" and attention == "sdpa"
+                and packing.flex_attention_available()):
+            # flex attention skips the blocks across packed documents (sdpa would compute them)
+            policy.causal_lm(model).set_attn_implementation("flex_attention")
+            attention = "flex_attention"
+        self.attention = attention
+        self.packing = attention.startswith(VARLEN_ATTENTION) if config.packing is None else config.packing
+        self.shape = memory.Shape.of(lm_config)
         checkpointing = config.activation_checkpointing
-        self.activation_checkpointing = self.device.type == "cuda" if checkpointing is None else checkpointing
+        # None: chosen per step by the memory model where memory binds (CUDA, or a budget given).
+        self.checkpointing_auto = checkpointing is None and (
+            self.device.type == "cuda" or config.activation_memory_gib is not None)
+        self.activation_checkpointing = bool(checkpointing)
+        self.plan: memory.Plan | None = None
         policy.set_activation_checkpointing(self.model, self.activation_checkpointing)
+        self._mask_cache: tuple | None = None
         # The KL reference is the initial policy: the adapters switched off under LoRA,
         # a frozen copy otherwise (memory: one more set of weights).
         self.reference = None
@@ -147,15 +162,25 @@ class Trainer:
 
     # --- logprobs ----------------------------------------------------------------------
 
+    def _mask(self, mb: MicroBatch):
+        """The attention mask of `mb`: its padding mask, or for a packed row the document mask
+        (`app.training.packing`; flash-attention derives it from the position ids itself)."""
+        if mb.segment_lengths is None or self.attention.startswith("flash"):
+            return mb.attention_mask
+        key = (mb.segment_lengths, mb.input_ids.device)
+        if self._mask_cache is None or self._mask_cache[0] != key:
+            self._mask_cache = (key, packing.document_mask(mb.segment_lengths, self.attention, mb.input_ids.device))
+        return self._mask_cache[1]
+
     def _logprobs(self, mb: MicroBatch, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad), policy.autocast(self.device):
-            return self.forward(mb.input_ids, mb.attention_mask, mb.position_ids, mb.rows, mb.cols, mb.targets)
+            return self.forward(mb.input_ids, self._mask(mb), mb.position_ids, mb.rows, mb.cols, mb.targets)
 
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
         if self.config.kl_coef <= 0:
             return None
         with torch.no_grad(), policy.autocast(self.device):
-            args = (mb.input_ids, mb.attention_mask, mb.position_ids, mb.rows, mb.cols, mb.targets)
+            args = (mb.input_ids, self._mask(mb), mb.position_ids, mb.rows, mb.cols, mb.targets)
             if self.config.lora:
                 with self.model.disable_adapter():
                     return self.forward(*args)
@@ -203,7 +228,9 @@ class Trainer:
             "tokens_trained": int(sum(mb.targets.numel() for mb in batches)),
             "tokens_processed": int(sum(mb.tokens for mb in batches)),
             "padded_tokens": int(sum(mb.padded_tokens for mb in batches)),
-            "activation_checkpointing": self.activation_checkpointing,
+            "padding_fraction": padding_fraction(batches),
+            "longest_micro_batch_tokens": max((mb.padded_tokens for mb in batches), default=0),
+            **self._plan_checkpointing(batches),
             "packing": self.packing,
             "world_size": self.world,
         }
@@ -290,6 +317,45 @@ class Trainer:
             "micro_batches_zero_advantage": skipped,
             "update_time_s": time.perf_counter() - start,
         }
+
+    def _plan_checkpointing(self, batches: list[MicroBatch]) -> dict:
+        """Pick this step's checkpointing from the memory model of its largest micro-batch
+        (`app.training.memory`): a fixed `activation_checkpointing` is kept as set; None picks
+        none / every k-th layer / full to fit the activation budget.  Returns its metrics."""
+        if not batches:
+            return {"activation_checkpointing": self.activation_checkpointing}
+        largest = max(batches, key=lambda mb: mb.padded_tokens)
+        dense = packing.dense_mask_elements(largest, self.attention)
+        kwargs = {"act_bytes": 2 if self.device.type == "cuda" else 4, "resid_bytes": 4, "dense_mask": dense,
+                  "head_chunk": min(head.chunk_positions(self.shape.vocab), largest.targets.numel())}
+        if self.checkpointing_auto:
+            plan = memory.plan_checkpointing(self.shape, largest.padded_tokens, self._activation_budget(), **kwargs)
+            if self.plan is None or plan.layers != self.plan.layers:
+                policy.set_checkpointed_layers(self.model, plan.layers)
+        else:
+            plan = memory.fixed_plan(self.shape, largest.padded_tokens, self.activation_checkpointing, **kwargs)
+        self.plan = plan
+        self.activation_checkpointing = bool(plan.layers)
+        return {"activation_checkpointing": self.activation_checkpointing, "checkpointing": plan.mode,
+                "checkpointed_layers": len(plan.layers),
+                "activation_memory_predicted_gib": plan.predicted_bytes / 2**30}
+
+    def _activation_budget(self) -> float:
+        """Bytes the largest micro-batch's activations may take: `activation_memory_gib`, or on
+        CUDA 85% of the free device memory less the gradients and AdamW state not yet allocated
+        (the same on every rank: the smallest)."""
+        if self.config.activation_memory_gib is not None:
+            budget = float(memory.gib(self.config.activation_memory_gib))
+        else:
+            free, _total = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+            pending = (0 if all(p.grad is not None for p in self.params) else param_bytes) + \
+                (0 if self.optimizer.state else 2 * param_bytes)
+            budget = 0.85 * free - pending
+        if self.group is not None:
+            budget = -float(self.group.all_reduce(torch.tensor([-budget]), op="max")[0])
+        return budget
 
     def _share(self, chunk: list[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
         """This rank's micro-batches of one update, on its device, as `(micro-batch, real)`.

@@ -105,8 +105,45 @@ def test_kl_estimator_is_a_validated_training_option():
 
 
 def test_aggregation_weights_token_and_sequence():
-    assert aggregation_weights([2, 3], "token", step_tokens=10, step_sequences=4) == [0.1] * 5
-    assert aggregation_weights([2, 4], "sequence", step_tokens=10, step_sequences=2) == pytest.approx([0.25] * 2 + [0.125] * 4)
+    assert aggregation_weights([2, 3], "token", step_tokens=10, step_episodes=4) == [0.1] * 5
+    assert aggregation_weights([2, 4], "sequence", step_tokens=10, step_episodes=2) == pytest.approx([0.25] * 2 + [0.125] * 4)
+    # Two chains of one episode (2 + 4 trainable tokens) share the episode's mean.
+    assert aggregation_weights([2, 4], "sequence", 6, 1, episode_lengths=[6, 6]) == pytest.approx([1 / 6] * 6)
+
+
+def chains(lengths, episode_id, advantage):
+    """Chains of one episode: each of `lengths` tokens, its second half trainable."""
+    out = []
+    for n in lengths:
+        ids = [(7 * i + n) % 4000 + 3 for i in range(n)]
+        mask = [0] * (n // 2) + [1] * (n - n // 2)
+        out.append(StepSequence(ids, mask, [-5.0 if m else 0.0 for m in mask], advantage, episode_id=episode_id))
+    return out
+
+
+def test_sequence_aggregation_weighs_each_episode_once_however_many_chains():
+    """Episode 0 as one chain, then the same tokens split into 2 chains (as prefix merging does
+    after a turn that does not extend the previous one): each episode's tokens weigh 1/E in all,
+    and the step's loss is the same either way."""
+    whole = chains([40], 0, 1.0)
+    ids, mask, lps = whole[0].token_ids, whole[0].loss_mask, whole[0].logprobs
+    split = [StepSequence(ids[:24], mask[:24], lps[:24], 1.0, episode_id=0),
+             StepSequence(ids[:20] + ids[24:], mask[:20] + mask[24:], lps[:20] + lps[24:], 1.0, episode_id=0)]
+    other = chains([30], 1, 0.5)
+    for parts in (whole, split):
+        batches = make_micro_batches(parts + other, 256, "sequence")
+        per_episode = {0: 0.0, 1: 0.0}
+        for mb in batches:
+            for w, i in zip(mb.weights.tolist(), mb.sequence_index.tolist()):
+                per_episode[(parts + other)[i].episode_id] += w
+        assert per_episode == pytest.approx({0: 0.5, 1: 0.5})
+    # Without TIS the first update's loss is -sum(weight x advantage): -(0.5 x 1 + 0.5 x 0.5)
+    # when each episode weighs once (a weight per chain would give -(2/3 + 1/6)).
+    losses = []
+    for parts in (whole, split):
+        trainer = Trainer(TrainingConfig(loss_aggregation="sequence", tis_cap=None), build_tiny_model(seed=0))
+        losses.append(trainer.update(parts + other)["loss"])
+    assert losses == pytest.approx([-0.75, -0.75], rel=1e-5)
 
 
 def test_micro_batches_respect_budget_and_weights_sum_to_one():

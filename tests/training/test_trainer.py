@@ -197,3 +197,43 @@ def test_packing_defaults_to_the_attention_kernels():
     model.config._attn_implementation = "flash_attention_2"
     assert Trainer(TrainingConfig(), model).packing is True
     assert Trainer(TrainingConfig(packing=True), build_tiny_model(seed=0)).packing is True
+
+
+def test_trainer_scores_with_dropout_off_as_the_engine_samples():
+    """A model whose config carries attention dropout (and LoRA dropout, were it allowed) would
+    score sampled tokens under a noisy distribution while training; the trainer switches every
+    dropout off, so its logprobs equal the inference (engine) forward's."""
+    model = build_tiny_model(seed=0)
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.5
+    seqs = random_sequences([60, 40], seed=4)
+    (mb,) = make_micro_batches(seqs, 256, "token")
+    with torch.no_grad():
+        engine = policy.token_logprobs(model.eval(), mb.input_ids, mb.attention_mask, mb.rows, mb.cols, mb.targets)
+        noisy = policy.token_logprobs(model.train(), mb.input_ids, mb.attention_mask, mb.rows, mb.cols, mb.targets)
+    assert (noisy - engine).abs().max() > 0.1  # the check can fail: dropout on moves the logprobs
+    trainer = Trainer(TrainingConfig(), model)
+    assert trainer.model.training  # checkpointing acts only in training mode
+    scored = torch.cat(trainer.logprobs(seqs))
+    index = torch.argsort(mb.sequence_index, stable=True)
+    assert torch.allclose(scored, engine[index], atol=1e-6)
+
+
+def test_lora_dropout_above_zero_is_refused_at_run_creation():
+    from app.runconfig import RunConfig
+
+    with pytest.raises(ValueError, match="lora_dropout: 0.1 is refused"):
+        TrainingConfig(lora=True, lora_dropout=0.1)
+    with pytest.raises(ValueError, match="lora_dropout"):
+        RunConfig.model_validate({"training": {"lora": True, "lora_dropout": 0.05}})
+    assert TrainingConfig(lora=True).lora_dropout == 0.0
+
+
+def test_padding_fraction_and_longest_micro_batch_are_step_metrics():
+    seqs = random_sequences([100, 30, 20], seed=5)
+    metrics = Trainer(TrainingConfig(micro_batch_tokens=128), build_tiny_model(seed=0)).update(seqs)
+    # padded: [100] alone, [30, 20] in 2 rows of 30 -> 160 slots for 150 tokens
+    assert metrics["padded_tokens"] == 160 and metrics["tokens_processed"] == 150
+    assert metrics["padding_fraction"] == pytest.approx(10 / 160)
+    assert metrics["longest_micro_batch_tokens"] == 100

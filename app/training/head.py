@@ -1,0 +1,107 @@
+"""The loss head: log-probabilities of sampled tokens through the LM head, chunked and fused.
+
+    logp_i = h_i . W[t_i] - logsumexp_v(h_i . W[v])        h: [N, d], W: [V, d], t: [N]
+
+`fused_token_logprobs` computes this over N sampled positions without ever holding the
+[N, V] logits: the forward pass computes `chunk` positions at a time and keeps only the
+per-position log-normaliser (lse, [N] fp32); the backward pass recomputes each chunk's logits
+once and turns them in place into the logit gradient
+
+    d logp_i / d logits_i = onehot(t_i) - softmax(logits_i)
+
+then into the gradients of h (grad_logits @ W) and of W (grad_logits^T @ h).  At most one
+[chunk, V] fp32 buffer (plus its cast to the compute dtype under autocast) exists at a time,
+in the forward and in the backward pass, whatever N is.  This is the technique of Liger
+Kernel's fused linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989, section 3.2) and of
+Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models"
+(arXiv:2411.09009), here in plain torch so it runs on CPU and CUDA alike.
+
+Work: the head's matmul runs 4 times per sampled position (forward, recompute, grad h,
+grad W) against 3 for a head that keeps its logits; grad W is skipped when W is frozen
+(LoRA), so it runs 3 times there.
+"""
+from __future__ import annotations
+
+import torch
+
+# Logits per chunk, in elements (positions x vocab): 2^26 fp32 = 256 MiB, i.e. 1365 positions
+# of a 49152-token vocabulary, 441 of Qwen3's 151936.
+CHUNK_ELEMENTS = 2**26
+
+
+def chunk_positions(vocab: int, elements: int = CHUNK_ELEMENTS) -> int:
+    """Positions per chunk so that one chunk's logits hold about `elements` values (>= 1)."""
+    return max(1, elements // max(int(vocab), 1))
+
+
+def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of `tensor` runs in here: the autocast dtype where autocast is on."""
+    kind = tensor.device.type
+    if kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return tensor.dtype
+
+
+class _FusedHeadLogprobs(torch.autograd.Function):
+    """Autograd function behind `fused_token_logprobs` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk: int):
+        dtype = _compute_dtype(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+            lse = torch.empty_like(out)
+            for start in range(0, hidden.shape[0], chunk):
+                stop = start + chunk
+                logits = (hidden[start:stop].to(dtype) @ w.T).float()
+                lse[start:stop] = torch.logsumexp(logits, dim=-1)
+                out[start:stop] = logits.gather(-1, targets[start:stop].unsqueeze(-1)).squeeze(-1) - lse[start:stop]
+                del logits
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        chunk, dtype = ctx.chunk, ctx.dtype
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            g = grad_out.float()
+            for start in range(0, hidden.shape[0], chunk):
+                stop = start + chunk
+                h = hidden[start:stop].to(dtype)
+                logits = (h @ w.T).float()
+                # logits -> -g * softmax (in place), then + g at the target: g * (onehot - softmax)
+                grad_logits = logits.sub_(lse[start:stop].unsqueeze(-1)).exp_().mul_(-g[start:stop].unsqueeze(-1))
+                grad_logits.scatter_add_(-1, targets[start:stop].unsqueeze(-1), g[start:stop].unsqueeze(-1))
+                grad_logits = grad_logits.to(dtype)
+                if want_h:
+                    grad_h[start:stop] = (grad_logits @ w).to(hidden.dtype)
+                if want_w:
+                    grad_w += grad_logits.T @ h  # in the compute dtype, summed over chunks in fp32
+                del logits, grad_logits
+        return grad_h, (grad_w.to(weight.dtype) if want_w else None), None, None
+
+
+def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk: int | None = None) -> torch.Tensor:
+    """log softmax(hidden @ weight.T)[targets], float32 [N], without materialising [N, V] logits.
+
+    `hidden`: float [N, d] (the model's final hidden states at the sampled positions);
+    `weight`: float [V, d] (the LM head, bias-free as in Llama/Qwen); `targets`: int64 [N] in
+    [0, V).  `chunk`: positions per chunk (default `chunk_positions(V)`).  Under autocast the
+    matmuls run in the autocast dtype and the softmax in fp32.  Differentiable in `hidden` and
+    `weight`.  Raises ValueError on mismatched shapes.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and head weight {tuple(weight.shape)} do not fit ([N, d], [V, d])")
+    if targets.shape != (hidden.shape[0],):
+        raise ValueError(f"targets {tuple(targets.shape)} must be [N] = [{hidden.shape[0]}]")
+    if hidden.shape[0] == 0:
+        return hidden.new_zeros(0, dtype=torch.float32)
+    return _FusedHeadLogprobs.apply(hidden, weight, targets, chunk or chunk_positions(weight.shape[0]))
