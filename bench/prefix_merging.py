@@ -190,7 +190,9 @@ def with_rollout_logprobs(trainer: Trainer, records: list[CompletionRecord]) -> 
 
 
 def flops(config, sequences: list[StepSequence]) -> float:
-    """Forward+backward FLOPs of a step (3x forward), analytic, for a Llama `config`."""
+    """Forward+backward FLOPs of a step, analytic, for a Llama `config`: the body 3x its forward;
+    the LM head at sampled positions 4x (the fused head, app/training/head.py, recomputes its
+    logits in the backward instead of keeping them: forward, recompute, grad h, grad W)."""
     d, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     dh = getattr(config, "head_dim", None) or d // config.num_attention_heads
     q, kv = config.num_attention_heads * dh, config.num_key_value_heads * dh
@@ -199,8 +201,8 @@ def flops(config, sequences: list[StepSequence]) -> float:
     for s in sequences:
         t = len(s.token_ids)
         attention = 2 * 2 * layers * q * t * t / 2  # QK^T and AV, causal half
-        total += linear * t + attention + 2 * d * vocab * s.trainable
-    return 3 * total
+        total += 3 * (linear * t + attention) + 4 * 2 * d * vocab * s.trainable
+    return total
 
 
 def long_chain_lines(shape: str, device: torch.device, lengths: list[int], micro_batch_tokens: int):
@@ -327,6 +329,9 @@ def main() -> None:
             "sequences": metrics["sequences"],
             "tokens": metrics["tokens_processed"],
             "padded": metrics["padded_tokens"],
+            "padding": metrics.get("padding_fraction", 0.0),
+            "longest": metrics.get("longest_micro_batch_tokens", 0),
+            "plan": metrics.get("checkpointing", "on" if metrics["activation_checkpointing"] else "off"),
             "trainable": metrics["tokens_trained"],
             "time": time.perf_counter() - started,
             "cpu": cpu_s,
@@ -353,12 +358,13 @@ def main() -> None:
           f"{'on' if next(iter(results.values()))['ckpt'] else 'off'}{', warm step' if args.warm else ''}")
     # MFU: 6*N*tokens (Kaplan et al.); "MFU+attn" counts the analytic work of this trainer
     # instead (linear layers, causal attention, LM head at sampled positions; no recompute).
-    print(f"{'builder':<16}{'tokens':>10}{'step s':>9}{'peak MiB':>11}{'MiB/token':>11}{'MFU':>8}{'MFU+attn':>10}")
+    print(f"{'builder':<16}{'tokens':>10}{'step s':>9}{'peak MiB':>11}{'MiB/token':>11}{'MFU':>8}{'MFU+attn':>10}"
+          f"{'padding':>9}{'longest':>9}  checkpointing")
     for name, r in results.items():
         mfu = f"{r['flops6n'] / r['time'] / (peak_tflops * 1e12):>8.1%}" if peak_tflops else f"{'n/a':>8}"
         mfu_attn = f"{r['work_model'] / r['time'] / (peak_tflops * 1e12):>10.1%}" if peak_tflops else f"{'n/a':>10}"
         print(f"{name:<16}{r['tokens']:>10}{r['time']:>9.2f}{r['peak_mib']:>11.1f}{r['peak_mib'] / r['tokens']:>11.4f}"
-              f"{mfu}{mfu_attn}")
+              f"{mfu}{mfu_attn}{r['padding']:>9.1%}{r['longest']:>9}  {r['plan']}")
     if len(results) < 2:
         return
     pr, pm = results["per_request"], results["prefix_merging"]
