@@ -65,6 +65,17 @@ def machines(spawn, tmp_path, monkeypatch):
     if not get_preset("mini-swe-agent").is_installed():
         pytest.fail("mini-swe-agent is not installed: run `make ci-deps`")
     net = netns.Network()
+    pg_dir = Path(tempfile.mkdtemp(prefix="turnstile-multihost-pg-"))
+    try:
+        yield from _machines(net, pg_dir, spawn, tmp_path, monkeypatch)
+    finally:  # also when the setup fails: no namespace, bridge or cluster folder is left behind
+        db.dispose_engine()
+        config.reset_settings()
+        net.close()
+        shutil.rmtree(pg_dir, ignore_errors=True)
+
+
+def _machines(net, pg_dir, spawn, tmp_path, monkeypatch):
     names = ("control", "gateway", "rollout1", "rollout2", "trainer")
     hosts = {name: net.add_host(name) for name in names}
     ctl, gw = hosts["control"].address, hosts["gateway"].address
@@ -98,7 +109,6 @@ def machines(spawn, tmp_path, monkeypatch):
         return procs[label]
 
     # control: a private PostgreSQL cluster (owned by the postgres user: postgres refuses root) and Redis.
-    pg_dir = Path(tempfile.mkdtemp(prefix="turnstile-multihost-pg-"))
     os.chmod(pg_dir, 0o755)
     shutil.chown(pg_dir, "postgres", "postgres")
     as_postgres = ["setpriv", "--reuid=postgres", "--regid=postgres", "--clear-groups"]
@@ -150,10 +160,6 @@ def machines(spawn, tmp_path, monkeypatch):
     finally:
         for proc in reversed(list(procs.values())):
             proc.kill(signal.SIGTERM)
-        db.dispose_engine()
-        config.reset_settings()
-        net.close()
-        shutil.rmtree(pg_dir, ignore_errors=True)
 
 
 def _celery(queues: str, concurrency: int, name: str) -> list[str]:
