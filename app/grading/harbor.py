@@ -107,8 +107,12 @@ def grade_harbor(record: InstanceRecord, patch: str, *, settings: Settings,
         except VerifierError as exc:
             raise VerifierError(f"instance {record.instance_id}: {exc} (test.sh exit {res.exit_code}; log {log_path})") from None
     report["reward_file"] = details
-    # Code under test that reached into the test framework never passes, whatever test.sh reported.
-    resolved = reward >= 1.0 and not report.get("tampering")
+    # Code under test that reached into the test framework never passes, whatever test.sh reported,
+    # and earns nothing: the reward (not the resolved flag) is what GRPO trains on.
+    if report.get("tampering"):
+        report["verifier_reward"] = reward
+        reward = 0.0
+    resolved = reward >= 1.0
     report["resolved"] = resolved
     return GradeResult(resolved, reward, report, str(log_path))
 
