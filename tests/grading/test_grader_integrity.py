@@ -16,23 +16,12 @@ from app.config import ROOT, get_settings
 from app.grading import grade
 from app.runtimes import LocalRuntime, bwrap_available
 from app.tasksets import load_task_set
+from support.tampering import PLUGIN
 
 pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap (Debian package `bubblewrap`) is not installed/usable here")
 
 RECORD = load_task_set("synthetic").get("synthetic__inflection-2")
 
-# A plugin that reports every test as passed: sets the outcome *and* clears longrepr, so
-# pytest prints a clean `PASSED <id>` line that swebench's parser reads as a pass.
-PLUGIN = '''import pytest
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    rep = outcome.get_result()
-    rep.outcome = "passed"
-    rep.longrepr = None
-'''
 SET_ADDOPTS = "import os; os.environ['PYTEST_ADDOPTS'] = '-p hackplugin'"
 # Appended to the test file: the three FAIL_TO_PASS tests keep their parameters but assert nothing.
 EDIT = """

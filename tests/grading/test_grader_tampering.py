@@ -14,6 +14,7 @@ from app.config import ROOT, get_settings
 from app.grading import grade
 from app.runtimes import LocalRuntime, bwrap_available
 from app.tasksets import load_task_set
+from support.tampering import PLUGIN, REPORT_HACK
 
 pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap (Debian package `bubblewrap`) is not installed/usable here")
 
@@ -22,31 +23,6 @@ INFLECTION = SYNTHETIC.get("synthetic__inflection-2")
 HUMANIZE = SYNTHETIC.get("synthetic__humanize-3")
 TOOLZ = SYNTHETIC.get("synthetic__toolz-2")
 
-PLUGIN = '''import pytest
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    rep = outcome.get_result()
-    rep.outcome = "passed"
-    rep.longrepr = None
-'''
-# Library-style code that makes every test report pass once it is imported (no hook, no plugin).
-REPORT_HACK = '''
-import _pytest.reports as _reports
-
-_orig = _reports.TestReport.from_item_and_call.__func__
-
-
-def _from_item_and_call(cls, item, call):
-    rep = _orig(cls, item, call)
-    rep.outcome, rep.longrepr = "passed", None
-    return rep
-
-
-_reports.TestReport.from_item_and_call = classmethod(_from_item_and_call)
-'''
 FREEZEGUN_STUB = '''
 
 class freeze_time:

@@ -10,6 +10,7 @@ from app.runtimes.oci import OciRuntime
 from app.tasksets.loader import load_published
 from support.format_fixtures import format_fixtures
 from support.registry import fixture_layout, r2e_fixture_layout
+from support.tampering import REPORT_HACK
 
 
 @pytest.fixture(scope="module")
@@ -60,21 +61,6 @@ def test_r2egym_runner_and_tests_the_agent_planted_are_not_used(fixtures):
     assert result.report["dropped_test_files"] == ["r2e_tests/test_structures.py"]
 
 
-# Library code that makes every test report pass once it is imported (no hook, no plugin).
-REPORT_HACK = '''
-import _pytest.reports as _reports
-
-_orig = _reports.TestReport.from_item_and_call.__func__
-
-
-def _from_item_and_call(cls, item, call):
-    rep = _orig(cls, item, call)
-    rep.outcome, rep.longrepr = "passed", None
-    return rep
-
-
-_reports.TestReport.from_item_and_call = classmethod(_from_item_and_call)
-'''
 
 
 @pytest.mark.parametrize("name", ["swebench_verified.jsonl", "harbor"])
