@@ -24,8 +24,6 @@ from pathlib import Path
 import pytest
 import unidiff
 
-from app import config
-from app.config import ROOT, get_settings
 from app.runtimes import LocalRuntime, RuntimePaths, bwrap_available, exposure
 from app.runtimes.materialize import materialize_base
 from app.tasksets import load_task_set
@@ -92,14 +90,6 @@ for repo in repos:  # every object of every repository, whatever its name in the
 print(json.dumps({"found": found, "files": files, "repos": repos}))
 '''
 
-
-@pytest.fixture
-def settings(tmp_path, monkeypatch):
-    monkeypatch.setenv("TURNSTILE_VAR_DIR", str(tmp_path / "var"))
-    monkeypatch.setenv("TURNSTILE_CACHE_DIR", str(ROOT / "var" / "cache"))
-    config.reset_settings()
-    yield get_settings()
-    config.reset_settings()
 
 
 def gold_files(records, paths: RuntimePaths) -> tuple[dict[str, bytes], list[dict]]:

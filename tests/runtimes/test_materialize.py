@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app import config
-from app.config import ROOT, get_settings
+from app.config import ROOT
 from app.grading import grade
 from app.runtimes import LocalRuntime, RuntimePaths, RuntimeSetupError, bwrap_available, materialize_base
 from app.runtimes import sdist as sdist_mod
@@ -16,14 +15,6 @@ from app.tasksets import InstanceRecord, load_task_set
 
 needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap (Debian package `bubblewrap`) is not installed/usable here")
 
-
-@pytest.fixture
-def settings(tmp_path, monkeypatch):
-    monkeypatch.setenv("TURNSTILE_VAR_DIR", str(tmp_path / "var"))
-    monkeypatch.setenv("TURNSTILE_CACHE_DIR", str(ROOT / "var" / "cache"))
-    config.reset_settings()
-    yield get_settings()
-    config.reset_settings()
 
 
 def test_sdist_base_is_one_commit_with_the_recorded_id(settings):

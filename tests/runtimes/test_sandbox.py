@@ -25,15 +25,6 @@ from app.tasksets import load_task_set
 pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap (Debian package `bubblewrap`) is not installed/usable here")
 
 
-@pytest.fixture
-def settings(tmp_path, monkeypatch):
-    """Runtimes and DB under tmp; the content-addressed cache shared with other runs (fast setup)."""
-    monkeypatch.setenv("TURNSTILE_VAR_DIR", str(tmp_path / "var"))
-    monkeypatch.setenv("TURNSTILE_CACHE_DIR", str(ROOT / "var" / "cache"))
-    config.reset_settings()
-    yield get_settings()
-    config.reset_settings()
-
 
 @pytest.fixture
 def gateway():
