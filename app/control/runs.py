@@ -10,6 +10,7 @@ import errno
 import json
 import logging
 import time
+import uuid
 
 from sqlalchemy import select
 
@@ -158,6 +159,9 @@ def claim_run_dir(run_id: int, created_at: str) -> None:
             return
         if isinstance(found, dict) and found:
             log.warning("run=%s event=run_dir_set_aside owner=%s", run_id, found)
-            root.rename(root.with_name(f"{run_id}.stale-{int(time.time())}"))
+            # A per-second name collided when two set-asides of one id fell in the same second
+            # (rename(2) cannot replace a non-empty folder): the suffix is unique.
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+            root.rename(root.with_name(f"{run_id}.stale-{stamp}-{uuid.uuid4().hex[:8]}"))
     root.mkdir(parents=True, exist_ok=True)
     write_atomic(marker, json.dumps(identity))

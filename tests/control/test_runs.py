@@ -105,6 +105,20 @@ def test_a_folder_is_set_aside_only_when_its_run_json_names_another_run(database
     assert [p.name.split("-")[0] for p in other.root.parent.glob("6.stale-*")] == ["6.stale"]
 
 
+def test_folders_of_one_id_set_aside_in_the_same_second_are_all_kept(database, fast_watchdog):
+    """Each foreign folder of id 7 is moved aside under its own name, however fast they come:
+    a name made of the second alone made the second rename fail (ENOTEMPTY) and the start with it."""
+    paths = RunPaths(7)
+    for n in range(3):
+        paths.checkpoint(n).mkdir(parents=True)
+        paths.identity.write_text(json.dumps({"database": f"sqlite:///other-{n}.db", "created_at": "2025-01-01"}))
+        runs.claim_run_dir(7, "2026-01-01T00:00:00")
+    aside = sorted(paths.root.parent.glob("7.stale-*"))
+    assert len(aside) == 3
+    assert sorted(next((p / "checkpoints").iterdir()).name for p in aside) == sorted(
+        paths.checkpoint(n).name for n in range(3))
+
+
 @pytest.fixture
 def full_var(tmp_path, fast_watchdog):
     """`<tmp>/var` on a real 1 MiB tmpfs, filled to the last byte by `fill` (unmounted at teardown)."""

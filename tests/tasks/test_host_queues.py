@@ -31,6 +31,9 @@ def _prepared_on(monkeypatch, hosts: list[str]) -> tuple[int, dict[str, int], li
         s.flush()
         run_id = run.id
     prepare = runs.start_run(run_id).prepare
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        assert len(prepare) == len(hosts), (run.status, run.error)
     by_host, rollouts = {}, []
     for host, episode_id in zip(hosts, prepare):
         monkeypatch.setenv("TURNSTILE_HOST_NAME", host)
