@@ -78,8 +78,11 @@ class VLLMServer:
             pytest.fail(self.error)
         if self.ready_s is not None:
             return
+        # The deadline counts from this process's start, and a worker may first need the server
+        # long after that (the controller's server has been up for minutes): /health is asked
+        # before the deadline is looked at, so a server that is up is never reported as not.
         deadline = self.started + START_TIMEOUT_S
-        while time.monotonic() < deadline:
+        while True:
             if self.proc is not None and self.proc.poll() is not None:
                 self.error = f"vLLM exited with status {self.proc.returncode}:\n{self.log_tail()}"
                 pytest.fail(self.error)
@@ -89,6 +92,8 @@ class VLLMServer:
                 print(f"\nvLLM (CPU) ready {self.ready_s:.0f} s after start: {' '.join(self.argv)}")
                 return
             except Exception:  # noqa: BLE001 - not up yet
+                if time.monotonic() >= deadline:
+                    break
                 time.sleep(1)
         self.error = f"vLLM did not answer /health within {START_TIMEOUT_S} s:\n{self.log_tail()}"
         pytest.fail(self.error)
