@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
@@ -69,26 +70,23 @@ def test_write_atomic_replaces_the_file_whole_and_leaves_it_on_a_full_disk(tmp_p
     """On a real 1 MiB tmpfs filled to the last byte: the write fails with ENOSPC, the old file is
     left as it was and no temporary file stays; once space returns the new content lands whole."""
     import errno
-    import subprocess
 
     from app.paths import write_atomic
+    from support.faults import full_disk
 
     disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
-    try:
-        target = disk / "run.json"
+    target = disk / "run.json"
+    with full_disk(disk) as fill:
+        fill.unlink()
         write_atomic(target, json.dumps({"v": 1}))
         assert json.loads(target.read_text()) == {"v": 1}
-        subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'fill'}", "bs=64k"], capture_output=True)
+        subprocess.run(["dd", "if=/dev/zero", f"of={fill}", "bs=64k"], capture_output=True)
         with pytest.raises(OSError) as raised:
             write_atomic(target, json.dumps({"v": 2, "pad": "x" * 8192}))
         assert raised.value.errno == errno.ENOSPC
         assert json.loads(target.read_text()) == {"v": 1}
         assert sorted(p.name for p in disk.iterdir()) == ["fill", "run.json"]
-        (disk / "fill").unlink()
+        fill.unlink()
         write_atomic(target, b'{"v": 3}')
         assert json.loads(target.read_text()) == {"v": 3}
         assert sorted(p.name for p in disk.iterdir()) == ["run.json"]
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -12,6 +12,10 @@ Tracking never fails a step or a run: errors are logged and swallowed.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 from app.config import get_settings
 from app.paths import RunPaths
@@ -26,19 +30,44 @@ def log_scalars(run_id: int, scalars: dict[str, float], step: int, config: dict 
     floats; tags use `/` for groups (`train/loss`).
     """
     try:
-        from tensorboard.summary import Writer
-
-        writer = Writer(str(RunPaths(run_id).tensorboard))
-        try:
-            for tag, value in scalars.items():
-                writer.add_scalar(tag, value, step=step)
-        finally:
-            writer.close()
+        _write_events(run_id, scalars, step)
     except Exception:  # noqa: BLE001 - tracking must not fail training
         log.exception("run=%s event=tensorboard_failed", run_id)
     settings = get_settings()
     if settings.wandb_mode != "disabled":
         _log_wandb(run_id, scalars, step, config, settings.wandb_mode, settings.wandb_project)
+
+
+def _write_events(run_id: int, scalars: dict[str, float], step: int) -> None:
+    """Write one event file of `scalars` into the run's `tensorboard/` folder, whole or not at all.
+
+    TensorBoard reads every `*tfevents*` file under its logdir (`<var_dir>/runs`) as soon as it
+    appears, and its writer creates the file before the first record: a full disk left a 0-byte
+    (or cut) event file there.  The file is written and fsynced in `<var_dir>/tmp/` (the same
+    file system, outside the logdir) and renamed in only when complete.  Raises the `OSError` of
+    the write (ENOSPC, ...) after removing the staging folder.
+    """
+    from tensorboard.summary import Writer
+
+    settings = get_settings()
+    final = RunPaths(run_id).tensorboard
+    staging_root = Path(settings.var_dir) / "tmp"
+    staging_root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"tensorboard-{run_id}-", dir=staging_root))
+    try:
+        writer = Writer(str(staging))
+        try:
+            for tag, value in scalars.items():
+                writer.add_scalar(tag, value, step=step)
+        finally:
+            writer.close()
+        final.mkdir(parents=True, exist_ok=True)
+        for event_file in staging.iterdir():
+            with open(event_file, "rb") as handle:
+                os.fsync(handle.fileno())
+            os.rename(event_file, final / event_file.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _log_wandb(run_id: int, scalars: dict[str, float], step: int, config: dict | None, mode: str,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import subprocess
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from app.paths import RunPaths
 from app.tables import Episode, Run, utcnow
 from app.transitions import transition
 from support import REDIS_BASE, celery_worker_args, wait_for
+from support.faults import full_disk
 
 REDIS_DB = 10
 SIMULATED_EVAL = {"kind": "eval", "group_size": 2, "tasks_per_step": 1,
@@ -123,14 +123,8 @@ def test_folders_of_one_id_set_aside_in_the_same_second_are_all_kept(database, f
 def full_var(tmp_path, fast_watchdog):
     """`<tmp>/var` on a real 1 MiB tmpfs, filled to the last byte by `fill` (unmounted at teardown)."""
     var = tmp_path / "var"
-    var.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(var)], check=True)
-    fill = var / "fill"
-    subprocess.run(["dd", "if=/dev/zero", f"of={fill}", "bs=64k"], capture_output=True)  # exits 1 at ENOSPC
-    try:
+    with full_disk(var) as fill:
         yield var, fill
-    finally:
-        subprocess.run(["umount", "-l", str(var)], check=False)
 
 
 def test_a_full_var_disk_fails_the_start_with_enospc_and_the_run_finishes_once_space_returns(

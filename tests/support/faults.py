@@ -1,7 +1,11 @@
-"""Real faults for crash-safety tests: a PostgreSQL database that drops and refuses connections."""
+"""Real faults for crash-safety tests: a PostgreSQL database that drops and refuses connections,
+and a disk that is full to the last byte."""
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
@@ -52,3 +56,17 @@ def postgres_process_env(pg_url: str, monkeypatch, tmp_path, **env: str):
     restore_database(pg_url)
     db.dispose_engine()
     config.reset_settings()
+
+
+@contextlib.contextmanager
+def full_disk(folder: Path, size: str = "1m"):
+    """Mount a real tmpfs of `size` on `folder` (created) and fill it to the last byte; yields the
+    filler file: unlink it and space returns.  Unmounted on exit.  Needs root (CI runs as root)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
+    fill = folder / "fill"
+    try:
+        subprocess.run(["dd", "if=/dev/zero", f"of={fill}", "bs=64k"], capture_output=True)  # exits 1 at ENOSPC
+        yield fill
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

@@ -94,3 +94,38 @@ def test_wandb_is_off_by_default(var):
     log_scalars(4, {"eval/solved_fraction": 1.0}, step=0)
     assert not RunPaths(4).wandb.exists()
     assert list(RunPaths(4).tensorboard.glob("events.out.tfevents*"))
+
+
+def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} of every event file under `folder`, read with TensorBoard's own loader."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    found: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(folder.glob("events.out.tfevents*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                found.setdefault(value.tag, []).append((event.step, float(tensor_util.make_ndarray(value.tensor))))
+    return found
+
+
+def test_a_full_disk_leaves_no_event_file_and_the_next_step_is_written_whole(var, caplog):
+    """TensorBoard reads event files as they appear: a write that meets ENOSPC leaves none (not a
+    0-byte or cut one) and no staging files; the step after space returns lands complete."""
+    import subprocess
+
+    from support.faults import full_disk
+
+    events = RunPaths(5).tensorboard
+    with full_disk(var) as fill:
+        fill.unlink()
+        log_scalars(5, {"train/loss": 0.5}, step=0)
+        subprocess.run(["dd", "if=/dev/zero", f"of={fill}", "bs=4k"], capture_output=True)  # full again
+        with caplog.at_level("ERROR", logger="turnstile.tracking"):
+            log_scalars(5, {"train/loss": 0.25, "train/pad": 1.0}, step=1)
+        assert "event=tensorboard_failed" in caplog.text and "No space left on device" in caplog.text
+        assert _scalars(events) == {"train/loss": [(0, 0.5)]}, "a partial event file is visible"
+        assert len(list(events.iterdir())) == 1 and list((var / "tmp").iterdir()) == []
+        fill.unlink()
+        log_scalars(5, {"train/loss": 0.125}, step=2)
+        assert _scalars(events) == {"train/loss": [(0, 0.5), (2, 0.125)]}
