@@ -2,7 +2,8 @@
 
 `check_teacher(cfg)` returns `(field, message)` for the first problem, which the API answers
 with a 400: a teacher whose weights cannot be found, a tokenizer that differs from the
-student's (`app.training.tokenizer_match`, naming the first mismatching ids), or engines that
+student's (`app.training.tokenizer_match`, naming the first mismatching ids; for a teacher
+served at other URLs, asked over `/tokenize`: `app.training.tokenizer_remote`), or engines that
 do not return prompt logprobs for a probe prompt.  `parse_prompt_logprobs` reads vLLM's
 `prompt_logprobs` answer shape; the teacher worker uses it too.
 """
@@ -102,7 +103,7 @@ def check_teacher(cfg: RunConfig) -> tuple[str, str] | None:
         return "training.teacher", f"the teacher cannot be loaded: {exc}"
     if source is None:
         for url in teacher.engine_urls:
-            problem = probe_engine(url, teacher.name or "")
+            problem = probe_engine(url, teacher.name or "") or remote_tokenizer_problem(cfg, url)
             if problem:
                 return "training.teacher.engine_urls", problem
         return None
@@ -115,6 +116,31 @@ def check_teacher(cfg: RunConfig) -> tuple[str, str] | None:
     if problem:
         return "training.teacher", f"the teacher's tokenizer differs from the student's: {problem}"
     return None
+
+
+def remote_tokenizer_problem(cfg: RunConfig, url: str) -> str | None:
+    """Why the teacher engine at `url` does not share the student's tokenizer, or None.
+
+    Compared with the student's tokenizer files when they are here, else with the student's own
+    engines (`model.engine_urls`, else the deployment's) over `/tokenize`
+    (`app.training.tokenizer_remote`).  An engine that cannot be asked is a problem too: a
+    teacher whose tokenizer cannot be compared is refused, never trusted."""
+    from app.config import get_settings
+    from app.training import tokenizer_remote
+
+    teacher = tokenizer_remote.EngineTokenizer(url, cfg.training.teacher.name)
+    try:
+        try:
+            facts = tokenizer_match.read_facts(tokenizer_match.tokenizer_dir(student_source(cfg)))
+        except tokenizer_match.TokenizerFilesMissing:
+            student_urls = cfg.model.engine_urls or get_settings().engine_urls
+            student = tokenizer_remote.EngineTokenizer(student_urls[0], cfg.model.name, role="student")
+            problem = tokenizer_remote.mismatch_between_engines(student, teacher)
+        else:
+            problem = tokenizer_remote.mismatch_with_files(facts, teacher)
+    except (tokenizer_remote.TokenizerProbeError, ValueError) as exc:
+        return str(exc)
+    return f"the teacher's tokenizer differs from the student's: {problem}" if problem else None
 
 
 def check_local_tokenizer(student_spec: str, teacher_spec: str) -> None:
