@@ -7,7 +7,10 @@ incomplete UTF-8 sequence or could be the start of a stop string), stop-string m
 extension fields: ``prompt_token_ids`` / per-choice ``token_ids`` (``return_token_ids``,
 https://github.com/vllm-project/vllm/pull/22587) and per-choice ``stop_reason``.
 Turnstile adds ``policy_version`` (int) and ``engine_id`` at the top level of every
-response and chunk; ``system_fingerprint`` is ``"<engine_id>:v<policy_version>"``.
+response and chunk; ``system_fingerprint`` is ``"<engine_id>:v<policy_version>"``.  A chat
+logprob entry of a token drawn under top-k or top-p also carries ``support`` (int, the size of
+the kept support) and ``rank`` (int, tokens that scored strictly higher), and its ``logprob``
+is under the transformed distribution (``app.engines.embedded.sampling``).
 """
 from __future__ import annotations
 
@@ -120,6 +123,8 @@ class ChoiceAssembler:
             return {"token": token, "logprob": logprob, "bytes": raw}
         item = entry(event.sample.token_id, event.sample.logprob)
         item["top_logprobs"] = [entry(t, lp) for t, lp in event.sample.top[: self.options.top_logprobs]]
+        if event.sample.support is not None:  # top-k / top-p truncated: the kept support's size
+            item["support"], item["rank"] = event.sample.support, event.sample.rank
         return item
 
     def add(self, event: TokenEvent) -> ChoiceDelta:

@@ -1,13 +1,16 @@
 """Per-request sampling and logprob recording for the embedded engine.
 
-Logprob convention (what the trainer relies on): the recorded ``logprob`` of a sampled
-token is ``log_softmax(logits)[token]`` of the **unmodified** model distribution, in
-fp32 — temperature 1, no top-p/top-k truncation — even when the token was drawn from a
-temperature-scaled or truncated distribution.  That is the quantity a GRPO trainer
-recomputes with a plain forward pass (``π_θ(a|s)``), and it is what vLLM returns by
-default (``logprobs_mode="raw_logprobs"``,
-https://docs.vllm.ai/en/latest/api/vllm/config/model/#vllm.config.model.ModelConfig.logprobs_mode).
-``top_logprobs`` come from the same unmodified distribution.
+Logprob convention (what the trainer relies on): the recorded ``logprob`` of a sampled token
+is its log-probability under the distribution it was **drawn from**: the model's fp32 logits
+divided by the request's temperature, truncated by its top-k and top-p, renormalised
+(``app.engines.transform``, which the trainer scores with too).  This is vLLM's
+``logprobs_mode="processed_logprobs"``
+(https://docs.vllm.ai/en/latest/api/vllm/config/model/#vllm.config.model.ModelConfig.logprobs_mode),
+which Turnstile serves vLLM with.  With top-k or top-p each token also records its kept
+support as its size (``TokenSample.support``) and its own rank in it, and ``top_logprobs``
+come from the same processed distribution (a token outside the support shows -9999.0, vLLM's
+JSON stand-in for -inf).  Temperature 0 (greedy) and temperature 1 without truncation record
+the unmodified ``log_softmax(logits)[token]``, as before.
 
 Sampling order (as in vLLM/HF): temperature scaling → top-k → top-p (nucleus, Holtzman
 et al. 2019, https://arxiv.org/abs/1904.09751) → multinomial draw with the request's own
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-GREEDY_EPS = 1e-5
+from app.engines.transform import GREEDY_EPS, processed_logprobs, support_size, truncates
 
 
 @dataclass
@@ -48,32 +51,54 @@ class SamplingParams:
         self.generator.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams) -> int:
-    """Draw one token id from one row of fp32 logits (shape ``[vocab]``)."""
-    if params.temperature < GREEDY_EPS:
-        return int(torch.argmax(logits))
-    scores = logits / params.temperature
-    if params.top_k and 0 < params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
-        # Drop a token when the mass *before* it already reaches top_p (keeps ≥ 1 token).
-        drop_sorted = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=params.generator))
-
-
 @dataclass(frozen=True)
 class TokenSample:
-    """One generated token: id, its fp32 logprob under the unmodified model, and top alternatives."""
+    """One generated token: id, its fp32 logprob under the distribution it was drawn from, top
+    alternatives, and with top-k/top-p its support size |K| and rank (tokens scoring strictly
+    higher; < |K|); both None when nothing was truncated (module docstring)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
+    support: int | None = None
+    rank: int | None = None
+
+
+JSON_NEG_INF = -9999.0  # what a -inf logprob is shown as (vLLM's serving code clamps the same way)
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams) -> TokenSample:
+    """Draw one token from one row of fp32 logits (``[vocab]``) and record it (module docstring)."""
+    vocab = logits.shape[-1]
+    if params.temperature < GREEDY_EPS:
+        token = int(torch.argmax(logits))
+        return _recorded(torch.log_softmax(logits, dim=-1), token, params, None, None)
+    scores = logits / params.temperature
+    size = None
+    if truncates(params.top_k, params.top_p, vocab):
+        sorted_scores, order = torch.sort(scores, descending=True)
+        size = support_size(sorted_scores, params.top_k, params.top_p)
+        masked = torch.full_like(scores, float("-inf"))
+        masked[order[:size]] = sorted_scores[:size]
+        scores = masked
+    token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=params.generator))
+    rank = None if size is None else int((scores > scores[token]).sum())
+    processed = torch.log_softmax(scores, dim=-1)
+    if size is None:  # temperature only (T = 1: exactly the untransformed log softmax, as before)
+        return _recorded(processed, token, params, None, None)
+    # The recorded value is computed by the very function the trainer scores with.
+    value = processed_logprobs(logits.unsqueeze(0), torch.tensor([token]), torch.tensor([params.temperature]),
+                               torch.tensor([size]))
+    return _recorded(processed, token, params, size, rank, float(value[0]))
+
+
+def _recorded(logprobs: torch.Tensor, token: int, params: SamplingParams, support: int | None,
+              rank: int | None, value: float | None = None) -> TokenSample:
+    top: tuple[tuple[int, float], ...] = ()
+    if params.top_logprobs:
+        values, ids = torch.topk(logprobs, params.top_logprobs)
+        top = tuple((i, max(v, JSON_NEG_INF)) for i, v in zip(ids.tolist(), values.tolist()))
+    return TokenSample(token, float(logprobs[token]) if value is None else value, top, support, rank)
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams]) -> list[TokenSample]:
@@ -82,13 +107,4 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams]) -> list[Tok
     Returns one ``TokenSample`` per row, logprobs computed in fp32 (see module docstring).
     """
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    out = []
-    for row, p in enumerate(params):
-        token = sample_next(logits[row], p)
-        top: tuple[tuple[int, float], ...] = ()
-        if p.top_logprobs:
-            values, ids = torch.topk(logprobs[row], p.top_logprobs)
-            top = tuple(zip(ids.tolist(), values.tolist()))
-        out.append(TokenSample(token, float(logprobs[row, token]), top))
-    return out
+    return [sample_row(logits[row], p) for row, p in enumerate(params)]

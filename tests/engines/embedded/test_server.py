@@ -10,17 +10,21 @@ import torch
 
 from app.engines.client import EngineHTTPError
 from app.engines.modeling import build_tiny_model, load_tokenizer
+from app.engines.transform import processed_logprobs
 from app.engines.embedded.templates import render_prompt
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
 
 
-def recompute_logprobs(model, prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:
-    """Trainer-side recomputation: one plain fp32 forward pass over prompt + completion."""
+def recompute_logprobs(model, prompt_ids: list[int], token_ids: list[int], temperature: float = 1.0,
+                       support: list[int] | None = None) -> torch.Tensor:
+    """Trainer-side recomputation: one plain fp32 forward pass over prompt + completion, scored
+    under the sampling transform the tokens were drawn with (`app.engines.transform`)."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids + token_ids])).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1:-1]
-    return logprobs.gather(1, torch.tensor(token_ids)[:, None])[:, 0]
+        logits = model(torch.tensor([prompt_ids + token_ids])).logits[0].float()[len(prompt_ids) - 1:-1]
+    n = len(token_ids)
+    return processed_logprobs(logits, torch.tensor(token_ids), torch.full((n,), temperature),
+                              torch.tensor(support) if support is not None else None)
 
 
 def test_prompt_token_ids_equal_tokenizer_rendering(engine):
@@ -35,7 +39,8 @@ def test_prompt_token_ids_equal_tokenizer_rendering(engine):
 
 
 def test_logprob_parity_non_stream_and_stream(engine):
-    """Recorded logprobs equal the trainer's recomputation (goal < 1e-4), in both modes."""
+    """Recorded logprobs (under temperature 0.8 and top-p 0.9, with the support each token reports)
+    equal the trainer's recomputation (goal < 1e-4), in both modes."""
     model = build_tiny_model(0)
     worst = 0.0
     for stream in (False, True):
@@ -45,14 +50,15 @@ def test_logprob_parity_non_stream_and_stream(engine):
             chunks = list(engine.client.chat(MESSAGES, stream=True, **fields))
             prompt_ids = chunks[0]["prompt_token_ids"]
             token_ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
-            logprobs = [e["logprob"] for c in chunks for ch in c["choices"]
-                        if ch.get("logprobs") for e in ch["logprobs"]["content"]]
+            entries = [e for c in chunks for ch in c["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]]
         else:
             out = engine.client.chat(MESSAGES, **fields)
             prompt_ids, token_ids = out["prompt_token_ids"], out["choices"][0]["token_ids"]
-            logprobs = [e["logprob"] for e in out["choices"][0]["logprobs"]["content"]]
+            entries = out["choices"][0]["logprobs"]["content"]
+        logprobs = [e["logprob"] for e in entries]
         assert len(token_ids) == len(logprobs) == 24
-        diff = (recompute_logprobs(model, prompt_ids, token_ids) - torch.tensor(logprobs)).abs().max().item()
+        recomputed = recompute_logprobs(model, prompt_ids, token_ids, 0.8, [e["support"] for e in entries])
+        diff = (recomputed - torch.tensor(logprobs)).abs().max().item()
         worst = max(worst, diff)
     print(f"tiny engine logprob parity: max abs diff {worst:.2e}")
     assert worst < 1e-4
