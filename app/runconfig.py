@@ -125,6 +125,8 @@ class TeacherChoice(BaseModel):
                                                         "the checkpoint's files, or the name)")
     timeout_s: float = Field(900.0, gt=0, le=24 * 3600, description="how long a training step waits for its chains' "
                                                                     "teacher scores before it fails")
+    score_as_graded: bool = Field(True, description="score each episode's chains as soon as it is graded (false: "
+                                                    "only when its training step starts)")
 
     @model_validator(mode="after")
     def _one_source(self) -> "TeacherChoice":

@@ -11,6 +11,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from app.control import episodes
 from app.tasks.send import send
+from app.tasks.teacher import send_if_graded
 
 
 @shared_task(name="prepare.prepare_episode", acks_late=True)
@@ -35,3 +36,5 @@ def grade_episode(episode_id: int) -> None:
         send(episodes.grade(episode_id))
     except SoftTimeLimitExceeded:
         send(episodes.fail(episode_id, "grading exceeded its time limit"))
+        return
+    send_if_graded(episode_id)  # distillation: the teacher scores the graded episode's chains now

@@ -1,6 +1,6 @@
 """The distillation teacher: prefill-scores the exact token ids of each trainable chain.
 
-    score_episodes(run_id, episode_ids)
+    score_episodes(run_id, episode_ids)    (sent per episode as soon as it is graded, and per step)
       trajectories  built (or loaded) per episode with the run's builder (after prefix merging)
       cache         a chain whose (chain_hash, teacher_version) has a `TeacherScore` is skipped
       score         one prefill pass of the teacher over the chain's ids; the teacher's logprob of
@@ -310,8 +310,7 @@ def score_step(run_id: int, step: int, episode_ids: list[int] | None = None) -> 
     Returns the report as a dict, `{"error": …}` after failing the run, or `{"skipped": …}`
     when the run is not running.
     """
-    from app.tables import TrainingStep, utcnow
-    from app.transitions import transition
+    from app.tables import TrainingStep
 
     with session_scope() as s:
         run = s.get(Run, run_id)
@@ -321,11 +320,52 @@ def score_step(run_id: int, step: int, episode_ids: list[int] | None = None) -> 
             return {"skipped": f"run {run_id} is {run.status}"}
         row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.step == step))
         ids = list((row.episode_ids if row is not None else None) or episode_ids or [])
+    return _score_or_fail(run_id, ids, f"step={step}")
+
+
+def _score_or_fail(run_id: int, episode_ids: list[int], where: str) -> dict:
+    """`score_episodes`; a `TeacherError` fails the run with the cause and gives `{"error": …}`."""
+    from app.tables import utcnow
+    from app.transitions import transition
+
     try:
-        return score_episodes(run_id, ids).as_dict()
+        return score_episodes(run_id, episode_ids).as_dict()
     except TeacherError as exc:
         error = f"teacher: {exc}"[:2000]
-        log.error("run=%s step=%s %s", run_id, step, error)
+        log.error("run=%s %s %s", run_id, where, error)
         with session_scope() as s:
             transition(s, Run, run_id, "failed", error=error, finished_at=utcnow())
         return {"error": error}
+
+
+def scores_as_graded(episode_id: int) -> int | None:
+    """The run id when episode `episode_id` should be scored now, as soon as it is graded, or None.
+
+    Yes for a completed episode of a running train run with a teacher (`training.algorithm`
+    'opd' or 'grpo+opd', not simulated) whose `teacher.score_as_graded` is on: its trajectories
+    are built at grading, so the teacher can score its chains while the step's other episodes
+    still roll out, instead of all of them after the step's last grade.  SQL only (no torch).
+    """
+    with session_scope() as s:
+        episode = s.get(Episode, episode_id)
+        if episode is None or episode.status != "completed":
+            return None
+        run = s.get(Run, episode.run_id)
+        if run is None or run.status != "running" or run.kind != "train":
+            return None
+        run_id, cfg = run.id, run.run_config()
+    teacher = cfg.training.teacher
+    if cfg.training.algorithm == "grpo" or teacher is None or cfg.simulate is not None or not teacher.score_as_graded:
+        return None
+    return run_id
+
+
+def score_episode(run_id: int, episode_id: int) -> dict:
+    """Score one graded episode's chains for run `run_id` (the teacher queue's early work; the
+    step's own `score_step` later finds them cached).  Returns the report, `{"error": …}` after
+    failing the run, or `{"skipped": …}` when the run is not running."""
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        if run is None or run.status != "running":
+            return {"skipped": f"run {run_id} is {run.status if run else 'gone'}"}
+    return _score_or_fail(run_id, [episode_id], f"episode={episode_id}")
