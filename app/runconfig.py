@@ -18,6 +18,8 @@ LossAggregation = Literal["token", "sequence"]
 Builder = Literal["prefix_merging", "per_request"]
 KLEstimator = Literal["k3", "k2"]
 Algorithm = Literal["grpo", "opd", "grpo+opd"]
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
 RuntimeKind = Literal["auto", "local", "oci", "docker", "podman"]
 RUNTIME_KINDS: tuple[str, ...] = get_args(RuntimeKind)
 ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
@@ -211,6 +213,9 @@ class TrainingConfig(BaseModel):
                                           "into the weights the engines load.")
     lora_r: int = Field(16, ge=1, description="LoRA rank.")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale = alpha / r).")
+    lora_target_modules: list[LoraTarget] = Field(
+        list(LORA_TARGETS), min_length=1, description="The projections that get LoRA adapters (every attention "
+                                                      "and MLP projection by default).")
     lora_dropout: float = Field(
         0.0, ge=0, lt=1, description="LoRA dropout: must be 0. The engines sample with dropout off and the trainer scores "
                                      "the sampled tokens with dropout off too, so that its logprobs equal the engine's "

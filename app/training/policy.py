@@ -16,10 +16,12 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from app import runconfig
+
 # Logits computed at once by the LM head, in elements (positions x vocab): 2^28 fp32 = 1 GiB,
 # i.e. 5461 positions of SmolLM2's 49152-token vocabulary, 1766 of Qwen3's 151936.
 HEAD_CHUNK_ELEMENTS = 2**28
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = runconfig.LORA_TARGETS  # the attention and MLP projections of llama-style models
 
 
 def load_policy(spec: str, device: torch.device):
@@ -36,11 +38,12 @@ def load_policy(spec: str, device: torch.device):
     return model, int(model.get_input_embeddings().weight.shape[0])
 
 
-def add_lora(model, r: int, alpha: int, dropout: float):
-    """Wrap `model` with peft LoRA adapters on the attention and MLP projections (base frozen)."""
+def add_lora(model, r: int, alpha: int, dropout: float, targets=LORA_TARGETS):
+    """Wrap `model` with peft LoRA adapters on the projections named in `targets` (default: every
+    attention and MLP projection; base frozen)."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(LORA_TARGETS), bias="none")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none")
     return get_peft_model(model, config)
 
 

@@ -57,6 +57,7 @@ class _Resident:
     trainer: object | None = None
     step: int | None = None  # the step whose weights it holds (None: base model)
     policy_version: int = 0
+    pool: object | None = None  # LoRA runs: the tenant pool on `trainer` (app.training.tenants)
 
 
 _RESIDENT = _Resident()
@@ -72,11 +73,36 @@ def _trainer_for(run_id: int, spec: str, config: TrainingConfig):
     from app.training.trainer import Trainer  # torch: imported in the worker child only
 
     key = (spec, tuple(sorted(config.to_dict().items())))
-    if _RESIDENT.run_id != run_id or _RESIDENT.key != key or _RESIDENT.trainer is None:
+    if _RESIDENT.run_id == run_id and _RESIDENT.key == key and _RESIDENT.trainer is not None:
+        return _RESIDENT.trainer
+    pool = _RESIDENT.pool
+    if pool is None or not pool.accepts(spec, config):
         reset_resident()  # free the previous run's model before loading the next
         _RESIDENT.trainer = Trainer.from_spec(config, spec)
-        _RESIDENT.run_id, _RESIDENT.key = run_id, key
+        if config.lora and _RESIDENT.trainer.group is None:
+            from app.training.tenants import TenantPool
+
+            _RESIDENT.pool = pool = TenantPool(_RESIDENT.trainer, spec)
+    if pool is not None:
+        # Another LoRA run of the same shape: park its adapter and optimizer state, swap this one in.
+        if _RESIDENT.run_id is not None and _RESIDENT.run_id in pool.tenants:
+            pool.mark(_RESIDENT.run_id, step=_RESIDENT.step, policy_version=_RESIDENT.policy_version)
+        marks = pool.activate(run_id, config)
+        _RESIDENT.step, _RESIDENT.policy_version = marks.get("step"), marks.get("policy_version", 0)
+    _RESIDENT.run_id, _RESIDENT.key = run_id, key
     return _RESIDENT.trainer
+
+
+def _forget(run_id: int) -> None:
+    """Drop run `run_id`'s resident state (its weights may be half-updated): its tenant alone
+    when it is one of a LoRA pool (the other runs' adapters stay), else the whole trainer."""
+    if _RESIDENT.pool is not None and _RESIDENT.run_id == run_id:
+        _RESIDENT.pool.drop(run_id)
+        _RESIDENT.run_id, _RESIDENT.key, _RESIDENT.step, _RESIDENT.policy_version = None, None, None, 0
+    elif _RESIDENT.pool is not None:
+        _RESIDENT.pool.drop(run_id)
+    else:
+        reset_resident()
 
 
 def _restore(run_id: int, step: int, spec: str, config: TrainingConfig, completed_before: bool):
@@ -100,7 +126,7 @@ def _restore(run_id: int, step: int, spec: str, config: TrainingConfig, complete
     if completed_before:
         raise StepError(f"run {run_id} has completed steps before {step} but no checkpoint to resume from")
     if _RESIDENT.step is not None:  # holds a later state than this step needs: start over from the base
-        reset_resident()
+        _forget(run_id)
         trainer = _trainer_for(run_id, spec, config)
     return trainer, None
 
@@ -125,7 +151,7 @@ def train_step(run_id: int, step: int, episode_ids: list[int] | None = None) -> 
             return _train_step(run_id, step, episode_ids)
         except BaseException as exc:
             # The resident weights may be half-updated: the next attempt reloads a checkpoint.
-            reset_resident()
+            _forget(run_id)
             with session_scope() as s:
                 s.execute(update(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.step == step,
                                                      TrainingStep.status == "training")
@@ -150,6 +176,8 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
             return dict(row.metrics or {})
         if run.status not in ("running",):
             # A cancelled or failed run's step (e.g. re-sent by the watchdog) must not hold the trainer.
+            if _RESIDENT.pool is not None and _RESIDENT.run_id != run_id:
+                _RESIDENT.pool.drop(run_id)  # its adapter only; the active run's stays installed
             transition(s, TrainingStep, row.id, "failed", error=f"run is {run.status}", finished_at=utcnow())
             return {"skipped": f"run {run_id} is {run.status}"}
         if row.status == "failed":
@@ -214,7 +242,7 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
     _log_tensorboard(run_id, step, metrics, run_cfg.model_dump(mode="json"))
     checkpoints.prune_checkpoints(run_id)
     log.info("run=%s step=%s policy_version=%s loss=%.4g tokens=%s time=%.1fs", run_id, step, policy_version,
-             metrics.get("loss", 0.0), metrics.get("tokens_trained"), time.perf_counter() - start)
+             metrics.get("loss") or 0.0, metrics.get("tokens_trained"), time.perf_counter() - start)
     return metrics
 
 

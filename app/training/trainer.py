@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from app.training import distributed, head, memory, packing, policy
-from app.training.batching import MicroBatch, StepSequence, make_micro_batches, padding_fraction
+from app.training.batching import (MicroBatch, StepSequence, make_micro_batches, padding_fraction,
+                                   zero_advantage_indices)
 from app.runconfig import TrainingConfig
 from app.training.grpo import policy_loss
 from app.training.opd import apply_token_advantages
@@ -74,14 +75,13 @@ class Trainer:
         self.pad_id = pad_id
         self.group = group
         self.world = group.world if group is not None else 1
-        limit = config.max_sequence_tokens or getattr(model.config, "max_position_embeddings", None)
-        self.max_sequence_tokens = int(limit) if limit else None
-        self.limit_source = "training.max_sequence_tokens" if config.max_sequence_tokens else "the model's max_position_embeddings"
+        self.position_limit = getattr(model.config, "max_position_embeddings", None)
         torch.manual_seed(config.seed)
         if config.lora:
             if group is not None:
                 raise ValueError("training.lora: LoRA adapters are not trained under FSDP; use one process")
-            model = policy.add_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout)
+            model = policy.add_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout,
+                                    config.lora_target_modules)
         self.model = model
         self.model.train()
         # Score with dropout off, as the engines sample (TrainingConfig refuses lora_dropout > 0;
@@ -95,15 +95,8 @@ class Trainer:
             policy.causal_lm(model).set_attn_implementation("flex_attention")
             attention = "flex_attention"
         self.attention = attention
-        self.packing = attention.startswith(VARLEN_ATTENTION) if config.packing is None else config.packing
         self.shape = memory.Shape.of(lm_config)
-        checkpointing = config.activation_checkpointing
-        # None: chosen per step by the memory model where memory binds (CUDA, or a budget given).
-        self.checkpointing_auto = checkpointing is None and (
-            self.device.type == "cuda" or config.activation_memory_gib is not None)
-        self.activation_checkpointing = bool(checkpointing)
-        self.plan: memory.Plan | None = None
-        policy.set_activation_checkpointing(self.model, self.activation_checkpointing)
+        self._apply_settings(config)
         self._mask_cache: tuple | None = None
         # The KL reference is the initial policy: the adapters switched off under LoRA,
         # a frozen copy otherwise (memory: one more set of weights).
@@ -123,6 +116,30 @@ class Trainer:
             betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,
         )
+
+    def _apply_settings(self, config: TrainingConfig) -> None:
+        """Take `config`'s per-run settings: the length limit, packing and checkpointing."""
+        self.config = config
+        limit = config.max_sequence_tokens or self.position_limit
+        self.max_sequence_tokens = int(limit) if limit else None
+        self.limit_source = "training.max_sequence_tokens" if config.max_sequence_tokens else "the model's max_position_embeddings"
+        self.packing = self.attention.startswith(VARLEN_ATTENTION) if config.packing is None else config.packing
+        checkpointing = config.activation_checkpointing
+        # None: chosen per step by the memory model where memory binds (CUDA, or a budget given).
+        self.checkpointing_auto = checkpointing is None and (
+            self.device.type == "cuda" or config.activation_memory_gib is not None)
+        self.activation_checkpointing = bool(checkpointing)
+        self.plan: memory.Plan | None = None
+        policy.set_activation_checkpointing(self.model, self.activation_checkpointing)
+
+    def use_config(self, config: TrainingConfig) -> None:
+        """Train with another run's settings on the same model (a LoRA tenant, `app.training.tenants`):
+        the per-run settings and AdamW's learning rate, betas and weight decay.  The model-shaping
+        fields (LoRA rank, alpha, targets) and the seed were fixed when the trainer was built."""
+        self._apply_settings(config)
+        for group in self.optimizer.param_groups:
+            group.update(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                         weight_decay=config.weight_decay)
 
     @classmethod
     def from_spec(cls, config: TrainingConfig, spec: str, device: torch.device | None = None) -> "Trainer":
@@ -220,7 +237,12 @@ class Trainer:
         start = time.perf_counter()
         cfg = self.config
         self.check_lengths(sequences)
-        batches = make_micro_batches(sequences, cfg.micro_batch_tokens, cfg.loss_aggregation, self.pad_id, self.packing)
+        # Chains with advantage 0 everywhere add exactly 0 to the loss and its gradient: with one update
+        # per step and no KL term they are left out before any forward pass (`skip_zero_advantage`).
+        skip = (zero_advantage_indices(sequences) if cfg.skip_zero_advantage and cfg.kl_coef == 0
+                and not cfg.gradient_accumulation_steps else set())
+        batches = make_micro_batches(sequences, cfg.micro_batch_tokens, cfg.loss_aggregation, self.pad_id, self.packing,
+                                     leave_out=skip)
         batches = apply_token_advantages(batches, sequences)  # on-policy distillation: A_t per token
         metrics = {
             "sequences": sum(1 for s in sequences if s.trainable > 0),
@@ -233,6 +255,7 @@ class Trainer:
             **self._plan_checkpointing(batches),
             "packing": self.packing,
             "world_size": self.world,
+            "sequences_zero_advantage_skipped": sum(1 for i in skip if sequences[i].trainable > 0),
         }
         if not batches:
             return {**metrics, "optimizer_updates": 0, "loss": 0.0, "update_time_s": time.perf_counter() - start}
@@ -246,11 +269,12 @@ class Trainer:
                  for o, (mb, real) in zip(olds, share) if real] if old else [])
         totals = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "tis": 0.0, "tis_truncated": 0.0, "ratio": 0.0}
         grad_norm = 0.0
-        skipped = 0
+        skipped = nonfinite = 0
         for u, (chunk, share) in enumerate(zip(chunks, shares)):
             self.optimizer.zero_grad(set_to_none=True)
             # Each update is the aggregated mean over its own micro-batches.
-            scale = 1.0 / float(sum(mb.weights.sum() for mb in chunk))
+            # (with chains left out, the whole step's weights, which sum to 1, are still the denominator)
+            scale = 1.0 if skip else 1.0 / float(sum(mb.weights.sum() for mb in chunk))
             for j, ((mb, real), backward) in enumerate(zip(share, self._needs_backward(share))):
                 if not backward:
                     # Zero advantage and no KL: this micro-batch's loss and gradient are exactly
@@ -289,8 +313,13 @@ class Trainer:
                 totals["tis_truncated"] += stats.tis_truncated
                 totals["ratio"] += stats.ratio
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-            grad_norm = max(grad_norm, distributed.grad_norm_value(norm))
+            norm = distributed.grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+            if not math.isfinite(norm):
+                # A NaN or infinite loss or gradient: skip this update (weights and AdamW state
+                # stay as they were, the step counter too) rather than poison the moments.
+                nonfinite += 1
+                continue
+            grad_norm = max(grad_norm, norm)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         gap = torch.cat(gaps) if gaps else torch.zeros(0)
@@ -302,7 +331,7 @@ class Trainer:
             gap_sum, gap_count, skipped = float(summed[-3]), int(summed[-2]), int(summed[-1])
             gap_max = float(self.group.all_reduce(torch.tensor([gap_max]), op="max")[0])
         n = max(metrics["tokens_trained"], 1)
-        return {
+        return _finite_or_none({
             **metrics,
             "loss": totals["loss"],
             "clip_fraction": totals["clipped"] / n,
@@ -315,8 +344,9 @@ class Trainer:
             "grad_norm": grad_norm,
             "optimizer_updates": len(chunks),
             "micro_batches_zero_advantage": skipped,
+            "nonfinite_updates_skipped": nonfinite,
             "update_time_s": time.perf_counter() - start,
-        }
+        })
 
     def _plan_checkpointing(self, batches: list[MicroBatch]) -> dict:
         """Pick this step's checkpointing from the memory model of its largest micro-batch
@@ -416,7 +446,13 @@ class Trainer:
             distributed.load_sharded(self.forward, self.optimizer, directory)
             return json.loads((directory / "trainer_state.json").read_text())
         if self.config.lora:
-            adapters = torch.load(directory / ADAPTER_FILE, map_location=self.device)
+            try:
+                adapters = torch.load(directory / ADAPTER_FILE, map_location=self.device)
+            except Exception as exc:  # a truncated or overwritten file: name it and the cause
+                raise ValueError(f"{directory / ADAPTER_FILE}: the LoRA adapter file cannot be read "
+                                 f"({type(exc).__name__}: {exc})") from exc
+            if not isinstance(adapters, dict):
+                raise ValueError(f"{directory / ADAPTER_FILE}: not an adapter state dict ({type(adapters).__name__})")
             missing = set(adapters) - set(self.model.state_dict())
             if missing:
                 raise ValueError(f"{directory}: adapter keys do not fit the model: {sorted(missing)[:3]}")
@@ -453,6 +489,11 @@ def stop_followers(group: distributed.RankGroup | None) -> None:
     """On rank 0: release the other ranks from `follow`."""
     if group is not None and group.leader:
         group.broadcast_object(("stop", ()))
+
+
+def _finite_or_none(metrics: dict) -> dict:
+    """`metrics` with NaN / infinite floats as None (JSON and PostgreSQL's JSONB refuse them)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
 
 
 def _save_torch(obj, path: Path) -> None:
