@@ -3,7 +3,8 @@
 The row holds what the policy saw and sampled (prompt ids, sampled ids, per-token
 logprobs from the engine, never re-tokenized), the raw client request with auth
 headers removed, the internal request sent upstream, the client-facing response,
-the finish reason, engine id, policy version and timings:
+the finish reason, engine id, policy version and timings (and, in `normalized_request`, the
+sampling transform the tokens were drawn under: `app.proxy.sampling`):
 
   queue_ms        request arrival -> engine accepted the request (response headers)
   first_token_ms  request arrival -> first generated token from the engine
@@ -46,7 +47,7 @@ from sqlalchemy.exc import IntegrityError
 
 from app.db import get_engine, session_scope
 from app.tables import Completion, Episode
-from app.proxy import limits
+from app.proxy import limits, sampling
 from app.proxy.canonical import Result
 from app.proxy.errors import GatewayError
 
@@ -140,6 +141,9 @@ def write_completion(cap: Capture, result: Result, response: dict | None, respon
     normalized = dict(cap.normalized_request)
     if result.flags:
         normalized["turnstile_flags"] = list(result.flags)
+    drawn_under = sampling.sampling_record(cap.normalized_request, result.logprobs_content, len(result.sampled_ids))
+    if drawn_under is not None:  # the transform the tokens were drawn under: `app.proxy.sampling`
+        normalized["turnstile_sampling"] = drawn_under
     if result.withheld_calls:  # sampled (in sampled_ids) but not shown: `canonical.withhold_calls`
         normalized["turnstile_withheld_tool_calls"] = [
             {"id": t.id, "name": t.name, "arguments": t.arguments} for t in result.withheld_calls]

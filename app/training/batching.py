@@ -22,11 +22,12 @@ padding fraction of a step is 1 - sum(tokens) / sum(padded_tokens) over its micr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
 from app.training.grpo import aggregation_weights
+from app.training.trajectories import SequenceTransform
 
 
 @dataclass
@@ -34,7 +35,8 @@ class StepSequence:
     """One training sequence of a step with its episode's advantage.
 
     `token_ids` int [T]; `loss_mask` 0/1 [T]; `logprobs` float nats [T] (rollout logprob
-    where the mask is 1); `advantage` float; `episode_id` for reporting.
+    where the mask is 1); `advantage` float; `episode_id` for reporting; `transform` the
+    sampling transform of each token (None: the identity, scored as plain log softmax).
     """
 
     token_ids: Sequence[int]
@@ -42,6 +44,7 @@ class StepSequence:
     logprobs: Sequence[float]
     advantage: float
     episode_id: int | None = None
+    transform: SequenceTransform | None = None
 
     @property
     def trainable(self) -> int:
@@ -57,7 +60,10 @@ class MicroBatch:
     None and `segment_lengths` (tokens of each packed sequence, in row order).  Per trainable token (N of them): `rows`,
     `cols` int64 [N] (position predicting it), `targets` int64 [N], `rollout_logprobs`
     float32 [N], `advantages` float32 [N], `weights` float32 [N] (loss aggregation weights),
-    `sequence_index` int64 [N] (index into the step's sequence list).
+    `sequence_index` int64 [N] (index into the step's sequence list).  With a sampling
+    transform on any of its sequences (else all four None): `temperature` float32 [N],
+    `support` int64 [N], `top_k` int64 [N], `top_p` float32 [N] (`SequenceTransform`; identity
+    values for tokens of sequences without one), what `app.engines.transform.processed_logprobs` takes.
     """
 
     input_ids: torch.Tensor
@@ -73,15 +79,37 @@ class MicroBatch:
     padded_tokens: int  # B * T
     position_ids: torch.Tensor | None = None
     segment_lengths: tuple[int, ...] | None = None
+    temperature: torch.Tensor | None = None
+    support: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+
+    def transform(self) -> dict:
+        """The sampling-transform keyword arguments of `app.training.policy.token_logprobs`."""
+        return {"temperature": self.temperature, "support": self.support, "top_k": self.top_k, "top_p": self.top_p}
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         return MicroBatch(**moved)
 
 
+def zero_advantage_indices(sequences: Sequence[StepSequence]) -> set[int]:
+    """Indices of the sequences whose every trainable token has advantage 0 (an episode advantage
+    of 0, and for per-token advantages, `token_advantages`, all 0 at trainable positions)."""
+    out = set()
+    for i, seq in enumerate(sequences):
+        per_token = getattr(seq, "token_advantages", None)
+        if per_token:
+            if all(a == 0.0 for a, m in zip(per_token, seq.loss_mask) if m):
+                out.add(i)
+        elif seq.advantage == 0.0:
+            out.add(i)
+    return out
+
+
 def make_micro_batches(
     sequences: Sequence[StepSequence], micro_batch_tokens: int, aggregation: str, pad_id: int = 0,
-    packing: bool = False,
+    packing: bool = False, leave_out: Collection[int] = (),
 ) -> list[MicroBatch]:
     """Group `sequences` into packed or padded micro-batches (see the module docstring).
 
@@ -89,7 +117,9 @@ def make_micro_batches(
     the whole step (`aggregation` "token" or "sequence"; for "sequence" the sample is the
     episode, `StepSequence.episode_id`, so all chains of one episode share one weight; a
     sequence without an episode id is its own sample), so the micro-batch losses sum to the
-    step's loss.  Returns the micro-batches, longest sequences first.
+    step's loss.  `leave_out`: indices of sequences counted in those weights but put in no
+    micro-batch (zero-advantage chains: the step's weights of the others are unchanged).
+    Returns the micro-batches, longest sequences first.
     Raises ValueError when a sequence's first token is trainable (nothing predicts it).
     """
     usable = [i for i, s in enumerate(sequences) if s.trainable > 0]
@@ -103,7 +133,7 @@ def make_micro_batches(
         episode_tokens[episode_of[i]] = episode_tokens.get(episode_of[i], 0) + sequences[i].trainable
     totals = {i: episode_tokens[episode_of[i]] for i in usable}
     step_samples = len(episode_tokens)
-    order = sorted(usable, key=lambda i: len(sequences[i].token_ids), reverse=True)
+    order = sorted((i for i in usable if i not in leave_out), key=lambda i: len(sequences[i].token_ids), reverse=True)
     groups: list[list[int]] = []
     if packing:
         room: list[int] = []  # tokens still free in each group (first fit, longest first)
@@ -127,6 +157,23 @@ def make_micro_batches(
     return [_tensorize(sequences, g, aggregation, step_tokens, step_samples, totals, pad_id) for g in groups]
 
 
+def _transform_tensors(sequences, indices, positions: list[torch.Tensor]) -> dict:
+    """`MicroBatch` transform fields for sequences `indices` at their trainable `positions`."""
+    if all(sequences[i].transform is None for i in indices):
+        return {}
+    parts: dict[str, list[torch.Tensor]] = {"temperature": [], "support": [], "top_k": [], "top_p": []}
+    kinds = {"temperature": torch.float32, "support": torch.long, "top_k": torch.long, "top_p": torch.float32}
+    identity = {"temperature": 1.0, "support": 0, "top_k": 0, "top_p": 1.0}
+    for i, where in zip(indices, positions):
+        transform = sequences[i].transform
+        for name, kind in kinds.items():
+            if transform is None:
+                parts[name].append(torch.full((where.numel(),), identity[name], dtype=kind))
+            else:
+                parts[name].append(torch.tensor(getattr(transform, name), dtype=kind)[where])
+    return {name: torch.cat(values) for name, values in parts.items()}
+
+
 def _trainable_positions(seq: StepSequence) -> torch.Tensor:
     mask = torch.tensor(list(seq.loss_mask), dtype=torch.bool)
     positions = torch.nonzero(mask, as_tuple=True)[0]
@@ -137,12 +184,14 @@ def _trainable_positions(seq: StepSequence) -> torch.Tensor:
 
 def _tensorize_packed(sequences, indices, aggregation, step_tokens, step_samples, totals) -> MicroBatch:
     ids, pos, cols, targets, rollout, advantages, seq_index, lengths = [], [], [], [], [], [], [], []
+    trainable = []
     offset = 0
     for i in indices:
         seq = sequences[i]
         tokens = torch.tensor(list(seq.token_ids), dtype=torch.long)
         n = int(tokens.numel())
         positions = _trainable_positions(seq)
+        trainable.append(positions)
         ids.append(tokens)
         pos.append(torch.arange(n, dtype=torch.long))
         cols.append(offset + positions - 1)
@@ -169,6 +218,7 @@ def _tensorize_packed(sequences, indices, aggregation, step_tokens, step_samples
         padded_tokens=offset,
         position_ids=torch.cat(pos).unsqueeze(0),
         segment_lengths=tuple(len(sequences[i].token_ids) for i in indices),
+        **_transform_tensors(sequences, indices, trainable),
     )
 
 
@@ -177,6 +227,7 @@ def _tensorize(sequences, indices, aggregation, step_tokens, step_samples, total
     input_ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(indices), width), dtype=torch.long)
     rows, cols, targets, rollout, advantages, seq_index, lengths = [], [], [], [], [], [], []
+    trainable = []
     tokens = 0
     for row, i in enumerate(indices):
         seq = sequences[i]
@@ -185,6 +236,7 @@ def _tensorize(sequences, indices, aggregation, step_tokens, step_samples, total
         input_ids[row, :n] = torch.tensor(list(seq.token_ids), dtype=torch.long)
         attention_mask[row, :n] = 1
         positions = _trainable_positions(seq)
+        trainable.append(positions)
         rows.append(torch.full_like(positions, row))
         cols.append(positions - 1)
         targets.append(input_ids[row, positions])
@@ -206,6 +258,7 @@ def _tensorize(sequences, indices, aggregation, step_tokens, step_samples, total
         sequence_index=torch.cat(seq_index),
         tokens=tokens,
         padded_tokens=len(indices) * width,
+        **_transform_tensors(sequences, indices, trainable),
     )
 
 

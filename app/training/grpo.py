@@ -34,6 +34,20 @@ The objective implemented here, per trainable token t of a sequence from episode
   i.e. before the PPO ratio moves).  Both are per-token terms: neither carries the effect of
   a token on later tokens' distributions (the paper's §4 "partial gradient").
 
+* The policy is the one that sampled: logp_t, old_t, ref_t and rollout_t are all logprobs under
+  the sampling transform the token was drawn with (`app.engines.transform`):
+
+      logp_t = z_t[a_t] / T_t - logsumexp_{v in K_t} z_t[v] / T_t
+
+  z_t the logits, T_t the request's temperature, K_t the |K_t| highest-scoring tokens kept by
+  its top-k and top-p (|K_t| recorded by the engine per token).  Scoring the untransformed
+  log softmax(z_t) instead would make r_t and w_t ratios between two different policies and the
+  gradient that of a policy nobody sampled from: with T = 0.7, top-p 0.9, top-k 20 the gap is
+  ~5 nats per token on the tiny test model against 2e-6 under the transform
+  (tests/engines/embedded/test_sampling_transform.py).  Temperature and truncation as in
+  Holtzman et al. 2019, arXiv:1904.09751, §3.1; vLLM reports the same quantity with
+  `logprobs_mode="processed_logprobs"`.  The KL reference is scored under the same transform.
+
 All tensors are 1-D over the trainable tokens of a micro-batch, shape [N], float32.
 """
 from __future__ import annotations

@@ -128,7 +128,7 @@ def autocast(device: torch.device):
 
 def token_logprobs(
     model, input_ids, attention_mask, rows, cols, targets, head_chunk: int | None = None, position_ids=None,
-    head: str = "fused",
+    head: str = "fused", temperature=None, support=None, top_k=None, top_p=None,
 ) -> torch.Tensor:
     """Log-probabilities (nats, float32 [N]) of `targets` under `model`.
 
@@ -149,29 +149,42 @@ def token_logprobs(
     recomputed in the backward by `torch.utils.checkpoint`) or "plain" (all N at once, logits
     kept for the backward; the reference the others are tested against).
     logp = logit[target] - logsumexp(logits), in fp32.  Raises ValueError for another `head`.
+
+    Sampling transform: with `temperature` (float32 [N]) and `support`, `top_k`, `top_p` ([N],
+    `app.training.batching.MicroBatch`), each target is scored under the distribution the
+    engine drew it from, `app.engines.transform.processed_logprobs`:
+    logq = logit[target] / T - logsumexp over the |K| highest logits / T.  The fused head only
+    knows the full-vocabulary normaliser, so these micro-batches take the checkpointed head
+    (chunks of logits recomputed in the backward pass), whatever `head` says.
     """
     lm = causal_lm(model)
     hidden = lm.model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     ).last_hidden_state
     selected = hidden[rows, cols]
+    transform = None
+    if temperature is not None or support is not None:
+        transform = (temperature, support, top_k, top_p)
+        head = "plain" if head == "plain" else "checkpointed"
     if head == "fused" and lm.lm_head.bias is None:
         from app.training.head import fused_token_logprobs
 
         return fused_token_logprobs(selected, lm.lm_head.weight, targets, head_chunk)
     if head == "plain":
-        return _head_logprobs(lm.lm_head, selected, targets)
+        return _head_logprobs(lm.lm_head, selected, targets, *(transform or ()))
     if head not in ("fused", "checkpointed"):
         raise ValueError(f"unknown loss head {head!r}; choose fused, checkpointed or plain")
     if head_chunk is None:
         head_chunk = max(1, HEAD_CHUNK_ELEMENTS // int(lm.lm_head.weight.shape[0]))
     parts = []
     for start in range(0, selected.shape[0], head_chunk):
-        h, t = selected[start : start + head_chunk], targets[start : start + head_chunk]
+        part = slice(start, start + head_chunk)
+        h, t = selected[part], targets[part]
+        extra = tuple(x[part] if x is not None else None for x in transform) if transform else ()
         if torch.is_grad_enabled():
-            parts.append(checkpoint(_head_logprobs, lm.lm_head, h, t, use_reentrant=False))
+            parts.append(checkpoint(_head_logprobs, lm.lm_head, h, t, *extra, use_reentrant=False))
         else:
-            parts.append(_head_logprobs(lm.lm_head, h, t))
+            parts.append(_head_logprobs(lm.lm_head, h, t, *extra))
     return torch.cat(parts) if parts else selected.new_zeros(0, dtype=torch.float32)
 
 
@@ -186,13 +199,19 @@ class TokenLogprobs(torch.nn.Module):
         self.policy = model
         self.head = head
 
-    def forward(self, input_ids, attention_mask, position_ids, rows, cols, targets) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask, position_ids, rows, cols, targets, temperature=None, support=None,
+                top_k=None, top_p=None) -> torch.Tensor:
         return token_logprobs(self.policy, input_ids, attention_mask, rows, cols, targets, position_ids=position_ids,
-                              head=self.head)
+                              head=self.head, temperature=temperature, support=support, top_k=top_k, top_p=top_p)
 
 
-def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature=None, support=None, top_k=None,
+                   top_p=None) -> torch.Tensor:
     logits = head(hidden).float()
+    if temperature is not None or support is not None:
+        from app.engines.transform import processed_logprobs
+
+        return processed_logprobs(logits, targets, temperature, support, top_k, top_p)
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 

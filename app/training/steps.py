@@ -39,7 +39,7 @@ from app.training import checkpoints, opd
 from app.runconfig import TrainingConfig
 from app.training.batching import StepSequence
 from app.training.grpo import group_advantages
-from app.training.store import build_episode_trajectories
+from app.training.store import build_episode_trajectories, trajectory_transform
 from app.training.tracking import log_scalars
 from app.training.weight_sync import push_weights
 
@@ -290,7 +290,8 @@ def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, 
                 if row.token_ids and max(row.token_ids) >= vocab_size:
                     merge["sequences_out_of_vocab"] += 1
                     continue
-                sequence = StepSequence(row.token_ids, row.loss_mask, row.logprobs, advantage[e.id], e.id)
+                sequence = StepSequence(row.token_ids, row.loss_mask, row.logprobs, advantage[e.id], e.id,
+                                        trajectory_transform(row))
                 if distill is not None:  # per-token advantages; a chain without teacher scores is never trained
                     sequence = distill.sequence(row, sequence)
                     if sequence is None:

@@ -5,6 +5,8 @@ Reads the `Completion` rows of the episode's current attempt, runs a builder fro
 be trained on (they stay in the table for inspection), inserts one `Trajectory` row per chain under the unique
 (episode, builder, chain_index) key, and records the builder's report in
 `Episode.merge_stats[builder]`.  Calling it again returns the stored rows unchanged.
+A chain's `meta["sampling"]` holds the sampling record of each of its spans (the completion's
+`normalized_request["turnstile_sampling"]`), which `trajectory_transform` expands per token.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.tables import SUPERSEDED, Completion, Episode, Trajectory
-from app.training.trajectories import CompletionRecord, build
+from app.training.trajectories import CompletionRecord, SequenceTransform, build, sequence_transform
 
 
 def current_attempt_rows(episode_id: int, attempt: int):
@@ -39,10 +41,17 @@ def completion_records(session: Session, episode_id: int) -> tuple[list[Completi
             finish_reason=row.finish_reason,
             completion_id=row.id,
             policy_version=row.policy_version,
+            sampling=(row.normalized_request or {}).get("turnstile_sampling"),
         )
         for row in rows
     ]
     return rows, records
+
+
+def trajectory_transform(row: Trajectory) -> SequenceTransform | None:
+    """The per-token sampling transform of a stored chain (None: every span the identity)."""
+    meta = row.meta or {}
+    return sequence_transform(len(row.token_ids), meta.get("spans") or [], meta.get("sampling"))
 
 
 def stored_trajectories(session: Session, episode_id: int, builder: str) -> list[Trajectory]:
@@ -96,6 +105,8 @@ def build_episode_trajectories(
                             "spans": [list(span) for span in seq.spans],
                             "policy_versions": seq.policy_versions,
                             "finish_reasons": seq.finish_reasons,
+                            # one sampling record per span (`sequence_transform`); absent: identity
+                            **({"sampling": seq.sampling} if any(x is not None for x in seq.sampling) else {}),
                         },
                     )
                 )

@@ -191,7 +191,9 @@ class Trainer:
 
     def _logprobs(self, mb: MicroBatch, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad), policy.autocast(self.device):
-            return self.forward(mb.input_ids, self._mask(mb), mb.position_ids, mb.rows, mb.cols, mb.targets)
+            # under the sampling transform each token was drawn with (identity: all None)
+            return self.forward(mb.input_ids, self._mask(mb), mb.position_ids, mb.rows, mb.cols, mb.targets,
+                                **mb.transform())
 
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
         if self.config.kl_coef <= 0:
@@ -200,8 +202,8 @@ class Trainer:
             args = (mb.input_ids, self._mask(mb), mb.position_ids, mb.rows, mb.cols, mb.targets)
             if self.config.lora:
                 with self.model.disable_adapter():
-                    return self.forward(*args)
-            return self.reference_forward(*args)
+                    return self.forward(*args, **mb.transform())
+            return self.reference_forward(*args, **mb.transform())
 
     def logprobs(self, sequences: list[StepSequence]) -> list[torch.Tensor]:
         """Trainer logprobs (float32 [trainable tokens], CPU) of each sequence's sampled tokens, no grad.

@@ -19,13 +19,19 @@ Two builders, both pure functions over `CompletionRecord`s (no database, no torc
 
 Sampled ids are never re-tokenized.  Captures that cannot be trained on are rejected by
 `validate_completion` with a reason, left out of every sequence, and counted in the report.
+
+Each completion's sampling transform (temperature, top-p, top-k and the kept support per
+sampled token, `app.proxy.sampling`) travels with its span: `TrainingSequence.sampling`, then
+per token in `SequenceTransform` (`sequence_transform`), so the trainer scores every sampled
+token under the distribution it was drawn from.  A token recorded outside its own support
+(rank >= |K|, or vLLM's -9999.0 for a -inf logprob under truncation) is refused here.
 """
 from __future__ import annotations
 
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from app.runconfig import BUILDERS  # noqa: F401 (the builder names; validated in TrainingConfig)
 
@@ -46,6 +52,7 @@ class CompletionRecord:
     finish_reason: str | None = None
     completion_id: int | None = None
     policy_version: int | None = None
+    sampling: Mapping | None = None  # `app.proxy.sampling` record; None: the identity transform
 
 
 @dataclass
@@ -55,7 +62,8 @@ class TrainingSequence:
     `token_ids` int [T], `loss_mask` int 0/1 [T] (1 = sampled by the policy), `logprobs`
     float nats [T] (rollout logprob where the mask is 1, 0.0 elsewhere).  `completions` lists
     the `completion_id`s (or `seq`s when ids are absent) merged into it, in order;
-    `spans` holds one `[start, end)` token range of sampled ids per merged completion.
+    `spans` holds one `[start, end)` token range of sampled ids per merged completion, and
+    `sampling` its sampling record (None: the identity transform), in the same order.
     """
 
     token_ids: list[int]
@@ -65,6 +73,7 @@ class TrainingSequence:
     spans: list[tuple[int, int]] = field(default_factory=list)
     policy_versions: list[int | None] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
+    sampling: list[Mapping | None] = field(default_factory=list)
 
     @property
     def trainable_tokens(self) -> int:
@@ -88,8 +97,8 @@ def validate_completion(record: CompletionRecord, vocab_size: int | None = None)
 
     The reason starts with a short kind (`missing_prompt_ids`, `missing_sampled_ids`,
     `empty_sampled_ids`, `missing_logprobs`, `logprobs_length_mismatch`,
-    `token_id_out_of_vocab`, `invalid_logprob`), then a colon and details, so reports can
-    count kinds.  `vocab_size` is the number of rows of the model's embedding; ids must lie
+    `token_id_out_of_vocab`, `invalid_sampling`, `sampled_outside_support`, `invalid_logprob`),
+    then a colon and details, so reports can count kinds.  `vocab_size` is the number of rows of the model's embedding; ids must lie
     in `[0, vocab_size)`.
     """
     if not record.prompt_ids:
@@ -110,10 +119,54 @@ def validate_completion(record: CompletionRecord, vocab_size: int | None = None)
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
                 return f"token_id_out_of_vocab: {where} holds id {bad}, vocab_size={vocab_size}"
+    if record.sampling is not None:
+        reason = _sampling_problem(record, vocab_size)
+        if reason is not None:
+            return reason
     for i, lp in enumerate(record.logprobs):
         # A logprob is log p with p in (0, 1]; allow float32 rounding just above 0.
         if not math.isfinite(lp) or lp > 1e-4:
             return f"invalid_logprob: logprobs[{i}]={lp!r} is not a finite value <= 0"
+    return None
+
+
+NEG_INF_SHOWN = -9999.0  # engines' JSON value for a -inf logprob (a token outside the support)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sampling_problem(record: CompletionRecord, vocab_size: int | None) -> str | None:
+    """Why `record.sampling` cannot be trained on (`invalid_sampling`, `sampled_outside_support`), or None."""
+    sampling, n = record.sampling, len(record.sampled_ids)
+    temperature, top_p, top_k = sampling.get("temperature"), sampling.get("top_p"), sampling.get("top_k")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        return f"invalid_sampling: temperature={temperature!r} is not a finite number > 0"
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        return f"invalid_sampling: top_p={top_p!r} is not in (0, 1]"
+    if not (_is_int(top_k) and top_k >= 0):
+        return f"invalid_sampling: top_k={top_k!r} is not an integer >= 0"
+    if top_k > 0 or top_p < 1:
+        for i, lp in enumerate(record.logprobs):
+            if isinstance(lp, (int, float)) and lp <= NEG_INF_SHOWN:
+                return (f"sampled_outside_support: logprobs[{i}]={lp!r} is the engine's -inf: sampled_ids[{i}]="
+                        f"{record.sampled_ids[i]} lies outside the top-k/top-p support it was drawn from")
+    support, rank = sampling.get("support"), sampling.get("rank")
+    if support is None and rank is None:
+        return None
+    if not (isinstance(support, list) and isinstance(rank, list) and len(support) == len(rank) == n):
+        return f"invalid_sampling: support and rank must be lists of one entry per sampled id ({n})"
+    for i, (size, place) in enumerate(zip(support, rank)):
+        if size is None and place is None:
+            continue
+        if not (_is_int(size) and _is_int(place) and size >= 1 and place >= 0):
+            return f"invalid_sampling: support[{i}]={size!r}, rank[{i}]={place!r} are not integers >= 1 and >= 0"
+        if vocab_size is not None and size > vocab_size:
+            return f"invalid_sampling: support[{i}]={size} exceeds vocab_size={vocab_size}"
+        if place >= size:
+            return (f"sampled_outside_support: sampled_ids[{i}]={record.sampled_ids[i]} ranks {place} "
+                    f"(0 = most likely), outside its recorded support of {size} tokens")
     return None
 
 
@@ -179,6 +232,7 @@ def per_request(records: Iterable[CompletionRecord], vocab_size: int | None = No
                 spans=[(len(prompt), len(prompt) + len(sampled))],
                 policy_versions=[record.policy_version],
                 finish_reasons=[record.finish_reason],
+                sampling=[record.sampling],
             )
         )
     report = _base_report("per_request", total, rejected)
@@ -230,6 +284,7 @@ def _start_chain(record: CompletionRecord) -> _Chain:
         spans=[(len(prompt), len(prompt) + len(sampled))],
         policy_versions=[record.policy_version],
         finish_reasons=[record.finish_reason],
+        sampling=[record.sampling],
     )
     return _Chain(seq, len(prompt))
 
@@ -249,6 +304,7 @@ def _extend_chain(chain: _Chain, record: CompletionRecord) -> None:
     seq.spans.append((start, start + len(sampled)))
     seq.policy_versions.append(record.policy_version)
     seq.finish_reasons.append(record.finish_reason)
+    seq.sampling.append(record.sampling)
     chain.prompt_len = len(prompt)
 
 
@@ -319,3 +375,50 @@ def build(builder: str, records: Iterable[CompletionRecord], vocab_size: int | N
     if builder == "per_request":
         return per_request(records, vocab_size)
     raise ValueError(f"unknown trajectory builder {builder!r}; choose one of {', '.join(BUILDERS)}")
+
+
+# --- the sampling transform per token ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SequenceTransform:
+    """The sampling transform of every token of one sequence, for the trainer's scoring.
+
+    All [T] over the sequence's tokens (values at loss-mask-0 positions are the identity and
+    unused): `temperature` float (1.0: none; greedy tokens carry 1.0, as their logprobs are
+    untransformed), `support` int (|K|; 0: whole vocabulary; -1: not reported by the engine,
+    derived by the trainer from `top_k`/`top_p`), `top_k` int (0: off), `top_p` float.
+    """
+
+    temperature: list[float]
+    support: list[int]
+    top_k: list[int]
+    top_p: list[float]
+
+
+def sequence_transform(length: int, spans: Sequence[Sequence[int]],
+                       sampling: Sequence[Mapping | None] | None) -> SequenceTransform | None:
+    """Per-token transform of a sequence of `length` tokens whose sampled `spans` ([start, end))
+    were drawn under `sampling` (one record or None per span, `app.proxy.sampling`).
+
+    Returns None when every span is the identity (the trainer then scores as before).
+    Raises ValueError when `sampling` and `spans` do not line up.
+    """
+    if not sampling or all(item is None for item in sampling):
+        return None
+    if len(sampling) != len(spans):
+        raise ValueError(f"{len(sampling)} sampling records for {len(spans)} spans")
+    temperature, support = [1.0] * length, [0] * length
+    top_k, top_p = [0] * length, [1.0] * length
+    for (start, end), item in zip(spans, sampling):
+        if item is None:
+            continue
+        sizes = item.get("support")
+        truncated = sizes is not None or int(item.get("top_k") or 0) > 0 or float(item.get("top_p", 1.0)) < 1.0
+        for offset, t in enumerate(range(start, end)):
+            temperature[t] = float(item["temperature"])
+            top_k[t], top_p[t] = int(item.get("top_k") or 0), float(item.get("top_p", 1.0))
+            if truncated:
+                size = sizes[offset] if sizes is not None else None
+                support[t] = int(size) if size is not None else -1
+    return SequenceTransform(temperature, support, top_k, top_p)
