@@ -146,6 +146,10 @@ def create_run():
     if bad is not None:
         raise ApiError(400, f"invalid run config: {bad[0]}: {bad[1]}", bad[0] or None)
     cfg, details = config_problems(body)
+    if not details:  # train runs sharing this deployment's engines: LoRA pool or full fine-tune alone
+        from app.control.tenancy import engine_problems
+
+        details = [{"field": f, "message": m} for f, m in engine_problems(cfg)]
     if details:
         raise _validation_error(details)
     priority = cfg.priority or (5 if cfg.kind == "eval" else 0)

@@ -22,7 +22,7 @@ does, from a `torch.Generator` seeded with the run's seed, on CPU; lora_B zeros)
 with equal seeds start bit-equal whichever joined the pool first.
 
 Runs share the pool when `PoolShape` agrees: base model, LoRA rank, alpha, target modules and
-parameter dtype.  `shape_problems` words a mismatch as `(field, message)` for run creation.
+parameter dtype (run creation refuses a mismatch naming the field: `app.control.tenancy`).
 """
 from __future__ import annotations
 
@@ -52,24 +52,6 @@ class PoolShape:
     @classmethod
     def of(cls, model: str, config: TrainingConfig) -> "PoolShape":
         return cls(model, config.lora_r, config.lora_alpha, tuple(config.lora_target_modules))
-
-
-def shape_problems(shape: PoolShape, pool: PoolShape, holder: str) -> list[tuple[str, str]]:
-    """`(field, message)` for each field of `shape` that differs from the pool's (`holder` names
-    the run(s) whose adapters form the pool); [] when `shape` can join."""
-    names = {"model": "model.name", "lora_r": "training.lora_r", "lora_alpha": "training.lora_alpha",
-             "lora_target_modules": "training.lora_target_modules", "dtype": "training.lora_dtype"}
-    out = []
-    for attr, where in names.items():
-        mine, theirs = getattr(shape, attr), getattr(pool, attr)
-        if mine != theirs:
-            out.append((where, f"{_show(mine)} cannot share the LoRA pool of {holder}, whose adapters have "
-                               f"{_show(theirs)}; use the same value, or wait until that run ends"))
-    return out
-
-
-def _show(value) -> str:
-    return ", ".join(value) if isinstance(value, tuple) else repr(value)
 
 
 @dataclass

@@ -1,0 +1,74 @@
+"""Which train runs may share one deployment's engines and trainer, checked when a run is created.
+
+Train runs with `training.lora` are adapters on one resident base model (`app.training.tenants`):
+any number of them share the engines and the trainer when their LoRA shape agrees (base model,
+`lora_r`, `lora_alpha`, `lora_target_modules`, adapter dtype).  A full fine-tune writes every
+weight the engines serve, so it takes the engines for itself: it is refused while another
+train run uses them, and a LoRA run is refused while a full fine-tune holds them.
+
+"Uses the engines": a run in `ACTIVE_STATES` whose stages are real (not simulated) and whose
+engine set (`model.engine_urls`, or the installation's `TURNSTILE_ENGINE_URLS`) overlaps this
+one's.  Imports no torch (the API process runs it).
+"""
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from app.config import get_settings
+from app.db import session_scope
+from app.runconfig import RunConfig
+from app.tables import Run
+
+ACTIVE_STATES = ("queued", "running", "cancelling")
+ADAPTER_DTYPE = "float32"  # the trainer's fp32 master weights (app.training.tenants.ADAPTER_DTYPE)
+SHAPE_FIELDS = {"model": "model.name", "lora_r": "training.lora_r", "lora_alpha": "training.lora_alpha",
+                "lora_target_modules": "training.lora_target_modules", "dtype": "training.lora_dtype"}
+
+
+def lora_shape(cfg: RunConfig) -> dict:
+    """The fields a LoRA run must share with the pool: base weights, rank, alpha, targets, dtype."""
+    t = cfg.training
+    return {"model": cfg.model.checkpoint or cfg.model.name, "lora_r": t.lora_r, "lora_alpha": t.lora_alpha,
+            "lora_target_modules": tuple(t.lora_target_modules), "dtype": ADAPTER_DTYPE}
+
+
+def _engines(cfg: RunConfig) -> set[str]:
+    return set(cfg.model.engine_urls or get_settings().engine_urls)
+
+
+def engine_problems(cfg: RunConfig, exclude_run: int | None = None) -> list[tuple[str, str]]:
+    """`(field, message)` for each reason a new train run `cfg` cannot share the deployment with
+    the train runs already using its engines; [] when it can (or `cfg` is not a real train run).
+    `exclude_run`: a run id left out (the run itself, when re-checked)."""
+    if cfg.kind != "train" or cfg.simulate is not None:
+        return []
+    mine = _engines(cfg)
+    with session_scope() as s:
+        rows = [(r.id, r.run_config()) for r in s.scalars(
+            select(Run).where(Run.status.in_(ACTIVE_STATES), Run.kind == "train").order_by(Run.id))
+            if r.id != exclude_run]
+    others = [(rid, other) for rid, other in rows
+              if other.simulate is None and (mine == _engines(other) or mine & _engines(other))]
+    if not others:
+        return []
+    full = [rid for rid, other in others if not other.training.lora]
+    if not cfg.training.lora:
+        ids = ", ".join(str(rid) for rid, _ in others)
+        return [("training.lora", f"false: a full fine-tune takes the engines for itself, and train run(s) {ids} "
+                                  "use them now; wait until they end, or train LoRA adapters (training.lora: true)")]
+    if full:
+        return [("training.lora", f"true: train run {full[0]} is a full fine-tune and holds the engines for itself; "
+                                  "LoRA runs share them only with other LoRA runs. Wait until it ends")]
+    shape = lora_shape(cfg)
+    holder_id, holder = others[0]
+    pool = lora_shape(holder)
+    out = []
+    for attr, where in SHAPE_FIELDS.items():
+        if shape[attr] != pool[attr]:
+            out.append((where, f"{_show(shape[attr])} cannot share the LoRA pool of train run {holder_id}, whose "
+                               f"adapters have {_show(pool[attr])}; use the same value, or wait until it ends"))
+    return out
+
+
+def _show(value) -> str:
+    return ", ".join(value) if isinstance(value, tuple) else repr(value)

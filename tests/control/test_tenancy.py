@@ -1,0 +1,75 @@
+"""Train runs sharing a deployment: LoRA runs of one shape share it, a full fine-tune takes it alone,
+and `POST /api/runs` refuses the rest with a 400 naming the field."""
+from __future__ import annotations
+
+import pytest
+
+from app import create_app
+from app.control.tenancy import engine_problems
+from app.db import session_scope
+from app.runconfig import RunConfig
+from app.tables import Run
+from support import api_client
+
+
+def holding(status: str = "running", **training) -> int:
+    """A real train run row in `status` on the default engines; its id."""
+    cfg = RunConfig.model_validate({"kind": "train", "training": training})
+    with session_scope() as s:
+        run = Run(kind="train", config=cfg.model_dump(mode="json"), status=status)
+        s.add(run)
+        s.flush()
+        return run.id
+
+
+def train(**training) -> RunConfig:
+    return RunConfig.model_validate({"kind": "train", "training": training})
+
+
+def fields(problems) -> list[str]:
+    return [f for f, _m in problems]
+
+
+def test_lora_runs_of_one_shape_share_and_other_shapes_are_refused_naming_the_field(database):
+    first = holding(lora=True, lora_r=16)
+    assert engine_problems(train(lora=True, learning_rate=1e-4, seed=3)) == []
+    problems = engine_problems(train(lora=True, lora_r=8, lora_target_modules=["q_proj", "v_proj"]))
+    assert fields(problems) == ["training.lora_r", "training.lora_target_modules"]
+    assert f"train run {first}" in problems[0][1] and "16" in problems[0][1]
+    assert fields(engine_problems(RunConfig.model_validate(
+        {"kind": "train", "model": {"name": "tiny"}, "training": {"lora": True}}))) == ["model.name"]
+
+
+def test_a_full_fine_tune_takes_the_engines_alone(database):
+    lora_run = holding(lora=True)
+    problems = engine_problems(train())
+    assert fields(problems) == ["training.lora"] and "full fine-tune" in problems[0][1] and str(lora_run) in problems[0][1]
+    with session_scope() as s:
+        s.get(Run, lora_run).status = "completed"
+    full = holding("queued")
+    problems = engine_problems(train(lora=True))
+    assert fields(problems) == ["training.lora"] and f"train run {full} is a full fine-tune" in problems[0][1]
+    # other engines, simulated runs and eval runs are not in the way
+    assert engine_problems(RunConfig.model_validate(
+        {"kind": "train", "model": {"engine_urls": ["http://other:8000"]}, "training": {"lora": True}})) == []
+    assert engine_problems(RunConfig.model_validate({"kind": "eval"})) == []
+    assert engine_problems(RunConfig.model_validate({"kind": "train", "simulate": {}})) == []
+
+
+@pytest.fixture
+def client(database, redis_db):
+    return api_client(create_app({"TESTING": True}))
+
+
+def test_the_api_answers_400_naming_the_field(client):
+    holding(lora=True, lora_r=16)
+    with session_scope() as s:
+        before = s.query(Run).count()
+    resp = client.post("/api/runs", json={"kind": "train", "training": {"lora": True, "lora_alpha": 64}})
+    assert resp.status_code == 400, resp.get_json()
+    err = resp.get_json()["error"]
+    assert err["field"] == "training.lora_alpha" and "LoRA pool" in err["message"], err
+    resp = client.post("/api/runs", json={"kind": "train", "training": {"lora": False}})
+    assert resp.status_code == 400 and resp.get_json()["error"]["field"] == "training.lora"
+    with session_scope() as s:
+        assert s.query(Run).count() == before  # nothing written
