@@ -206,6 +206,12 @@ class TrainingConfig(BaseModel):
                             "\"grpo+opd\": their sum (app.training.opd).")
     teacher: TeacherChoice | None = Field(None, description="the distillation teacher (algorithm opd or grpo+opd)")
     opd_coef: float = Field(1.0, gt=0, le=100, description="weight of the per-token distillation advantage")
+    skip_zero_advantage: bool = Field(
+        False, description="Leave chains whose every trainable token has advantage 0 out of the step's micro-batches, "
+                           "so they never reach a forward pass (their loss and gradient are exactly 0; the step's "
+                           "aggregation weights still count them, so the update is the same). Applies with kl_coef 0 "
+                           "and one update per step; the trainer-vs-rollout logprob gap is then measured on the "
+                           "trained chains only. false: such chains run a forward pass (no backward) for the gap.")
     # the data
     builder: Builder = Field("prefix_merging", description="Trajectory builder.")
     # the model
@@ -256,6 +262,16 @@ class RunSeries(BaseModel):
     role: Literal["before", "train", "after"]
 
 
+class EvalOf(BaseModel):
+    """What a held-out eval made by a train run's `eval_every` evaluates: that run's policy after
+    `step` updates (the engines as that run left them; the last one loads its newest checkpoint)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    run: int = Field(ge=1, description="the train run whose policy is evaluated")
+    step: int = Field(ge=0, description="policy updates the train run had made when the eval was made")
+
+
 class RunConfig(BaseModel):
     """Everything a run needs; stored verbatim (after defaults) in `runs.config`."""
 
@@ -285,6 +301,17 @@ class RunConfig(BaseModel):
     series: RunSeries | None = Field(None, description="the series of runs this one belongs to (set by "
                                                        "`turnstile learn`: before, train, after)")
     priority: int = Field(0, ge=0, le=9, description="higher runs first on shared queues (eval runs default to 5)")
+    eval_every: int | None = Field(
+        None, ge=1, le=100000, strict=True,
+        description="train runs: evaluate the current policy on `eval_instances` after every this many steps (and "
+                    "before the first and after the last), each time as an eval run of its own on the same engines, "
+                    "while training goes on; the run page and TensorBoard (heldout/*) plot its pass@1 per step")
+    eval_instances: list[Annotated[str, Field(min_length=1, max_length=255)]] | Annotated[
+        str, Field(min_length=3, max_length=4096)] | None = Field(
+        None, description="the held-out instances of `eval_every`: instance ids of the run's task set, or a split "
+                          "spec 'SET:SPLIT' / 'SET:SPLIT@SEED' of it (e.g. 'family:heldout')")
+    eval_samples: int = Field(1, ge=1, le=64, strict=True, description="samples per held-out instance of `eval_every`")
+    eval_of: EvalOf | None = Field(None, description="set on the eval runs that `eval_every` makes")
     splice_history: bool = Field(
         True, strict=True,
         description="Token-in splicing at the gateway: an assistant turn the harness sends back that is one of the "
@@ -317,6 +344,15 @@ class RunConfig(BaseModel):
             # (re)loads its start weights at every restore, so they must not change under it.
             problems.append(f"model.checkpoint: a train run starts from a fixed checkpoint folder "
                             f"(var/runs/<id>/checkpoints/step_<k>/model), not {self.model.checkpoint!r}")
+        if self.eval_every is not None and self.kind != "train":
+            problems.append(f"eval_every: only a train run evaluates during training, not a {self.kind} run")
+        if self.eval_every is not None and not self.eval_instances:
+            problems.append("eval_instances: eval_every needs the held-out instances (ids or a split such as "
+                            "'family:heldout')")
+        if self.eval_instances and self.eval_every is None:
+            problems.append("eval_every: eval_instances are evaluated every eval_every steps; set it")
+        if self.eval_of is not None and self.kind != "eval":
+            problems.append(f"eval_of: only an eval run evaluates another run's policy, not a {self.kind} run")
         if self.model.engine == "vllm" and not self.model.engine_urls:
             problems.append("model.engine_urls: a vllm model needs at least one engine URL")
         if problems:

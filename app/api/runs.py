@@ -203,8 +203,12 @@ def get_run(run_id: int):
         run = _get_run(session, run_id)
         steps = list(session.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id)
                                      .order_by(TrainingStep.step)))
-        return jsonify(run_to_dict(run, _status_counts(session, run_id), live=_live_stats(session, run_id),
-                                   steps=steps))
+        payload = run_to_dict(run, _status_counts(session, run_id), live=_live_stats(session, run_id), steps=steps)
+        if run.kind == "train" and (run.config or {}).get("eval_every"):
+            from app.control.heldout import curve
+
+            payload["heldout"] = curve(session, run)  # the `eval_every` evals, one entry per scheduled step
+        return jsonify(payload)
 
 
 @bp.post("/runs/<id:run_id>/cancel")

@@ -116,6 +116,8 @@ class RealStages:
         """
         if cfg.model.checkpoint:
             self._load_checkpoint(run_id, cfg)
+        elif cfg.eval_of is not None:
+            return  # a held-out eval during a train run samples the engines as that run keeps them
         elif cfg.model.engine == "embedded":
             self._start_from_base(run_id, cfg, shared_with)
 

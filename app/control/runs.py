@@ -49,7 +49,9 @@ def run_config_problems(cfg: RunConfig) -> list[tuple[str, str]]:
 
     Run by the API before a run is created; imports nothing heavy (no torch).
     """
-    return stages_for(cfg).preflight(cfg)
+    from app.control.heldout import problems as heldout_problems
+
+    return stages_for(cfg).preflight(cfg) + heldout_problems(cfg)
 
 
 def start_run(run_id: int) -> Plan:

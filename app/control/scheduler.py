@@ -32,7 +32,7 @@ import math
 
 from sqlalchemy import func, select, update
 
-from app.control import lease, redis_state
+from app.control import heldout, lease, redis_state
 from app.control.plan import Plan, celery_priority
 from app.control.summary import scheduling_metrics, summarize_run
 from app.control.tracking import log_run_summary
@@ -91,8 +91,12 @@ def _tick_locked(run_id: int) -> Plan:
         to_prepare, to_run = _dispatch(s, run, cfg)
         step_to_train = _maybe_create_step(s, run, cfg) if cfg.kind == "train" else None
         finished = _maybe_finish(s, run, cfg)
+        # held-out evals: made by a train run as its policy reaches each `eval_every` point (runs of their own)
+        evals = heldout.plan_evals(s, run, cfg, finished) if cfg.kind == "train" else []
+        if finished and cfg.eval_of is not None:
+            heldout.record_result(s, run, cfg)
         plan = Plan(prepare=to_prepare, rollout=to_run, priority=celery_priority(run.priority),
-                    train=[(run_id, step_to_train)] if step_to_train is not None else [])
+                    train=[(run_id, step_to_train)] if step_to_train is not None else [], start=evals)
     if finished:
         log.info("run=%s event=finished", run_id)
     return plan

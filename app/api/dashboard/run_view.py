@@ -15,6 +15,7 @@ from app.api.dashboard.charts import UPDATE_METRICS, metric, not_computed, step_
 from app.api.dashboard.compare import eval_results
 from app.api.dashboard.data import age, seconds_between
 from app.api.dashboard.groups import run_groups
+from app.api.dashboard.heldout import heldout_view
 from app.api.serialize import waiting_reason
 from app.tables import EPISODE_STATES, Completion, Episode, Run, TaskInstance, TrainingStep, utcnow
 from app.transitions import TERMINAL
@@ -137,6 +138,9 @@ def run_detail(s: Session, run_id: int, status: str | None = None, instance: str
                             .group_by(Episode.status)).all())
     steps = s.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id).order_by(TrainingStep.step)).all()
     charts, missing = step_charts(steps, cfg)
+    heldout = heldout_view(s, run, steps)
+    if heldout and heldout["chart"]:
+        charts.insert(0, heldout["chart"])  # first, beside the reward chart
     episodes, matched = _episodes(s, run_id, status, instance, outcome, limit)
     instances = s.scalars(select(TaskInstance.instance_id).join(Episode, Episode.instance_id == TaskInstance.id)
                           .where(Episode.run_id == run_id).distinct().order_by(TaskInstance.instance_id)).all()
@@ -155,7 +159,7 @@ def run_detail(s: Session, run_id: int, status: str | None = None, instance: str
         "completions": n_calls, "sampled_tokens": int(sampled_bytes) // 4,
         "steps": step_rows(steps, cfg), "step_columns": [c[0] for c in STEP_COLUMNS],
         "steps_done": sum(1 for st in steps if st.status == "completed"),
-        "charts": charts, "missing_charts": missing,
+        "charts": charts, "missing_charts": missing, "heldout": heldout,
         "groups": run_groups(s, run), "related": related_runs(s, run), "eval": eval_results(s, run) if run.kind != "train" else None,
         "episodes": episodes, "episodes_matched": matched, "limit": limit, "instances": instances,
         "states": EPISODE_STATES,

@@ -41,7 +41,7 @@ function drawCharts(root) {
     // `idx` is null while the cursor is off the chart: nothing is pointed at, so nothing is "not computed"
     const series = [{ label: "step", value: (u, v, si, idx) => (idx == null || v == null ? "-" : String(v)) }];
     c.series.forEach((s, i) => {
-      const band = c.band && i > 0;
+      const band = c.band && (i === 1 || i === 2);  // the band is series 2 and 3; a 4th is a line of its own
       const colour = PALETTE[(s.colour == null ? i : s.colour) % PALETTE.length];
       series.push({ label: s.label, stroke: band ? "#93c5fd" : colour, width: band ? 1 : 2,
                     dash: band ? [4, 4] : undefined, spanGaps: false, points: { show: true, size: 5 },
