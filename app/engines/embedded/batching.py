@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from app.engines.modeling import load_state_into
+from app.engines.embedded import adapters
 from app.engines.embedded.prefix_cache import PrefixCache
 from app.engines.embedded.sampling import SamplingParams, TokenSample, sample_batch
 
@@ -67,6 +68,12 @@ class GenerationRequest:
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     policy_version: int | None = None
+    adapter: adapters.Adapter | None = None  # a LoRA adapter on the base model (None: the base model)
+
+    @property
+    def cache_key(self) -> tuple[str, int] | None:
+        """The prefix-cache namespace of this request's KV: its adapter's (name, version), or None."""
+        return self.adapter.cache_key if self.adapter is not None else None
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request at the next step (client gone, stop string hit)."""
@@ -110,6 +117,7 @@ class BatchScheduler:
         self._mask: torch.Tensor | None = None      # [B, L] long, 0 = left padding
         self._pending_reload: tuple | None = None
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.adapters = adapters.AdapterSet(model)  # LoRA adapters requests may name
         self._reload_lock = threading.Lock()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -219,8 +227,9 @@ class BatchScheduler:
             request = self._waiting.popleft()
             if request.cancelled.is_set():
                 continue
-            request.policy_version = self.policy_version
-            request.events.put(Started(self.policy_version))
+            # An adapter request is answered by that adapter's version (its run's policy version).
+            request.policy_version = request.adapter.policy_version if request.adapter else self.policy_version
+            request.events.put(Started(request.policy_version))
             self._prefilling.append(_Row(request, cache=DynamicCache(), tokens=list(request.prompt_ids)))
 
     # ------------------------------------------------------------------ model steps
@@ -230,7 +239,7 @@ class BatchScheduler:
             self._prefilling.remove(row)
             return
         if row.prefilled == 0:
-            hit = self.prefix_cache.lookup(request.prompt_ids)
+            hit = self.prefix_cache.lookup(request.prompt_ids, request.cache_key)
             if hit is not None:
                 row.cache = DynamicCache(ddp_cache_data=hit.layers)
                 row.prefilled = hit.length
@@ -239,8 +248,9 @@ class BatchScheduler:
         chunk = request.prompt_ids[start:start + self.prefill_chunk]
         ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(chunk), dtype=torch.long, device=self.device).unsqueeze(0)
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=row.cache,
-                         use_cache=True, logits_to_keep=1)
+        with adapters.rows([request.adapter], self.device):
+            out = self.model(input_ids=ids, position_ids=positions, past_key_values=row.cache,
+                             use_cache=True, logits_to_keep=1)
         row.prefilled += len(chunk)
         self.stats["prefill_tokens"] += len(chunk)
         if row.prefilled < len(request.prompt_ids):
@@ -260,8 +270,9 @@ class BatchScheduler:
         ids = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=self.device)
         positions = torch.tensor([[r.num_tokens] for r in rows], dtype=torch.long, device=self.device)
         mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=torch.long, device=self.device)], dim=1)
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                         past_key_values=self._cache, use_cache=True)
+        with adapters.rows([r.request.adapter for r in rows], self.device):  # mixed adapters share the batch
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                             past_key_values=self._cache, use_cache=True)
         self._mask = mask
         self._cache = out.past_key_values
         for row in rows:
@@ -321,7 +332,7 @@ class BatchScheduler:
                 i, n = self._active.index(row), row.num_tokens
                 self.prefix_cache.store(row.tokens[:n], [
                     (layer.keys[i:i + 1, :, -n:].clone(), layer.values[i:i + 1, :, -n:].clone())
-                    for layer in self._cache.layers])
+                    for layer in self._cache.layers], row.request.cache_key)
         keep = [i for i, r in enumerate(self._active) if r not in rows]
         self._active = [self._active[i] for i in keep]
         if not keep:

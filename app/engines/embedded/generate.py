@@ -18,6 +18,7 @@ from typing import Iterator
 from flask import Response, jsonify, request
 
 from app.engines.disconnect import client_gone_probe
+from app.engines.embedded import adapters
 from app.engines.embedded.batching import Failed, GenerationRequest, Started, TokenEvent
 from app.engines.embedded.engine import Engine
 from app.engines.embedded.outputs import (
@@ -158,7 +159,8 @@ def chat(engine: Engine) -> Response:
         skip_special_tokens=get_field(body, "skip_special_tokens", bool, True),
         parse_tools=bool(body.get("tools")) and body.get("tool_choice") != "none",
         include_usage=bool(stream_options.get("include_usage")))
-    req = engine.scheduler.submit(GenerationRequest(prompt_ids, max_tokens, params, frozenset(stop_ids)))
+    req = engine.scheduler.submit(GenerationRequest(prompt_ids, max_tokens, params, frozenset(stop_ids),
+                                                    adapter=adapters.request_adapter(engine, body)))
     assembler = ChoiceAssembler(engine.tokenizer, engine.texts, options)
     if get_field(body, "stream", bool, False):
         return Response(_stream(engine, req, assembler, options, prompt_ids), mimetype="text/event-stream",
@@ -210,7 +212,8 @@ def completions(engine: Engine) -> Response:
                           return_token_ids=get_field(body, "return_token_ids", bool, False),
                           skip_special_tokens=get_field(body, "skip_special_tokens", bool, True),
                           include_usage=bool(get_field(body, "stream_options", dict, {}).get("include_usage")))
-    req = engine.scheduler.submit(GenerationRequest(prompt_ids, max_tokens, params, frozenset(stop_ids)))
+    req = engine.scheduler.submit(GenerationRequest(prompt_ids, max_tokens, params, frozenset(stop_ids),
+                                                    adapter=adapters.request_adapter(engine, body)))
     assembler = ChoiceAssembler(engine.tokenizer, engine.texts, options)
     completion_id, created = new_completion_id().replace("chatcmpl", "cmpl"), int(time.time())
 

@@ -7,6 +7,9 @@ sequence starts its prefill after that prefix (the idea of vLLM's automatic pref
 caching, https://docs.vllm.ai/en/latest/design/prefix_caching.html, without block paging:
 whole sequences, LRU by total tokens).  The gateway's session-affine routing makes hits
 likely.  Entries are dropped on weight reload (KV computed by old weights is invalid).
+Entries live in namespaces: KV computed under a LoRA adapter is keyed by that adapter's
+(name, version), base-model KV by None, so a prompt never reuses KV of another adapter or of
+an older version of its own.
 """
 from __future__ import annotations
 
@@ -43,36 +46,40 @@ class PrefixCache:
     def __init__(self, max_tokens: int = 16384, min_hit: int = 16) -> None:
         self.max_tokens = max_tokens
         self.min_hit = min_hit
-        self._entries: OrderedDict[tuple[int, ...], Layers] = OrderedDict()
+        self._entries: OrderedDict[tuple, Layers] = OrderedDict()  # (namespace, tokens) -> KV
         self._size = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def store(self, tokens: list[int], layers: Layers) -> None:
-        """Keep ``layers`` (KV of exactly ``tokens``; the caller passes tensors it no longer mutates)."""
+    def store(self, tokens: list[int], layers: Layers, namespace=None) -> None:
+        """Keep ``layers`` (KV of exactly ``tokens``, computed under ``namespace``: None for the
+        base model, an adapter's (name, version)); the caller passes tensors it no longer mutates."""
         key = tuple(tokens)
         if not self.max_tokens or len(key) > self.max_tokens or len(key) < self.min_hit:
             return
-        if key in self._entries:
-            self._entries.move_to_end(key)
+        if (namespace, key) in self._entries:
+            self._entries.move_to_end((namespace, key))
             return
-        # An entry that is a prefix of the new one is redundant.
-        for old in [k for k in self._entries if len(k) <= len(key) and key[: len(k)] == k]:
-            self._size -= len(old)
+        # An entry of the same namespace that is a prefix of the new one is redundant.
+        for old in [k for k in self._entries if k[0] == namespace and len(k[1]) <= len(key) and key[: len(k[1])] == k[1]]:
+            self._size -= len(old[1])
             del self._entries[old]
-        self._entries[key] = layers
+        self._entries[(namespace, key)] = layers
         self._size += len(key)
         while self._size > self.max_tokens:
             old, _ = self._entries.popitem(last=False)
-            self._size -= len(old)
+            self._size -= len(old[1])
 
-    def lookup(self, prompt: list[int]) -> PrefixHit | None:
-        """Longest stored prefix of ``prompt`` (at most ``len(prompt) - 1`` tokens: the last prompt
-        token must still go through the model to produce the first logits)."""
+    def lookup(self, prompt: list[int], namespace=None) -> PrefixHit | None:
+        """Longest stored prefix of ``prompt`` computed under ``namespace`` (at most
+        ``len(prompt) - 1`` tokens: the last prompt token must still go through the model to
+        produce the first logits)."""
         best_key, best = None, 0
         for key in self._entries:
-            length = min(_common_prefix(key, prompt), len(prompt) - 1)
+            if key[0] != namespace:
+                continue
+            length = min(_common_prefix(key[1], prompt), len(prompt) - 1)
             if length > best:
                 best_key, best = key, length
         if best_key is None or best < self.min_hit:

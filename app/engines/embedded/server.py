@@ -25,6 +25,8 @@ Routes (shapes follow vLLM's OpenAI server, https://docs.vllm.ai/en/latest/servi
 * ``PUT /v1/checkpoints/<version>/<file>`` and ``POST /v1/checkpoints/<version>/load``: a
   checkpoint sent over HTTP with SHA-256 digests, for an engine that shares no disk with the
   trainer (``app.engines.embedded.uploads``; admin routes too).
+* ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``, ``GET /v1/lora_adapters``: LoRA
+  adapters that generation requests name in ``model`` (``app.engines.embedded.adapters``; admin).
 
 The generation routes are ``app.engines.embedded.generate``'s; this module holds the app factory,
 the token, model, health and weight routes, and the CLI.
@@ -46,7 +48,7 @@ from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from app.engines.embedded import generate, scoring
-from app.engines.embedded import uploads
+from app.engines.embedded import adapters, uploads
 from app.engines.embedded.engine import DEFAULT_MAX_MODEL_LEN, Engine, build_engine
 from app.engines.embedded.validation import EngineError, get_field, json_body
 from app.engines.modeling import load_model, read_state_dict
@@ -166,6 +168,7 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
 
     # The same swap for a checkpoint sent over HTTP (SHA-256 checked): an engine on another machine.
     uploads.register(app, engine, require_admin)
+    adapters.register(app, engine, require_admin)  # LoRA adapters requests name in `model`
     return app
 
 

@@ -1,0 +1,157 @@
+"""Per-request LoRA adapters in the embedded engine: exact low-rank updates, mixed batches, prefix-cache
+namespaces per (adapter, version), names that carry the content hash, and the HTTP routes."""
+from __future__ import annotations
+
+import copy
+
+import httpx
+import pytest
+import torch
+
+from app.auth import auth_header
+from app.engines.embedded.adapters import (AdapterError, AdapterSet, adapter_name, peft_weights, rows,
+                                           save_adapter)
+from app.engines.embedded.batching import BatchScheduler, GenerationRequest, Started, TokenEvent
+from app.engines.embedded.sampling import SamplingParams
+from app.engines.modeling import build_tiny_model
+from app.training import policy
+
+PROMPT = [5, 17, 300, 42, 7, 99, 1000, 23, 8, 64, 12, 77, 31, 400, 9, 18, 2000, 51, 6, 33]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def trained_adapter(folder, seed: int, version: int = 1, r: int = 4, alpha: int = 8):
+    """A peft LoRA on the tiny model with random nonzero B (as after training), saved as an
+    adapter folder; returns (served name, the peft model merged: the reference)."""
+    peft_model = policy.add_lora(build_tiny_model(0), r, alpha, 0.0)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    state = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
+    save_adapter(folder, peft_weights(state), r, alpha, version)
+    return adapter_name("run-1", folder), copy.deepcopy(peft_model).merge_and_unload().eval()
+
+
+def generate(scheduler: BatchScheduler, adapter=None, prompt=PROMPT, tokens: int = 6):
+    """Submit a greedy request; return (its GenerationRequest, a function waiting for its ids)."""
+    request = scheduler.submit(GenerationRequest(list(prompt), tokens, SamplingParams(temperature=0.0),
+                                                 adapter=adapter))
+
+    def wait() -> tuple[int, list[int]]:
+        ids, version = [], None
+        while True:
+            event = request.events.get(timeout=60)
+            if isinstance(event, Started):
+                version = event.policy_version
+            elif isinstance(event, TokenEvent):
+                ids.append(event.sample.token_id)
+                if event.finish_reason:
+                    return version, ids
+            else:
+                raise AssertionError(event)
+    return request, wait
+
+
+def test_an_adapter_adds_exactly_its_low_rank_update(tmp_path):
+    name, merged = trained_adapter(tmp_path / "a", seed=1)
+    model = build_tiny_model(0)
+    adapters = AdapterSet(model)
+    adapter = adapters.load(name, tmp_path / "a")
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        base = model(ids).logits
+        with rows([adapter], torch.device("cpu")):
+            adapted = model(ids).logits
+        after = model(ids).logits
+        expected = merged(ids).logits
+    assert (adapted - expected).abs().max() < 1e-4
+    assert (adapted - base).abs().max() > 1e-2  # the adapter does change the model
+    assert torch.equal(after, base)  # outside `rows` the hooks add nothing
+
+
+def test_mixed_batch_rows_get_their_own_adapter_and_version(tmp_path):
+    name_a, _ = trained_adapter(tmp_path / "a", seed=1, version=3)
+    name_b, _ = trained_adapter(tmp_path / "b", seed=2, version=7)
+    scheduler = BatchScheduler(build_tiny_model(0), max_batch=8, prefix_cache_tokens=0).start()
+    try:
+        a = scheduler.adapters.load(name_a, tmp_path / "a")
+        b = scheduler.adapters.load(name_b, tmp_path / "b")
+        alone = {key: generate(scheduler, adapter)[1]() for key, adapter in (("a", a), ("b", b), ("base", None))}
+        waits = {key: generate(scheduler, adapter)[1] for key, adapter in (("a", a), ("b", b), ("base", None))}
+        together = {key: wait() for key, wait in waits.items()}
+    finally:
+        scheduler.stop()
+    assert together == alone
+    assert [alone[k][0] for k in ("a", "b", "base")] == [3, 7, 0]  # each answer carries its own version
+    assert len({tuple(ids) for _v, ids in alone.values()}) == 3  # three different policies
+
+
+def test_prefix_cache_misses_across_adapters_and_versions(tmp_path):
+    name_a, _ = trained_adapter(tmp_path / "a", seed=1, version=1)
+    name_b, _ = trained_adapter(tmp_path / "b", seed=2, version=1)
+    name_a2, _ = trained_adapter(tmp_path / "a2", seed=3, version=2)  # A's next version
+    scheduler = BatchScheduler(build_tiny_model(0), max_batch=4, prefix_cache_tokens=4096).start()
+    try:
+        a, b = scheduler.adapters.load(name_a, tmp_path / "a"), scheduler.adapters.load(name_b, tmp_path / "b")
+        a2 = scheduler.adapters.load(name_a2, tmp_path / "a2")
+
+        def hits_after(adapter) -> int:
+            before = scheduler.stats["prefix_hit_tokens"]
+            generate(scheduler, adapter)[1]()
+            return scheduler.stats["prefix_hit_tokens"] - before
+
+        assert hits_after(a) == 0
+        assert hits_after(b) == 0  # same prompt, other adapter: a miss
+        assert hits_after(a2) == 0  # same prompt, A's next version: a miss
+        assert hits_after(None) == 0  # the base model's KV is its own too
+        assert hits_after(a) == len(PROMPT) - 1  # A again: its own KV is reused
+    finally:
+        scheduler.stop()
+
+
+def test_names_carry_the_content_hash_and_a_corrupted_file_is_refused(tmp_path):
+    name, _ = trained_adapter(tmp_path / "a", seed=1)
+    adapters = AdapterSet(build_tiny_model(0))
+    with pytest.raises(AdapterError, match="an adapter name is"):
+        adapters.load("run-1", tmp_path / "a")
+    with pytest.raises(AdapterError, match="differs from the name's"):
+        adapters.load("run-1@" + "0" * 12, tmp_path / "a")
+    data = bytearray((tmp_path / "a" / "adapter.safetensors").read_bytes())
+    data[-5] ^= 0xFF
+    (tmp_path / "a" / "adapter.safetensors").write_bytes(bytes(data))
+    with pytest.raises(AdapterError, match="corrupted or was rewritten"):
+        adapters.load(name, tmp_path / "a")
+    assert len(adapters) == 0
+    with pytest.raises(AdapterError) as err:
+        adapters.resolve(name)  # never loaded: 404
+    assert err.value.status == 404
+    assert adapters.resolve("SmolLM2-135M-Instruct") is None  # any other name: the base model
+
+
+def test_http_routes_load_serve_and_unload_an_adapter(engine, tmp_path):
+    name, _ = trained_adapter(tmp_path / "a", seed=1, version=5)
+    headers = auth_header()
+    with httpx.Client(base_url=engine.url, timeout=60) as http:
+        assert http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(tmp_path / "a")}).status_code == 401
+        bad = http.post("/v1/load_lora_adapter", headers=headers,
+                        json={"lora_name": "run-1@" + "f" * 12, "lora_path": str(tmp_path / "a")})
+        assert bad.status_code == 400 and "differs" in bad.json()["error"]["message"]
+        ok = http.post("/v1/load_lora_adapter", headers=headers, json={"lora_name": name, "lora_path": str(tmp_path / "a")})
+        assert ok.status_code == 200 and ok.json()["policy_version"] == 5
+        assert [a["id"] for a in http.get("/v1/lora_adapters").json()["data"]] == [name]
+        body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+        served = http.post("/v1/completions", json={**body, "model": name}).json()
+        base = http.post("/v1/completions", json=body).json()
+        assert served["policy_version"] == 5 and base["policy_version"] == 0
+        assert http.post("/v1/unload_lora_adapter", headers=headers, json={"lora_name": name}).status_code == 200
+        gone = http.post("/v1/completions", json={**body, "model": name})
+        assert gone.status_code == 404 and "does not exist" in gone.json()["error"]["message"]
