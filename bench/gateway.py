@@ -14,6 +14,17 @@ the gateway serves the same Chat Completions protocol):
 Usage: `.venv/bin/python bench/gateway.py [--n 300] [--seconds 6] [--database-url URL]`
 (default database: a temporary SQLite file, WAL, like a single-box deployment).
 Goal: < 2 ms p50 added per call, no throughput loss at 32 sessions on 2 cores.
+
+Token-rate mode (`--token-rate`): a paced engine (`bench/token_stream.py`, `--rate` tokens/s per
+stream, `--tokens` per answer) streams through ONE gateway worker process at each of
+`--sessions` (1,16,64,256) concurrent sessions on each of `--apis` (chat, anthropic, responses,
+gemini), side by side with the same load sent to the engine directly.  Per setting: the gateway's
+CPU per streamed token (µs: utime+stime of the gunicorn master and worker from /proc, over the
+tokens the clients received), aggregate streamed tokens/s and its ratio to direct, the added
+inter-token latency (gateway gap percentile minus direct, p50 and p99) and the added time to first
+token (p50).  Then 256 sessions over 2 workers (`--scale-workers`), the gateway's share-nothing
+scale-out.  The load client and the engine share the box with the gateway: their CPU is printed
+too, so a row where they, not the gateway, ran out of cores reads as such.
 """
 from __future__ import annotations
 
@@ -164,6 +175,106 @@ def throughput(sessions: int, seconds: float, url: str, headers_for, body_for) -
     return sum(counts) / (time.monotonic() - t0)
 
 
+def start_gateway(env: dict, workers: int, threads: int, log_path: str) -> subprocess.Popen:
+    return subprocess.Popen([str(ROOT / ".venv/bin/gunicorn"), "-c", "workers/gateway_conf.py",
+                             "app.proxy:create_gateway_app()"], cwd=ROOT,
+                            env=dict(env, TURNSTILE_GATEWAY_WORKERS=str(workers), TURNSTILE_GATEWAY_THREADS=str(threads)),
+                            stderr=open(log_path, "ab"))
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in reversed(procs):
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def token_rate(args, env: dict, tmp: str) -> None:
+    """The token-rate mode (module docstring)."""
+    import resource
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import token_stream as ts
+
+    eport, gport = free_port(), free_port()
+    engine, gateway = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
+    env = dict(env, TURNSTILE_ENGINE_URLS=engine, TURNSTILE_GATEWAY_BIND=f"127.0.0.1:{gport}")
+    sessions = [int(x) for x in args.sessions.split(",")]
+    apis = args.apis.split(",")
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "bench/token_stream.py"), "engine", "--port", str(eport),
+                               "--rate", str(args.rate), "--tokens", str(args.tokens)], cwd=ROOT)]
+    try:
+        wait(engine)
+        tokens = make_sessions(max(sessions))
+        procs.append(start_gateway(env, 1, max(sessions) + 8, f"{tmp}/gateway.log"))
+        wait(gateway)
+        gw_pids = gunicorn_pids(procs[1].pid)
+        eng_pids = [procs[0].pid]
+
+        def maker(api: str, direct: bool):
+            def make(k: int):
+                return ts.request_for(api, "tok-engine", args.tokens + 50, tokens[k], direct)
+            make.marker = ts.MARKERS["chat" if direct else api]
+            return make
+
+        def client_cpu() -> float:
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            return ru.ru_utime + ru.ru_stime
+
+        def measure(url: str, n: int, make, pids: list[int], profile: str | None = None):
+            spy = None
+            if profile:  # py-spy (requirements-dev.txt) samples the worker while the load runs
+                spy = subprocess.Popen([str(ROOT / ".venv/bin/py-spy"), "record", "--gil", "--format", "raw",
+                                        "-r", "250", "-d", str(max(1, int(args.seconds) - 1)), "-p", str(pids[-1]),
+                                        "-o", profile], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            c0, e0, l0 = cpu_seconds(pids), cpu_seconds(eng_pids), client_cpu()
+            load = ts.run_load(url, n, args.seconds, make)
+            if spy is not None:
+                spy.wait(30)
+            return load, cpu_seconds(pids) - c0, cpu_seconds(eng_pids) - e0, client_cpu() - l0
+
+        print(f"token rate: engine {args.rate:.0f} tokens/s per stream, {args.tokens} tokens per answer, "
+              f"{args.seconds:.0f} s per point; one gateway worker (gunicorn gthread); cores={os.cpu_count()}")
+        head = (f"{'api':<10}{'sess':>5}{'direct tok/s':>13}{'gw tok/s':>10}{'ratio':>7}{'gw µs/tok':>10}"
+                f"{'ITL+ p50 ms':>12}{'ITL+ p99 ms':>12}{'TTFT+ p50':>10}{'eng µs/tok':>11}{'cli µs/tok':>11}{'err':>5}")
+        print(head)
+        rows = []
+
+        def row(api, n, d, g, gcpu, ecpu, ccpu):
+            dr, gr = d.tokens / d.seconds, g.tokens / g.seconds
+            itl50 = (pct(g.gaps, 50) - pct(d.gaps, 50)) * 1e3 if g.gaps and d.gaps else float("nan")
+            itl99 = (pct(g.gaps, 99) - pct(d.gaps, 99)) * 1e3 if g.gaps and d.gaps else float("nan")
+            ttft = (pct(g.ttft, 50) - pct(d.ttft, 50)) * 1e3 if g.ttft and d.ttft else float("nan")
+            us = gcpu * 1e6 / max(1, g.tokens)
+            line = (f"{api:<10}{n:>5}{dr:>13.0f}{gr:>10.0f}{gr / dr if dr else 0:>7.2f}{us:>10.1f}{itl50:>12.2f}"
+                    f"{itl99:>12.2f}{ttft:>10.2f}{ecpu * 1e6 / max(1, g.tokens):>11.1f}"
+                    f"{ccpu * 1e6 / max(1, g.tokens):>11.1f}{g.errors:>5}")
+            print(line, flush=True)
+            rows.append(line)
+
+        for n in sessions:
+            d, _, _, _ = measure(engine, n, maker("chat", True), [])
+            for api in apis:
+                prof = f"{args.profile}-{api}-{n}.raw" if args.profile and n == 64 else None
+                g, gcpu, ecpu, ccpu = measure(gateway, n, maker(api, False), gw_pids, prof)
+                row(api, n, d, g, gcpu, ecpu, ccpu)
+        if args.scale_workers:
+            stop(procs[1:])
+            del procs[1:]
+            procs.append(start_gateway(env, args.scale_workers, 264, f"{tmp}/gateway.log"))
+            wait(gateway)
+            n = 256
+            d, _, _, _ = measure(engine, n, maker("chat", True), [])
+            g, gcpu, ecpu, ccpu = measure(gateway, n, maker("chat", False), gunicorn_pids(procs[1].pid))
+            print(f"scale-out: {args.scale_workers} gateway workers, {n} sessions (chat)")
+            row("chat", n, d, g, gcpu, ecpu, ccpu)
+    finally:
+        stop(procs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=300, help="calls per latency series")
@@ -174,6 +285,15 @@ def main() -> None:
     ap.add_argument("--database-url", default=None)
     ap.add_argument("--workers", default="2")
     ap.add_argument("--threads", default="64")
+    ap.add_argument("--token-rate", action="store_true", help="the token-rate mode (module docstring)")
+    ap.add_argument("--rate", type=float, default=2000.0, help="token-rate mode: engine tokens/s per stream")
+    ap.add_argument("--tokens", type=int, default=200, help="token-rate mode: tokens per answer")
+    ap.add_argument("--sessions", default="1,16,64,256", help="token-rate mode: concurrent sessions")
+    ap.add_argument("--apis", default="chat,anthropic,responses,gemini", help="token-rate mode: client APIs")
+    ap.add_argument("--profile", default=None,
+                    help="token-rate mode: py-spy stacks of the worker at 64 sessions to PREFIX-API-64.raw")
+    ap.add_argument("--scale-workers", type=int, default=2,
+                    help="token-rate mode: then 256 sessions over this many workers (0: skip)")
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="gwbench-")
@@ -184,6 +304,10 @@ def main() -> None:
     env = dict(os.environ, TURNSTILE_ENGINE_URLS=engine, TURNSTILE_GATEWAY_BIND=f"127.0.0.1:{gport}",
                TURNSTILE_GATEWAY_WORKERS=args.workers, TURNSTILE_GATEWAY_THREADS=args.threads,
                TURNSTILE_LOG_LEVEL="warning")
+    if args.token_rate:
+        if args.seconds == ap.get_default("seconds"):
+            args.seconds = 3.0
+        return token_rate(args, env, tmp)
     procs = [subprocess.Popen([sys.executable, "-m", "app.conformance.scripted", "--port", str(eport)], cwd=ROOT)]
     try:
         wait(engine)

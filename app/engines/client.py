@@ -4,23 +4,23 @@
 Completions, https://platform.openai.com/docs/api-reference/chat, plus vLLM's extensions:
 ``return_token_ids``, ``/tokenize``, ``/detokenize``, ``max_model_len`` in ``/v1/models``) over
 httpx, the HTTP library the OpenAI and Anthropic SDKs bring.  The gateway, the trainer's weight
-sync, the vLLM reloader, the benches and the scripts all use it.  Streams are read with
-``app.engines.sse.SSEDecoder`` (WHATWG event-stream rules).
+sync, the vLLM reloader, the benches and the scripts all use it.  Streams are read on the
+caller's thread by ``app.engines.stream.ChatStream`` (its own HTTP/1.1 reader on the socket, so
+relaying a token costs no thread hand-off), parsed with ``app.engines.sse.SSEDecoder`` (WHATWG
+event-stream rules).
 
 With a vLLM server every call works except ``reload`` / ``reset_to_base`` (use
 ``app.engines.vllm.VLLMReloader``) and ``policy_version``.
 
 Errors: a non-2xx answer raises ``EngineHTTPError`` (status and parsed body kept); a transport
 failure (refused, reset, timed out, malformed HTTP) raises ``EngineConnectionError``.  Both are
-``EngineCallError`` (defined in ``app.engines.errors``, re-exported here).  The connections and
-reader threads underneath are ``app.engines.transport``'s.
+``EngineCallError`` (defined in ``app.engines.errors``, re-exported here).  The non-stream
+connections underneath are ``app.engines.transport``'s.
 """
 from __future__ import annotations
 
 import json
-import queue
 import socket
-import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -28,174 +28,13 @@ import httpx
 
 from app.engines.errors import (EngineCallError, EngineConnectionError, EngineHTTPError, connection_error,
                                 error_message, parse_body)
-from app.engines.sse import SSEDecoder
-from app.engines.transport import READERS, shutdown, watched_transport, watching
-
-DONE = object()   # stream item: the engine sent ``data: [DONE]``
-EOF = object()    # stream item: the engine closed the stream without ``[DONE]``
+from app.engines.stream import DONE, EOF, ChatStream, Target, stream_items
+from app.engines.transport import watched_transport, watching
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 __all__ = ["DONE", "EOF", "ChatStream", "EngineCallError", "EngineClient", "EngineConnectionError", "EngineHTTPError",
            "error_message", "stream_items"]
-
-
-def stream_items(events: list[tuple[str | None, str]]) -> list:
-    """SSE events of a chat stream -> items: chunk dicts, then ``DONE`` or a ``ValueError`` (bad
-    JSON), each of which ends the list; events with empty data are skipped."""
-    items: list = []
-    for _event, data in events:
-        if not data.strip():
-            continue
-        if data.strip() == "[DONE]":
-            items.append(DONE)
-            return items
-        try:
-            items.append(json.loads(data))
-        except ValueError as exc:
-            items.append(exc)
-            return items
-    return items
-
-
-class ChatStream:
-    """A streamed ``POST /v1/chat/completions`` read by a reader thread, so the caller can wait
-    with a timeout and do something else (send a keep-alive) while the engine is silent.
-
-    httpx reads cannot time out and resume (a read timeout ends the response), hence the reader
-    thread (one of ``app.engines.transport.READERS``); it hands over everything received per network read as one
-    list.  Use ``wait`` for the response head, then ``poll`` for items, and always ``close``.
-    """
-
-    def __init__(self, client: "EngineClient", body: dict, headers: dict | None) -> None:
-        self.base_url = client.base_url
-        self.status: int | None = None
-        self.error: EngineCallError | None = None   # set, with the head, when the engine refused
-        self._head = threading.Event()
-        self._items: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._response: httpx.Response | None = None
-        self._cancelled = False
-        self._ended = False        # the reader has seen DONE, EOF or an error
-        self._released = False     # the reader has closed the response
-        # Identity encoding: the body is read raw (no decompression step per chunk).
-        request = client._http.build_request("POST", "/v1/chat/completions", content=_dumps(body).encode("utf-8"),
-                                             headers={"Content-Type": "application/json", "Accept-Encoding": "identity",
-                                                      **(headers or {})})
-        self._finished = threading.Event()  # the reader is done with this stream
-        READERS.submit(self._read, client._http, request)
-
-    def _read(self, http: httpx.Client, request: httpx.Request) -> None:
-        try:
-            response = http.send(request, stream=True)
-        except Exception as exc:  # noqa: BLE001 - every failure must reach the waiting caller
-            self.error = self._failure(exc)
-            self._ended = True
-            self._head.set()
-            self._finished.set()
-            return
-        with self._lock:
-            self._response = response
-        try:
-            self.status = response.status_code
-            if response.status_code >= 400:
-                response.read()
-                self.error = EngineHTTPError(response.status_code, parse_body(response))
-                self._ended = True
-                self._head.set()
-                return
-            self._head.set()
-            if self._cancelled:
-                return
-            decoder = SSEDecoder()
-            for data in response.iter_raw():
-                if self._ended:
-                    continue  # after [DONE]: read to the end so the connection can be reused
-                if self._cancelled:
-                    return
-                items = stream_items(decoder.feed(data))
-                if items:
-                    self._ended = items[-1] is DONE or isinstance(items[-1], Exception)
-                    self._items.put(items)
-                    if isinstance(items[-1], Exception):
-                        return  # garbage from the engine: drop the connection
-            if not self._ended:
-                items = stream_items(decoder.close())
-                if not items or items[-1] is not DONE:
-                    items.append(EOF)
-                self._ended = True
-                self._items.put(items)
-        except Exception as exc:  # noqa: BLE001 - every failure must reach the waiting caller
-            if not self._ended and not self._cancelled:
-                self._ended = True
-                self._items.put([self._failure(exc)])
-        finally:
-            with self._lock:
-                self._released = True
-                response.close()
-            self._head.set()
-            self._finished.set()
-
-    def _failure(self, exc: Exception) -> EngineConnectionError:
-        if isinstance(exc, httpx.HTTPError):
-            return connection_error(exc, self.base_url)
-        return EngineConnectionError(f"reading from engine {self.base_url} failed: {type(exc).__name__}: {exc}")
-
-    def wait(self, timeout: float | None) -> bool:
-        """True once the engine answered (accepted: ``error`` is None; refused: ``error`` is set);
-        False when ``timeout`` seconds passed first (call again)."""
-        return self._head.wait(timeout)
-
-    def poll(self, timeout: float | None) -> list | None:
-        """Everything received so far: chunk dicts, then ``DONE``, ``EOF`` or an exception
-        (``ValueError`` for bad JSON, ``EngineConnectionError``) as the last item; None when
-        ``timeout`` seconds passed without data."""
-        try:
-            items = list(self._items.get(timeout=timeout))
-        except queue.Empty:
-            return None
-        while True:
-            try:
-                items += self._items.get_nowait()
-            except queue.Empty:
-                return items
-
-    def __iter__(self) -> Iterator[dict]:
-        """Chunk dicts until ``[DONE]``; raises the engine's error (``EngineCallError``, also for an
-        in-stream error object) or ``EngineConnectionError`` when the stream ends early."""
-        self.wait(None)
-        if self.error is not None:
-            raise self.error
-        while True:
-            for item in self.poll(None) or []:
-                if item is DONE:
-                    return
-                if item is EOF:
-                    raise EngineConnectionError(f"engine {self.base_url} closed the stream before [DONE]")
-                if isinstance(item, EngineCallError):
-                    raise item
-                if isinstance(item, Exception):
-                    raise EngineConnectionError(f"engine {self.base_url} sent invalid JSON: {item}")
-                if "error" in item and "choices" not in item:
-                    code = item["error"].get("code") if isinstance(item["error"], dict) else None
-                    raise EngineHTTPError(code if isinstance(code, int) and code >= 400 else 500, item)
-                yield item
-
-    def close(self) -> None:
-        """Stop reading.  If the answer is not complete, the connection is shut down so the engine
-        sees the client leave and aborts the request (it is reused otherwise).  Closed before the
-        engine sent its response head, the request is dropped as soon as the head arrives."""
-        self._cancelled = True
-        with self._lock:
-            if self._ended or self._released or self._response is None:
-                return
-            shutdown(self._response)  # wakes the reader's blocked recv
-
-    def __enter__(self) -> "ChatStream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class EngineClient:
@@ -224,9 +63,12 @@ class EngineClient:
         transport = watched_transport(self.base_url, max_keepalive=max_keepalive, socket_options=socket_options)
         self._http = httpx.Client(base_url=self.base_url, transport=transport, trust_env=False,
                                   timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)))
+        self._streams = Target(self.base_url, min(connect_timeout, timeout), timeout)
+        self._streams.pool.keep = max_keepalive
 
     def close(self) -> None:
         self._http.close()
+        self._streams.pool.clear()
 
     def __enter__(self) -> "EngineClient":
         return self
@@ -329,8 +171,13 @@ class EngineClient:
 
     def open_stream(self, body: dict, *, headers: dict | None = None) -> ChatStream:
         """Start a streamed ``POST /v1/chat/completions`` with ``body`` as given (it should say
-        ``"stream": true``); returns at once, the answer is read by the stream's thread."""
-        return ChatStream(self, body, headers)
+        ``"stream": true``); returns at once (the connection is being made), the answer is read on
+        the caller's thread by ``ChatStream.wait`` / ``poll``.
+
+        Raises:
+            ValueError: a header name or value that cannot go on the wire (CR, LF, NUL).
+        """
+        return ChatStream(self._streams, body, headers)
 
     # --- tokens -----------------------------------------------------------------------------
 

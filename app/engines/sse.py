@@ -70,8 +70,15 @@ class SSEDecoder:
             buf = buf.replace("\r", "\n")
         lines = buf.split("\n")
         self._buf = lines.pop()
-        for line in lines:
-            self._line(line, out)
+        for line in lines:  # the two common lines inline (`_line` has the same rules), the rest there
+            if not line:
+                if self._data:
+                    out.append((self._event, "\n".join(self._data) if len(self._data) > 1 else self._data[0]))
+                self._event, self._data = None, []
+            elif line.startswith("data:"):
+                self._data.append(line[6:] if line[5:6] == " " else line[5:])
+            else:
+                self._line(line, out)
         return out
 
     def _line(self, line: str, out: list[Event]) -> None:

@@ -1,7 +1,7 @@
-"""The engine client's transport: httpcore connections that watch for a departed caller, and the
-reader threads that read streams.
+"""The engine client's non-stream transport: httpcore connections that watch for a departed caller.
 
-Two jobs ``app.engines.client`` needs below httpx's public surface:
+What ``app.engines.client`` needs below httpx's public surface (streams are
+``app.engines.stream``'s own sockets):
 
 * ``watching(idle, every)`` + ``WatchedStream``: a read that finds nothing to read waits in
   slices and calls ``idle()`` between them, so a non-stream call notices that *its* caller left
@@ -10,17 +10,11 @@ Two jobs ``app.engines.client`` needs below httpx's public surface:
   (https://www.encode.io/httpcore/network-backends/) installed into httpx's transport
   (``watched_transport``; httpx 0.28 sends every request of an ``HTTPTransport`` through its
   private ``_pool``, the one place this module reaches into httpx internals).
-* ``READERS``: daemon threads reused from stream to stream (``ReaderPool``).
-
-``shutdown(response)`` drops a streamed response's connection from another thread.
 """
 from __future__ import annotations
 
 import contextlib
-import os
-import queue
 import select
-import socket
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -101,46 +95,6 @@ class WatchedBackend(httpcore.SyncBackend):
         return WatchedStream(super().connect_tcp(*args, **kwargs))
 
 
-class ReaderPool:
-    """Daemon threads reused from stream to stream.  A new thread per stream costs a scheduler
-    round trip on the request's path (``Thread.start`` waits until the thread runs), which on a
-    loaded box is milliseconds; an idle reader is handed the next stream without that wait.
-    Threads are never stopped (their number is the peak of concurrent streams); daemon, so a
-    reader blocked on a silent engine never holds up interpreter exit."""
-
-    def __init__(self) -> None:
-        self._reset()
-        # A forked child has none of the parent's threads: it starts with an empty pool.
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = 0
-        self._lock = threading.Lock()
-
-    def submit(self, fn: Callable, *args: Any) -> None:
-        with self._lock:
-            spawn = self._idle == 0
-            if not spawn:
-                self._idle -= 1
-        self._tasks.put((fn, args))
-        if spawn:  # every queued task has a thread waiting for it: an idle one, or this new one
-            threading.Thread(target=self._run, daemon=True, name="engine-stream").start()
-
-    def _run(self) -> None:
-        while True:
-            fn, args = self._tasks.get()
-            try:
-                fn(*args)
-            except BaseException:  # noqa: BLE001 - a reader reports its own failures; keep the thread
-                pass
-            with self._lock:
-                self._idle += 1
-
-
-READERS = ReaderPool()  # the process's one pool, shared by every client
-
-
 def watched_transport(base_url: str, *, max_keepalive: int, socket_options: list) -> httpx.HTTPTransport:
     """An httpx transport to ``base_url`` (``http://`` or ``https://``) whose connections are
     ``WatchedStream``s: same limits and socket options as ``httpx.HTTPTransport``; unlimited
@@ -157,16 +111,3 @@ def watched_transport(base_url: str, *, max_keepalive: int, socket_options: list
         keepalive_expiry=limits.keepalive_expiry, socket_options=socket_options,
         network_backend=WatchedBackend())
     return transport
-
-
-def shutdown(response: httpx.Response) -> None:
-    """Shut down the connection under a streamed ``response`` (its ``network_stream`` extension)
-    so a reader blocked in ``recv`` on it wakes at once and the engine sees the client leave;
-    a response without a socket, or one already closed, is left alone."""
-    stream = response.extensions.get("network_stream")
-    sock = stream.get_extra_info("socket") if stream is not None else None
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass

@@ -2,10 +2,9 @@
 the reader pool across a fork, against the scripted engine."""
 from __future__ import annotations
 
-import time
 
 from app.conformance.scripted import directive
-from app.engines.client import EngineClient
+from app.engines.client import DONE, EngineClient
 
 
 def test_engine_connection_sends_a_request_in_one_write():
@@ -44,9 +43,10 @@ def test_engine_connection_sends_a_request_in_one_write():
     stream.close()
 
 
-def test_stream_readers_work_in_a_forked_child(scripted_engine):
-    """Reader threads are reused; a child forked after streams were read (a Celery prefork worker,
-    a gunicorn worker) has none of them and must start its own instead of queueing forever."""
+def test_streams_work_in_a_forked_child_without_the_parents_connections(scripted_engine):
+    """Finished streams leave their connection in the client's pool; a child forked after that (a
+    Celery prefork worker, a gunicorn worker) must not read from the parent's socket: its pool
+    starts empty and its stream completes on a connection of its own."""
     import os
 
     with EngineClient(scripted_engine, timeout=10) as client:
@@ -54,20 +54,21 @@ def test_stream_readers_work_in_a_forked_child(scripted_engine):
         body = {"model": model, "messages": [{"role": "user", "content": directive({"text": "ok"})}],
                 "stream": True}
         assert list(client.chat(body["messages"], stream=True, model=model))
-    from app.engines import transport
-    deadline = time.monotonic() + 2
-    while transport.READERS._idle == 0 and time.monotonic() < deadline:  # the parent's reader is idle
-        time.sleep(0.01)
-    assert transport.READERS._idle > 0
-    pid = os.fork()
-    if pid == 0:  # child: a fresh client, one stream, exit 0 only if it completes
-        code = 1
-        try:
-            with EngineClient(scripted_engine, timeout=5) as child:
-                stream = child.open_stream(body)
-                code = 0 if stream.wait(3) and stream.error is None else 1
+        assert len(client._streams.pool._idle) == 1  # kept for the next stream
+        parent_port = client._streams.pool._idle[0].getsockname()[1]
+        pid = os.fork()
+        if pid == 0:  # child: exit 0 only if its stream completes on a new connection
+            code = 1
+            try:
+                stream = client.open_stream(body)
+                port = stream._sock.getsockname()[1] if stream._sock is not None else -1
+                items = []
+                while stream.wait(3) and stream.error is None and (not items or items[-1] is not DONE):
+                    items += stream.poll(3) or []
+                code = 0 if items and items[-1] is DONE and port != parent_port else 1
                 stream.close()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert list(client.chat(body["messages"], stream=True, model=model))  # the parent's socket still works

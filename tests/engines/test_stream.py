@@ -1,0 +1,206 @@
+"""The thread-free stream reader (`app.engines.stream`): HTTP/1.1 body framing undone per read,
+connections kept and reused, a stale one retried, `close` from another thread, timeouts."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from app.engines.client import DONE, EOF, EngineClient, EngineConnectionError, EngineHTTPError
+from app.engines.stream import _BodyReader
+
+
+def _chunked(payload: bytes, sizes: list[int]) -> bytes:
+    out, i = b"", 0
+    for n in sizes:
+        out += b"%x;ext=1\r\n%s\r\n" % (n, payload[i:i + n]) if n % 2 else b"%X\r\n%s\r\n" % (n, payload[i:i + n])
+        i += n
+    return out + b"0\r\nX-Trailer: 1\r\n\r\n"
+
+
+def test_chunked_body_is_undone_whatever_the_reads():
+    payload = "data: {\"a\": \"héllo\"}\n\n".encode() * 5
+    wire = _chunked(payload, [7, 1, 40, len(payload) - 48])
+    for step in (1, 2, 3, 5, 64, len(wire)):
+        r = _BodyReader("chunked")
+        got = b"".join(r.feed(wire[i:i + step]) for i in range(0, len(wire), step))
+        assert got == payload and r.complete and r.clean, step
+
+
+@pytest.mark.parametrize("wire", [b"zz\r\n", b"+5\r\nhello\r\n", b"5\r\nhelloXX", b"1_0\r\n"])
+def test_malformed_chunk_framing_is_an_error_after_the_good_payload(wire):
+    """What came before the bad framing in the same read is still handed over (an engine's first
+    chunk carries the prompt ids); the reader is broken from then on."""
+    r = _BodyReader("chunked")
+    assert r.feed(b"3\r\nabc\r\n" + wire).startswith(b"abc") and r.broken
+    with pytest.raises(ValueError):
+        r.feed(b"1\r\nx\r\n")
+
+
+def test_sized_body_and_bytes_after_the_end():
+    r = _BodyReader("length", 5)
+    assert r.feed(b"hel") == b"hel" and not r.complete
+    assert r.feed(b"loEXTRA") == b"lo" and r.complete and not r.clean
+
+
+class _Raw:
+    """A TCP server answering each request on a connection with the next scripted answer (bytes,
+    or a callable given the socket); records how many connections it accepted."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.accepted = 0
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.srv.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._conn, args=(conn,), daemon=True).start()
+
+    def _conn(self, conn):
+        buf = b""
+        try:
+            while self.answers:
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                n = int([ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")][0])
+                while len(buf) < n:
+                    buf += conn.recv(65536)
+                buf = buf[n:]
+                answer = self.answers.pop(0)
+                if callable(answer):
+                    answer(conn)
+                    return
+                conn.sendall(answer)
+        finally:
+            conn.close()
+
+    def close(self):
+        self.srv.close()
+
+
+def _sse(*objs, done=True) -> bytes:
+    body = b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in objs) + (b"data: [DONE]\n\n" if done else b"")
+    return body
+
+
+def _ok(body: bytes, split=()) -> bytes:
+    """A chunked 200 answer: chunks of the `split` sizes, then one with the rest."""
+    sizes = [*split, len(body) - sum(split)]
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n" + \
+        _chunked(body, sizes)
+
+
+def _items(stream, timeout=5):
+    items: list = []
+    assert stream.wait(timeout)
+    while not items or not (items[-1] in (DONE, EOF) or isinstance(items[-1], Exception)):
+        got = stream.poll(timeout)
+        assert got is not None, "the stream went silent"
+        items += got
+    return items
+
+
+def test_streams_reuse_the_connection_and_retry_a_stale_one():
+    chunk = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
+    server = _Raw([_ok(_sse(chunk, chunk), split=[3, 30, 1]), _ok(_sse(chunk))])
+    try:
+        with EngineClient(server.url, timeout=5) as client:
+            s1 = client.open_stream({"stream": True})
+            assert _items(s1)[-1] is DONE
+            s1.close()
+            s2 = client.open_stream({"stream": True})
+            assert [i for i in _items(s2) if i is not DONE] == [chunk]
+            s2.close()
+            assert server.accepted == 1  # the second stream went over the first one's connection
+            # The server closed that connection after its answers: the next stream notices
+            # (stale in the pool, or EOF before any byte) and goes over a new connection.
+            server.answers.append(_ok(_sse(chunk)))
+            time.sleep(0.1)
+            s3 = client.open_stream({"stream": True})
+            assert _items(s3)[-1] is DONE and server.accepted == 2
+            s3.close()
+    finally:
+        server.close()
+
+
+def test_refusal_eof_without_done_and_bad_json():
+    err = json.dumps({"error": {"message": "too long", "code": 400}}).encode()
+    refusal = b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(err), err)
+    cut = b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n" + _sse({"choices": []}, done=False)
+    bad = _ok(b"data: {not json\n\n")
+    server = _Raw([refusal, cut])
+    try:
+        with EngineClient(server.url, timeout=5) as client:
+            s = client.open_stream({})
+            assert s.wait(5) and isinstance(s.error, EngineHTTPError) and s.error.status == 400
+            assert s.error.message == "too long"
+            s.close()
+            s = client.open_stream({})
+            assert _items(s)[-1] is EOF
+            s.close()
+        server.answers.append(bad)
+        with EngineClient(server.url, timeout=5) as client:
+            s = client.open_stream({})
+            assert isinstance(_items(s)[-1], ValueError)
+            s.close()
+    finally:
+        server.close()
+
+
+def test_close_from_another_thread_wakes_a_waiting_poll_and_the_engine_sees_it():
+    seen = threading.Event()
+
+    def silent(conn):  # the head, then nothing until the client leaves
+        conn.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        conn.settimeout(10)
+        try:
+            if conn.recv(1) == b"":
+                seen.set()
+        except OSError:
+            seen.set()
+
+    server = _Raw([silent])
+    try:
+        with EngineClient(server.url, timeout=30) as client:
+            s = client.open_stream({})
+            assert s.wait(5) and s.error is None
+            assert s.poll(0.1) is None  # the caller would send a keep-alive now
+            threading.Timer(0.2, s.close).start()
+            t0 = time.monotonic()
+            s.poll(10)
+            assert time.monotonic() - t0 < 2 and s._finished.is_set()
+            assert seen.wait(2), "the engine did not see the connection close"
+    finally:
+        server.close()
+
+
+def test_a_silent_engine_times_out_and_an_unreachable_one_fails_at_once():
+    server = _Raw([lambda conn: time.sleep(3)])
+    try:
+        with EngineClient(server.url, timeout=0.5) as client:
+            s = client.open_stream({})
+            t0 = time.monotonic()
+            assert s.wait(None) and isinstance(s.error, EngineConnectionError) and s.error.timed_out
+            assert time.monotonic() - t0 < 2
+    finally:
+        server.close()
+    with EngineClient("http://127.0.0.1:1", timeout=2) as client:
+        s = client.open_stream({})
+        assert s.wait(2) and "unreachable" in str(s.error)
+    with EngineClient("http://127.0.0.1:1", timeout=2) as client, pytest.raises(ValueError, match="header"):
+        client.open_stream({}, headers={"X-Bad": "a\r\nInjected: 1"})
