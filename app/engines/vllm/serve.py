@@ -6,6 +6,7 @@ command line to vLLM's CPU build, which the test suite serves SmolLM2 with)::
     VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port 8200 --served-model-name policy \\
         --enable-auto-tool-choice --tool-call-parser hermes [--reasoning-parser qwen3] \\
         --max-model-len 8192 --enable-sleep-mode \\
+        --logprobs-mode processed_logprobs --generation-config vllm \\
         --worker-extension-cls app.engines.vllm.worker.TurnstileWorkerExtension
 
 Why each flag (https://docs.vllm.ai/en/latest/serving/openai_compatible_server/):
@@ -14,6 +15,18 @@ into OpenAI ``tool_calls`` (without them ``tool_choice: auto`` is a 400); ``--re
 splits ``<think>`` into ``reasoning``; token ids come per request (``return_token_ids: true``,
 vLLM ≥ 0.10.2); ``VLLM_SERVER_DEV_MODE=1`` exposes ``/collective_rpc``, ``/reset_prefix_cache``,
 ``/sleep``, ``/wake_up``; ``--enable-sleep-mode`` lets a colocated trainer free GPU memory.
+``--logprobs-mode processed_logprobs``: each sampled token's logprob is taken after temperature,
+top-k and top-p, i.e. under the distribution it was drawn from, which the trainer scores the
+same tokens under (``app.engines.transform``; vLLM's default, ``raw_logprobs``, is the model's
+untransformed distribution, another policy as soon as a harness sends temperature != 1 or
+top-p < 1; https://docs.vllm.ai/en/latest/api/vllm/config/model/#vllm.config.model.ModelConfig.logprobs_mode).
+Its ``top_logprobs`` come from the same processed distribution, so those of tokens outside the
+kept support read -9999.0, from which the gateway records the support (``app.proxy.sampling``).
+Greedy requests get the untransformed logprobs, as before.
+``--generation-config vllm``: a request's absent sampling fields mean vLLM's defaults
+(temperature 1, top-p 1, top-k off), which are the embedded engine's and what the gateway
+records; with the default ``auto`` a model's own ``generation_config.json`` (Qwen3: 0.6 / 0.95 /
+20) would apply unseen and the trainer would score under another transform than the one drawn with.
 
 The weight reload that goes with ``WORKER_EXTENSION`` is ``app.engines.vllm.reload``.
 """
@@ -52,7 +65,8 @@ def serve_command(config: VLLMServeConfig) -> tuple[list[str], dict[str, str]]:
             "--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser,
             "--max-model-len", str(config.max_model_len), "--dtype", config.dtype,
             "--gpu-memory-utilization", str(config.gpu_memory_utilization),
-            "--seed", str(config.seed), "--worker-extension-cls", WORKER_EXTENSION]
+            "--seed", str(config.seed), "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+            "--worker-extension-cls", WORKER_EXTENSION]
     if config.reasoning_parser:
         argv += ["--reasoning-parser", config.reasoning_parser]
     if config.enable_sleep_mode:
