@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.db import session_scope
-from app.tables import Episode, Run
+from app.tables import Episode, Run, TrainingStep
 from app.proxy.common import gateway_settings
 
 TOKEN_PREFIX = "tsk-"
@@ -31,6 +31,7 @@ class SessionInfo:
     policy_version: int   # the run's current policy version (fallback when the engine reports none)
     splice_history: bool = True  # the run's `splice_history` option (app.proxy.splice)
     attempt: int = 1  # the episode's rollout attempt this token belongs to (a new token per attempt)
+    adapter: str | None = None  # a LoRA run's current adapter on the engines (None: the engines' weights)
 
 
 def hash_token(token: str) -> str:
@@ -89,13 +90,24 @@ def resolve_session_info(token: str | None) -> SessionInfo | None:
         return None
     info = SessionInfo(row.id, row.run_id, int(row.policy_version or 0),
                        (row.config or {}).get("splice_history", True) is not False,
-                       attempt=max(int(row.attempts or 0), 1))
+                       attempt=max(int(row.attempts or 0), 1), adapter=current_adapter(row.run_id, row.config))
     with _cache_lock:
         _cache[digest] = (now + gateway_settings().session_cache_s, info)
         _cache.move_to_end(digest)
         while len(_cache) > MAX_CACHED_SESSIONS:
             _cache.popitem(last=False)
     return info
+
+
+def current_adapter(run_id: int, config: dict | None) -> str | None:
+    """The adapter name (`run-<id>@<hash>`) a LoRA train run's newest completed step loaded on the
+    engines, or None (not a LoRA run, no step yet: the adapters start as the base model)."""
+    if not (config or {}).get("training", {}).get("lora") or (config or {}).get("kind") != "train":
+        return None
+    with session_scope() as s:
+        metrics = s.scalar(select(TrainingStep.metrics).where(
+            TrainingStep.run_id == run_id, TrainingStep.status == "completed").order_by(TrainingStep.step.desc()).limit(1))
+    return (metrics or {}).get("adapter")
 
 
 def resolve_session(token: str | None) -> int | None:

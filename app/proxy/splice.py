@@ -229,7 +229,9 @@ def find_completion(answers: list[tuple[int, dict]], messages: list[dict], index
                 continue
             if then.get("continue_final_message") or _template_options(then) != options:
                 continue
-            if engine_model is not None and then.get("model") not in (None, engine_model):
+            # A LoRA run's adapter versions (`<label>@<hash>`) share the served model's tokenizer.
+            if engine_model is not None and then.get("model") not in (None, engine_model) \
+                    and "@" not in str(then.get("model")):
                 continue
             if _same_context(messages[:index], list(then.get("messages") or [])):
                 return Recorded(cid, list(row.prompt_ids), list(row.sampled_ids), row.finish_reason,

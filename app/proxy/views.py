@@ -168,7 +168,9 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
         raise GatewayError("invalid_request", f"model: at most {MODEL_MAX_CHARS} characters", param="model")
     up = get_upstream()
     engine = up.describe(up.pick(info.episode_id))
-    upstream_body = dict(norm.chat, model=engine.model, stream=norm.stream, return_token_ids=True, logprobs=True)
+    # A LoRA run's episodes sample from its own adapter on the shared base (app.engines.embedded.adapters).
+    upstream_body = dict(norm.chat, model=info.adapter or engine.model, stream=norm.stream, return_token_ids=True,
+                         logprobs=True)
     spliced = _splice(info, route.api, up, engine, upstream_body)
     if spliced.prompt_ids is not None:
         # Tokens in: the engine takes these ids as the prompt (it still reads `messages` to

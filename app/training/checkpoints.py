@@ -5,6 +5,7 @@ Layout under `<var_dir>/runs/<run_id>/` (the paths themselves: `app.paths.RunPat
     checkpoints/step_<k>/model/               weights after step k (what engines load)
     checkpoints/step_<k>/optimizer.pt         AdamW state (resume)
     checkpoints/step_<k>/adapter.pt           LoRA adapters (LoRA runs only)
+    checkpoints/step_<k>/adapter/             the same, as engines serve them per request (LoRA runs)
     checkpoints/step_<k>/trainer_state.json   step, policy_version, metrics, episode_ids
     tensorboard/                              event files, one scalar per metric per step
     train.lock                                held (flock) by the process training this run

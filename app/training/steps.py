@@ -41,7 +41,9 @@ from app.training.batching import StepSequence
 from app.training.grpo import group_advantages
 from app.training.store import build_episode_trajectories, trajectory_transform
 from app.training.tracking import log_scalars
-from app.training.weight_sync import push_weights
+from app.training.weight_sync import push_adapter, push_weights
+
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's engine adapter folder (Trainer.save)
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +223,14 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
 
     metrics["trainer_resident"] = resident  # model + optimizer were already in this process's memory
     synced = time.perf_counter()
-    metrics["engine_sync"] = push_weights(engine_urls, path / "model", policy_version, engine_kind=engine_kind)
+    if _RESIDENT.pool is not None and engine_kind == "embedded":
+        # A LoRA tenant: the engines keep the shared base and serve this run's adapter by name.
+        from app.engines.embedded.adapters import adapter_name
+
+        metrics["adapter"] = adapter_name(f"run-{run_id}", path / ADAPTER_DIR)
+        metrics["engine_sync"] = push_adapter(engine_urls, path / ADAPTER_DIR, metrics["adapter"], policy_version)
+    else:
+        metrics["engine_sync"] = push_weights(engine_urls, path / "model", policy_version, engine_kind=engine_kind)
     metrics["engine_sync_time_s"] = time.perf_counter() - synced
     # Engines that did not load the new weights (after push_weights' retries) keep serving the old
     # version and stamp it on their completions; the scheduler judges staleness by those stamps.

@@ -45,6 +45,7 @@ from app.training.opd import apply_token_advantages
 
 OPTIMIZER_FILE = "optimizer.pt"
 ADAPTER_FILE = "adapter.pt"
+ENGINE_ADAPTER_DIR = "adapter"  # adapter.safetensors + adapter.json, what engines serve per request
 MODEL_DIR = "model"
 
 
@@ -415,7 +416,8 @@ class Trainer:
 
     def save(self, directory: Path, metadata: dict) -> None:
         """Write `directory`: `model/` (full weights, LoRA merged; what engines load),
-        `optimizer.pt`, `adapter.pt` (LoRA only) and `trainer_state.json` (`metadata`).
+        `optimizer.pt`, `adapter.pt` and `adapter/` (LoRA only; the latter in the engines'
+        per-request adapter format) and `trainer_state.json` (`metadata`).
         The caller makes the directory visible atomically (see `app.training.checkpoints`).
         Under FSDP: `sharded/` (model + optimizer, torch.distributed.checkpoint) instead of
         `optimizer.pt`, and rank 0 writes `model/` from the gathered full weights; every rank
@@ -437,6 +439,11 @@ class Trainer:
         if self.config.lora:
             adapters = {k: v for k, v in self.model.state_dict().items() if "lora_" in k}
             _save_torch(adapters, directory / ADAPTER_FILE)
+            # The same adapters in the engines' format (per-request LoRA: app.engines.embedded.adapters).
+            from app.engines.embedded.adapters import peft_weights, save_adapter
+
+            save_adapter(directory / ENGINE_ADAPTER_DIR, peft_weights(adapters), self.config.lora_r,
+                         self.config.lora_alpha, metadata.get("policy_version"))
         _write_json(directory / "trainer_state.json", metadata)
 
     def load(self, directory: Path) -> dict:

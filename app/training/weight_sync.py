@@ -192,3 +192,35 @@ def reset_to_base(engine_urls: list[str], timeout_s: float = 300.0) -> dict[str,
             except (EngineCallError, KeyError, TypeError, ValueError) as exc:
                 results[url] = f"error: {type(exc).__name__}: {exc}"
     return results
+
+
+def push_adapter(engine_urls: list[str], folder: Path, name: str, policy_version: int, *, timeout_s: float = 120.0,
+                 attempts: int = 3) -> dict[str, str]:
+    """Ask every embedded engine to serve the LoRA adapter in `folder` as `name`
+    (`<label>@<content hash>`, `app.engines.embedded.adapters`) for `policy_version`; return
+    `{url: "ok" | "error: …"}`.  The base weights and the other runs' adapters stay as they are.
+    By path only: the engine reads `folder` from a disk it shares with the trainer.  A refusal
+    (4xx: a corrupted file, a bad token) is not retried; connection errors and 5xx are."""
+    from app.auth import auth_header
+
+    results: dict[str, str] = {}
+    for url in engine_urls:
+        error = "not tried"
+        for attempt in range(attempts):
+            try:
+                answer = httpx.post(f"{url.rstrip('/')}/v1/load_lora_adapter", headers=auth_header(), timeout=timeout_s,
+                                    json={"lora_name": name, "lora_path": str(folder), "policy_version": policy_version})
+            except httpx.HTTPError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                if answer.status_code == 200:
+                    error = ""
+                    break
+                error = f"engine answered {answer.status_code}: {answer.text[:500]}"
+                if 400 <= answer.status_code < 500:
+                    break
+            time.sleep(0.5 * (attempt + 1))
+        results[url] = "ok" if not error else f"error: {error}"
+        if error:
+            log.error("engine %s did not load adapter %s (policy_version=%s): %s", url, name, policy_version, error)
+    return results

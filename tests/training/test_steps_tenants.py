@@ -1,0 +1,106 @@
+"""Two LoRA train runs on one trainer through `train_step` (SQLite, checkpoints, engine sync):
+identical data and seeds give identical steps while interleaved, each run's adapter reaches the
+engines under its own content-hashed name (the base weights are never pushed), and the gateway
+maps each run's sessions to its newest adapter."""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from app.db import session_scope
+from app.engines.embedded.adapters import content_hash
+from app.proxy.sessions import current_adapter
+from app.tables import Run
+from app.training import steps
+
+
+class AdapterEngine:
+    """Records `POST /v1/load_lora_adapter` and `POST /v1/load_weights` bodies; answers 200."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                engine.calls.append((self.path, body))
+                out = json.dumps({"policy_version": body.get("policy_version"), "lora_name": body.get("lora_name")})
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out.encode())
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def adapter_engine():
+    server = AdapterEngine()
+    yield server
+    server.close()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+LORA = {"lora": True, "lora_r": 4, "lora_alpha": 8, "learning_rate": 1e-2, "seed": 5}
+
+
+def test_interleaved_lora_runs_train_alike_and_serve_their_own_adapters(var_dir, adapter_engine, data):
+    a, b = data.run([adapter_engine.url], LORA), data.run([adapter_engine.url], LORA)
+    episodes = {run: [data.group(run, g, [1.0, 0.0], seed=g + 1) for g in range(2)] for run in (a, b)}
+    results = {a: [], b: []}
+    for step in range(2):
+        for run in (a, b):
+            results[run].append(steps.train_step(run, step, episodes[run][step]))
+    for ma, mb in zip(results[a], results[b]):
+        assert ma["loss"] == mb["loss"] and ma["grad_norm"] == mb["grad_norm"] and ma["grad_norm"] > 0
+    assert steps._RESIDENT.pool is not None and set(steps._RESIDENT.pool.tenants) == {a, b}
+    paths = [path for path, _body in adapter_engine.calls]
+    assert paths == ["/v1/load_lora_adapter"] * 4  # never the full weights: the base stays shared
+    names = [body["lora_name"] for _path, body in adapter_engine.calls]
+    assert names[0].startswith(f"run-{a}@") and names[1].startswith(f"run-{b}@")
+    assert names[0].split("@")[1] == names[1].split("@")[1]  # equal training, equal content
+    assert names[0] != names[2]  # each version is a new name
+    assert [body["policy_version"] for _p, body in adapter_engine.calls] == [1, 1, 2, 2]
+    last = results[a][-1]
+    assert last["adapter"] == names[2] and last["engine_sync"] == {adapter_engine.url: "ok"}
+    folder = adapter_engine.calls[2][1]["lora_path"]
+    assert names[2].endswith(content_hash(folder)[:12])
+    with session_scope() as s:
+        configs = {run: s.get(Run, run).config for run in (a, b)}
+    configs = {run: {**cfg, "kind": "train"} for run, cfg in configs.items()}
+    assert current_adapter(a, configs[a]) == names[2] and current_adapter(b, configs[b]) == names[3]
+
+
+def test_a_failed_step_of_one_run_leaves_the_other_runs_adapter(var_dir, adapter_engine, data):
+    a, b = data.run([adapter_engine.url], LORA), data.run([adapter_engine.url], LORA)
+    ea, eb = data.group(a, 0, [1.0, 0.0], seed=1), data.group(b, 0, [1.0, 0.0], seed=1)
+    first_b = steps.train_step(b, 0, eb)
+    parked = {k: v.clone() for k, v in steps._RESIDENT.pool.tenants[b].adapter.items()}
+    with pytest.raises(LookupError):
+        steps.train_step(a, 0, ea + [10_000])  # an episode that does not exist: A's step fails
+    assert b in steps._RESIDENT.pool.tenants and a not in steps._RESIDENT.pool.tenants
+    assert all(torch.equal(v, steps._RESIDENT.pool.tenants[b].adapter[k]) for k, v in parked.items())
+    eb1 = data.group(b, 1, [1.0, 0.0], seed=2)
+    assert steps.train_step(b, 1, eb1)["policy_version"] == first_b["policy_version"] + 1
