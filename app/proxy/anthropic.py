@@ -17,7 +17,7 @@ from app.proxy import common as c
 from app.proxy.canonical import Result, new_id
 from app.proxy import errors
 from app.proxy.errors import GatewayError
-from app.proxy.sse import frame
+from app.proxy.sse import FrameTemplate, frame
 
 API = "anthropic"
 ERRORS_IN_STREAM = False  # an engine refusal before the first token is a plain HTTP error
@@ -282,10 +282,20 @@ class Stream:
         self.tool_k: int | None = None
         self.held: dict | None = None  # the tool call being generated: sent once it is complete
         self.done = False
+        self._text_frame: FrameTemplate | None = None
 
     def _ev(self, name: str, data: dict) -> bytes:
         data = {"type": name, **data}
         return frame(data, name)
+
+    def _text_delta(self, text: str) -> bytes:
+        """The text_delta event of the open block, byte for byte as `_ev` writes it (by template)."""
+        if self._text_frame is None:
+            slot = FrameTemplate.slot
+            self._text_frame = FrameTemplate({"type": "content_block_delta", "index": slot(0),
+                                              "delta": {"type": "text_delta", "text": slot(1)}},
+                                             "content_block_delta", 2)
+        return self._text_frame.render(self.index, text)
 
     def opening(self) -> list[bytes]:
         return []
@@ -351,8 +361,7 @@ class Stream:
                 return out
             if self.kind != "text":
                 out += self._open("text", {"type": "text", "text": ""}, r)
-            out.append(self._ev("content_block_delta", {"index": self.index,
-                                                        "delta": {"type": "text_delta", "text": ev[1]}}))
+            out.append(self._text_delta(ev[1]))
         elif kind == "tool_start":
             _, k, call_id, name = ev
             out += self._close(r)

@@ -18,7 +18,7 @@ from app.proxy import common as c
 from app.proxy import errors
 from app.proxy.canonical import Result, new_id
 from app.proxy.errors import GatewayError
-from app.proxy.sse import COMMENT_KEEPALIVE, frame
+from app.proxy.sse import COMMENT_KEEPALIVE, FrameTemplate, frame
 
 API = "chat"
 ERRORS_IN_STREAM = False  # an engine refusal before the first token is a plain HTTP error
@@ -225,8 +225,20 @@ class Stream:
         self._lp_sent = 0
         self.held: dict | None = None  # the tool call being generated: sent once it is complete
         self.done = False
+        self._text_frame: FrameTemplate | None = None  # a text delta without logprobs, by template
+
+    def _text(self, text: str, r: Result) -> bytes:
+        """`_chunk({"content": text}, r)`, byte for byte; by template when no logprobs ride along."""
+        if self.norm.meta.get("logprobs"):
+            return self._chunk({"content": text}, r)
+        if self._text_frame is None:
+            self._text_frame = FrameTemplate(self._chunk_body({"content": FrameTemplate.slot(0)}, r), None, 1)
+        return self._text_frame.render(text)
 
     def _chunk(self, delta: dict, r: Result, finish: str | None = None) -> bytes:
+        return frame(self._chunk_body(delta, r, finish))
+
+    def _chunk_body(self, delta: dict, r: Result, finish: str | None = None) -> dict:
         choice: dict = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         if self.norm.meta.get("logprobs") and len(r.logprobs_content) > self._lp_sent:
             choice["logprobs"] = {"content": _clean_logprobs(r.logprobs_content[self._lp_sent:]), "refusal": None}
@@ -235,7 +247,7 @@ class Stream:
                 "model": self.norm.model, "choices": [choice]}
         if self.norm.meta.get("include_usage"):
             body["usage"] = None
-        return frame(body)
+        return body
 
     def opening(self) -> list[bytes]:
         return []
@@ -271,7 +283,7 @@ class Stream:
         if kind == "reasoning":
             out.append(self._chunk({"reasoning_content": ev[1], "reasoning": ev[1]}, r))
         elif kind == "text":
-            out.append(self._chunk({"content": ev[1]}, r))
+            out.append(self._text(ev[1], r))
         elif kind == "refusal":
             out.append(self._chunk({"refusal": ev[1]}, r))
         elif kind == "tool_start":

@@ -29,7 +29,7 @@ from app.proxy import common as c
 from app.proxy import errors
 from app.proxy.canonical import Result, new_id
 from app.proxy.errors import GatewayError
-from app.proxy.sse import frame
+from app.proxy.sse import FrameTemplate, frame
 
 API = "gemini"
 ERRORS_IN_STREAM = False  # an engine refusal before the first token is a plain HTTP error
@@ -300,8 +300,12 @@ class Stream:
         self.sent_calls = 0
         self.sent_visible = False  # a non-thought text part or a functionCall went out
         self.done = False
+        self._text_frame: FrameTemplate | None = None
 
     def _chunk(self, parts: list[dict], finish: str | None = None, r: Result | None = None) -> bytes:
+        return frame(self._chunk_body(parts, finish, r))
+
+    def _chunk_body(self, parts: list[dict], finish: str | None = None, r: Result | None = None) -> dict:
         cand: dict = {"index": 0}
         if parts:
             cand["content"] = {"role": "model", "parts": parts}
@@ -310,7 +314,7 @@ class Stream:
         body: dict = {"candidates": [cand], "modelVersion": self.norm.model, "responseId": self.resp_id}
         if r is not None:
             body["usageMetadata"] = _usage(r)
-        return frame(body)
+        return body
 
     def opening(self) -> list[bytes]:
         return []
@@ -341,7 +345,13 @@ class Stream:
         if kind == "reasoning" and self.norm.meta.get("include_thoughts"):
             return [self._chunk([{"text": ev[1], "thought": True}])]
         if kind == "text" or (kind == "refusal" and not r.text):
-            return [self._chunk(self._visible([{"text": ev[1]}], r))] if ev[1] else []
+            if not ev[1]:
+                return []
+            if self.sent_visible:  # a plain text part (the signature rode on the first one): by template
+                if self._text_frame is None:
+                    self._text_frame = FrameTemplate(self._chunk_body([{"text": FrameTemplate.slot(0)}]), None, 1)
+                return [self._text_frame.render(ev[1])]
+            return [self._chunk(self._visible([{"text": ev[1]}], r))]
         if kind == "tool_start" and ev[1] > self.sent_calls:
             # the previous call is complete: send it whole (Gemini never streams partial args)
             return [self._chunk(self._visible(self._flush_calls(r, ev[1]), r))]

@@ -26,7 +26,7 @@ from app.proxy import common as c
 from app.proxy.canonical import Result, new_id
 from app.proxy import errors
 from app.proxy.errors import GatewayError, openai_error_object
-from app.proxy.sse import frame
+from app.proxy.sse import FrameTemplate, frame
 
 API = "responses"
 # Codex reads errors from the stream: an engine refusal before the first token is answered
@@ -310,11 +310,23 @@ class Stream:
         self.open: dict | None = None  # {"kind", "item", "text"|"args", "k"}
         self.done = False
         self.final: dict | None = None
+        self._text_frame: FrameTemplate | None = None
 
     def _ev(self, typ: str, data: dict) -> bytes:
         body = {"type": typ, "sequence_number": self.seq, **data}
         self.seq += 1
         return frame(body, typ)
+
+    def _text_delta(self, item_id: str, text: str) -> bytes:
+        """The output_text.delta event, byte for byte as `_ev` writes it (by template)."""
+        if self._text_frame is None:
+            slot = FrameTemplate.slot
+            self._text_frame = FrameTemplate(
+                {"type": "response.output_text.delta", "sequence_number": slot(0), "item_id": slot(1),
+                 "output_index": slot(2), "content_index": 0, "delta": slot(3), "logprobs": []},
+                "response.output_text.delta", 4)
+        seq, self.seq = self.seq, self.seq + 1
+        return self._text_frame.render(seq, item_id, self._index, text)
 
     def _resp(self, status: str, r: Result | None = None, error: dict | None = None) -> dict:
         return response_object(self.norm, self.resp_id, self.created, list(self.output), r, status, error)
@@ -399,9 +411,7 @@ class Stream:
                 out += self._open("message", {"id": new_id("msg_"), "type": "message", "role": "assistant",
                                               "status": "in_progress", "content": []})
             self.open["text"] += ev[1]
-            out.append(self._ev("response.output_text.delta", {"item_id": self.open["item"]["id"],
-                                                               "output_index": self._index, "content_index": 0,
-                                                               "delta": ev[1], "logprobs": []}))
+            out.append(self._text_delta(self.open["item"]["id"], ev[1]))
         elif kind == "tool_start":
             _, k, call_id, name = ev
             item = _call_item(self.norm, new_id("fc_"), call_id, name, "", status="in_progress")
