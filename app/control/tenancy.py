@@ -39,6 +39,7 @@ def _engines(cfg: RunConfig) -> set[str]:
 def engine_problems(cfg: RunConfig, exclude_run: int | None = None) -> list[tuple[str, str]]:
     """`(field, message)` for each reason a new train run `cfg` cannot share the deployment with
     the train runs already using its engines; [] when it can (or `cfg` is not a real train run).
+    Sharing needs the embedded engine (vLLM engines get one run's merged weights).
     `exclude_run`: a run id left out (the run itself, when re-checked)."""
     if cfg.kind != "train" or cfg.simulate is not None:
         return []
@@ -59,8 +60,14 @@ def engine_problems(cfg: RunConfig, exclude_run: int | None = None) -> list[tupl
     if full:
         return [("training.lora", f"true: train run {full[0]} is a full fine-tune and holds the engines for itself; "
                                   "LoRA runs share them only with other LoRA runs. Wait until it ends")]
-    shape = lora_shape(cfg)
     holder_id, holder = others[0]
+    if cfg.model.engine != "embedded" or holder.model.engine != "embedded":
+        # The trainer pushes each run's adapter by name to embedded engines; vLLM engines get merged
+        # full weights, which would overwrite the other run's.
+        return [("model.engine", f"{cfg.model.engine!r}: LoRA runs share engines only on the embedded engine, which "
+                                 f"serves each run's adapter per request; train run {holder_id} uses these engines "
+                                 "now. Wait until it ends")]
+    shape = lora_shape(cfg)
     pool = lora_shape(holder)
     out = []
     for attr, where in SHAPE_FIELDS.items():

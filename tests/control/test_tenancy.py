@@ -38,6 +38,14 @@ def test_lora_runs_of_one_shape_share_and_other_shapes_are_refused_naming_the_fi
     assert f"train run {first}" in problems[0][1] and "16" in problems[0][1]
     assert fields(engine_problems(RunConfig.model_validate(
         {"kind": "train", "model": {"name": "tiny"}, "training": {"lora": True}}))) == ["model.name"]
+    vllm = RunConfig.model_validate({"kind": "train", "model": {"engine": "vllm", "engine_urls": ["http://x"]},
+                                     "training": {"lora": True}})
+    assert engine_problems(vllm) == []  # other engines: no one in the way
+    holding(lora=True, lora_r=16)
+    with session_scope() as s:
+        s.get(Run, first).config = {**s.get(Run, first).config, "model": {"engine": "vllm", "engine_urls": ["http://x"],
+                                                                          "name": "smollm2"}}
+    assert fields(engine_problems(vllm)) == ["model.engine"]
 
 
 def test_a_full_fine_tune_takes_the_engines_alone(database):

@@ -19,6 +19,9 @@ low-rank update to that adapter's rows only: y[rows] += alpha/r * (x[rows] A^T) 
 adapter (`rows(...)`) around each forward; outside it (and in other threads: the groups are
 thread-local) the hooks add nothing, so the base model is unchanged.
 
+Each label (a run) keeps its `KEEP_VERSIONS` newest versions loaded; loading a third drops the
+oldest, so an engine's adapter memory is bounded by runs, not by steps.
+
 Routes (`register`, admin): `POST /v1/load_lora_adapter {"lora_name", "lora_path", "policy_version"}`
 (vLLM's route and field names) and `POST /v1/unload_lora_adapter {"lora_name"}`; `GET /v1/models`
 lists the base model only (its route is unchanged), `GET /v1/lora_adapters` the adapters.
@@ -41,6 +44,7 @@ from safetensors.torch import load_file, save_file
 WEIGHTS = "adapter.safetensors"
 META = "adapter.json"
 HASH_CHARS = 12
+KEEP_VERSIONS = 2  # adapter versions of one label (one run) served at once: the newest and the one before
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _NAME = re.compile(r"^(?P<label>[A-Za-z0-9][A-Za-z0-9._-]{0,127})@(?P<hash>[0-9a-f]{%d})$" % HASH_CHARS)
 _local = threading.local()
@@ -169,6 +173,11 @@ class AdapterSet:
         version = policy_version if policy_version is not None else int(meta.get("policy_version") or 0)
         adapter = Adapter(name, int(version), float(meta["alpha"]) / r, weights)
         self.adapters[name] = adapter
+        # Older versions of the same label beyond KEEP_VERSIONS are dropped (requests holding one
+        # finish with it); the previous version stays for sessions that have not seen the new name.
+        same = [n for n in self.adapters if n.rsplit("@", 1)[0] == m["label"]]
+        for old in same[:-KEEP_VERSIONS]:
+            del self.adapters[old]
         return adapter
 
     def unload(self, name: str) -> bool:

@@ -155,3 +155,17 @@ def test_http_routes_load_serve_and_unload_an_adapter(engine, tmp_path):
         assert http.post("/v1/unload_lora_adapter", headers=headers, json={"lora_name": name}).status_code == 200
         gone = http.post("/v1/completions", json={**body, "model": name})
         assert gone.status_code == 404 and "does not exist" in gone.json()["error"]["message"]
+
+
+def test_a_run_keeps_its_two_newest_versions_loaded(tmp_path):
+    adapters = AdapterSet(build_tiny_model(0))
+    names = []
+    for version in (1, 2, 3):
+        name, _ = trained_adapter(tmp_path / f"v{version}", seed=version, version=version)
+        adapters.load(name, tmp_path / f"v{version}")
+        names.append(name)
+    other, _ = trained_adapter(tmp_path / "other", seed=9)
+    adapters.load(other.replace("run-1@", "run-2@"), tmp_path / "other")
+    assert sorted(adapters.adapters) == sorted(names[1:] + [other.replace("run-1@", "run-2@")])
+    with pytest.raises(AdapterError):
+        adapters.resolve(names[0])
