@@ -136,8 +136,14 @@ class Trainer:
     def use_config(self, config: TrainingConfig) -> None:
         """Train with another run's settings on the same model (a LoRA tenant, `app.training.tenants`):
         the per-run settings and AdamW's learning rate, betas and weight decay.  The model-shaping
-        fields (LoRA rank, alpha, targets) and the seed were fixed when the trainer was built."""
-        self._apply_settings(config)
+        fields (LoRA rank, alpha, targets) and the seed were fixed when the trainer was built.
+        Checkpointing is re-applied only when its settings differ (transformers' checkpointing
+        switch walks every module: ~60 ms on SmolLM2, most of a tenant swap)."""
+        fields = ("max_sequence_tokens", "packing", "activation_checkpointing", "activation_memory_gib")
+        if all(getattr(config, f) == getattr(self.config, f) for f in fields):
+            self.config = config  # same per-run settings: limits, packing and the checkpointing plan stay
+        else:
+            self._apply_settings(config)
         for group in self.optimizer.param_groups:
             group.update(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                          weight_decay=config.weight_decay)
