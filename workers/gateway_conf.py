@@ -1,8 +1,10 @@
 """gunicorn config for the gateway: `gunicorn -c workers/gateway_conf.py 'app.proxy:create_gateway_app()'`.
 
 gthread workers: each streamed answer holds one thread while it relays the
-engine's events (writes are unbuffered, so every SSE event is flushed as it is
-yielded).  Threads are cheap; size them for the number of concurrent harness
+engine's events, reading the engine's socket and writing the client's on that one
+thread (writes are unbuffered, so every SSE event is flushed as it is yielded).
+gevent has not been measured against it: it is not installed, and its patching
+removes select.poll, which the stream reader uses (figures: docs/benchmarks.md).  Threads are cheap; size them for the number of concurrent harness
 sessions (TURNSTILE_GATEWAY_THREADS per worker).  Settings (app.config):
 TURNSTILE_GATEWAY_BIND, TURNSTILE_GATEWAY_WORKERS, TURNSTILE_GATEWAY_THREADS,
 TURNSTILE_GATEWAY_WORKER_TIMEOUT, TURNSTILE_GATEWAY_ACCESS_LOG, TURNSTILE_LOG_LEVEL.

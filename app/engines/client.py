@@ -171,8 +171,9 @@ class EngineClient:
 
     def open_stream(self, body: dict, *, headers: dict | None = None) -> ChatStream:
         """Start a streamed ``POST /v1/chat/completions`` with ``body`` as given (it should say
-        ``"stream": true``); returns at once (the connection is being made), the answer is read on
-        the caller's thread by ``ChatStream.wait`` / ``poll``.
+        ``"stream": true``); returns once the request is sent (on a kept connection, or a new one
+        within the connect timeout; a failure to connect is the stream's ``error``), the answer is
+        read on the caller's thread by ``ChatStream.wait`` / ``poll``.
 
         Raises:
             ValueError: a header name or value that cannot go on the wire (CR, LF, NUL).

@@ -246,7 +246,7 @@ class ChatStream:
         self._sock: socket.socket | None = None
         self._poller: select.poll | None = None
         self._reused = False
-        self._phase = "connect"   # connect | head | body | done
+        self._phase = "send"      # send | head | body | done
         self._head = b""
         self._body: _BodyReader | None = None
         self._sse = SSEDecoder()
@@ -260,29 +260,19 @@ class ChatStream:
     # --- connecting and the head ---------------------------------------------------------------
 
     def _open(self) -> None:
+        """A kept connection, else a new one (``socket.create_connection``: every address the
+        name resolves to, IPv4 or IPv6, within the connect timeout); then the request is sent."""
         sock = self._t.pool.take()
         self._reused = sock is not None
         if sock is None:
             try:
-                sock = socket.socket(socket.AF_INET6 if ":" in self._t.host else socket.AF_INET, socket.SOCK_STREAM)
+                sock = socket.create_connection((self._t.host, self._t.port), timeout=self._t.connect_timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.setblocking(False)
-                code = sock.connect_ex((self._t.host, self._t.port))
-            except OSError as exc:  # e.g. a host name that does not resolve
-                _close(sock) if sock is not None else None
+            except OSError as exc:  # refused, unresolvable, timed out
                 self._fail_head(EngineConnectionError(f"engine {self.base_url} is unreachable: {exc}"))
                 return
-            if code not in (0, 115, 11, 36):  # EINPROGRESS, EAGAIN, EINPROGRESS (BSD)
-                _close(sock)
-                self._fail_head(EngineConnectionError(f"engine {self.base_url} is unreachable: "
-                                                      f"[Errno {code}] {os.strerror(code)}"))
-                return
         self._sock = sock
-        self._phase = "connect" if not self._reused else "send"
-        self._poller = select.poll()
-        self._poller.register(sock, (select.POLLOUT if self._phase == "connect" else select.POLLIN) | select.POLLPRI)
-        if self._reused:
-            self._send()
+        self._send()
 
     def _fail_head(self, err: EngineCallError) -> None:
         self.error = err
@@ -341,23 +331,13 @@ class ChatStream:
 
     def _advance_head(self, deadline: float | None) -> bool:
         """Work towards the head until it is known (True) or `deadline` passes (False)."""
-        while self._phase in ("connect", "head"):
-            limit = self._t.connect_timeout if self._phase == "connect" else self._t.timeout
+        while self._phase == "head":
+            limit = self._t.timeout
             if not self._wait_io(self._slice(deadline, limit)):
                 if self._silent_too_long(limit):
                     return True
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
-                continue
-            if self._phase == "connect":
-                code = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                if code:
-                    _close(self._sock)
-                    self._sock = None
-                    self._fail_head(EngineConnectionError(f"engine {self.base_url} is unreachable: "
-                                                          f"[Errno {code}] {os.strerror(code)}"))
-                    return True
-                self._send()
                 continue
             data = self._recv()
             if data is None:
@@ -457,7 +437,7 @@ class ChatStream:
         if time.monotonic() - self._last < limit:
             return False
         err = EngineConnectionError(f"engine {self.base_url} timed out (nothing for {limit:g} s)", timed_out=True)
-        if self._phase in ("connect", "head", "send"):
+        if self._phase in ("head", "send"):
             self._fail_head(err)
         else:
             self._end_with(err)
@@ -476,7 +456,7 @@ class ChatStream:
                 self._release(reuse=False)
                 return None
             err = EngineConnectionError(f"reading from engine {self.base_url} failed: {type(exc).__name__}: {exc}")
-            if self._phase in ("connect", "head"):
+            if self._phase in ("head", "send"):
                 self._fail_head(err)
             else:
                 self._end_with(err)
@@ -538,7 +518,7 @@ class ChatStream:
     def wait(self, timeout: float | None) -> bool:
         """True once the engine answered (accepted: ``error`` is None; refused: ``error`` is set);
         False when ``timeout`` seconds passed first (call again)."""
-        if self._phase not in ("connect", "head"):
+        if self._phase != "head":
             return True
         return self._advance_head(None if timeout is None else time.monotonic() + timeout)
 
@@ -547,7 +527,7 @@ class ChatStream:
         (``ValueError`` for bad JSON, ``EngineConnectionError``) as the last item; None when
         ``timeout`` seconds passed without data (also when the answer ended and all was handed out)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._phase in ("connect", "head") and not self._advance_head(deadline):
+        if self._phase == "head" and not self._advance_head(deadline):
             return None
         if self.error is not None:
             return None

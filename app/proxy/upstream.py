@@ -11,8 +11,9 @@ is retried once with the limit clamped to the room left.  The HTTP hop is the
 project's engine client (`app.engines.client.EngineClient`, one per engine, keep-alive
 connections).  A non-stream answer is asked of the engine as a non-stream answer and read on
 the request thread itself (`complete`), which checks for a departed client while the engine is
-silent; a client stream is read by the client's reader thread and polled here with a timeout,
-so the request thread sends keep-alives while the engine is silent.
+silent; a stream is read on the request thread too (`app.engines.stream.ChatStream`, polled
+here with a timeout: no reader thread, no hand-off per chunk), so the request thread sends
+keep-alives while the engine is silent and a slow client back-pressures the engine.
 """
 from __future__ import annotations
 

@@ -204,3 +204,16 @@ def test_a_silent_engine_times_out_and_an_unreachable_one_fails_at_once():
         assert s.wait(2) and "unreachable" in str(s.error)
     with EngineClient("http://127.0.0.1:1", timeout=2) as client, pytest.raises(ValueError, match="header"):
         client.open_stream({}, headers={"X-Bad": "a\r\nInjected: 1"})
+
+
+def test_a_host_name_is_resolved_and_each_of_its_addresses_tried():
+    """`localhost` may resolve to ::1 first while the engine listens on 127.0.0.1 only."""
+    chunk = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
+    server = _Raw([_ok(_sse(chunk))])
+    try:
+        with EngineClient(server.url.replace("127.0.0.1", "localhost"), timeout=5) as client:
+            s = client.open_stream({"stream": True})
+            assert _items(s)[-1] is DONE
+            s.close()
+    finally:
+        server.close()
