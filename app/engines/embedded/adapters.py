@@ -20,7 +20,8 @@ adapter (`rows(...)`) around each forward; outside it (and in other threads: the
 thread-local) the hooks add nothing, so the base model is unchanged.
 
 Each label (a run) keeps its `KEEP_VERSIONS` newest versions loaded; loading a third drops the
-oldest, so an engine's adapter memory is bounded by runs, not by steps.
+oldest, so an engine's adapter memory is bounded by runs, not by steps; a request that still
+names an evicted version loads it again from its folder (on demand, not a 404).
 
 Routes (`register`, admin): `POST /v1/load_lora_adapter {"lora_name", "lora_path", "policy_version"}`
 (vLLM's route and field names) and `POST /v1/unload_lora_adapter {"lora_name"}`; `GET /v1/models`
@@ -121,6 +122,9 @@ class AdapterSet:
         self.model = model
         self.device = next(model.parameters()).device
         self.adapters: dict[str, Adapter] = {}
+        self.evicted: dict[str, tuple[Path, int]] = {}  # name -> (folder, version): loaded again on demand
+        self.folders: dict[str, Path] = {}  # where each served adapter was read from
+        self._lock = threading.RLock()  # loads and unloads come from the HTTP threads
         self.paths = {name: module for name, module in model.named_modules()
                       if name.rsplit(".", 1)[-1] in TARGETS and isinstance(module, torch.nn.Linear)}
         for path, module in self.paths.items():
@@ -130,6 +134,11 @@ class AdapterSet:
         return len(self.adapters)
 
     def load(self, name: str, folder: str | Path, policy_version: int | None = None) -> Adapter:
+        """See `_load` (serialised: one load or unload at a time)."""
+        with self._lock:
+            return self._load(name, folder, policy_version)
+
+    def _load(self, name: str, folder: str | Path, policy_version: int | None = None) -> Adapter:
         """Read the adapter in `folder` and serve it as `name` (`<label>@<hash>`); return it.
 
         Raises AdapterError: a name without the content hash, a hash that differs from the
@@ -177,18 +186,30 @@ class AdapterSet:
         # finish with it); the previous version stays for sessions that have not seen the new name.
         same = [n for n in self.adapters if n.rsplit("@", 1)[0] == m["label"]]
         for old in same[:-KEEP_VERSIONS]:
-            del self.adapters[old]
+            dropped = self.adapters.pop(old)
+            self.evicted[old] = (self.folders.pop(old), dropped.policy_version)
+        self.folders[name] = folder
+        self.evicted.pop(name, None)
         return adapter
 
     def unload(self, name: str) -> bool:
-        """Stop serving `name` (requests already holding it finish with it); whether it was served."""
-        return self.adapters.pop(name, None) is not None
+        """Stop serving `name` (requests already holding it finish with it; it is not loaded again
+        on demand); whether it was served."""
+        with self._lock:
+            self.folders.pop(name, None)
+            self.evicted.pop(name, None)
+            return self.adapters.pop(name, None) is not None
 
     def resolve(self, model: str | None) -> Adapter | None:
-        """The adapter a request's `model` names; None for any other name (the base model).
-        Raises AdapterError (404) for a name in adapter form that is not loaded."""
+        """The adapter a request's `model` names; None for any other name (the base model).  An
+        adapter evicted for newer versions is loaded again from its folder (not a 404).
+        Raises AdapterError: 404 for a name in adapter form never loaded (or unloaded), or what
+        `load` raises when an evicted adapter's folder is gone or changed."""
         if model and _NAME.match(model):
             adapter = self.adapters.get(model)
+            if adapter is None and model in self.evicted:
+                folder, version = self.evicted[model]  # evicted for a newer version: load it again
+                adapter = self.load(model, folder, version)
             if adapter is None:
                 raise AdapterError(f"The model `{model}` does not exist: no adapter of that name is loaded", 404)
             return adapter

@@ -157,7 +157,7 @@ def test_http_routes_load_serve_and_unload_an_adapter(engine, tmp_path):
         assert gone.status_code == 404 and "does not exist" in gone.json()["error"]["message"]
 
 
-def test_a_run_keeps_its_two_newest_versions_loaded(tmp_path):
+def test_a_run_keeps_its_two_newest_versions_loaded_and_reloads_an_evicted_one_on_demand(tmp_path):
     adapters = AdapterSet(build_tiny_model(0))
     names = []
     for version in (1, 2, 3):
@@ -167,5 +167,10 @@ def test_a_run_keeps_its_two_newest_versions_loaded(tmp_path):
     other, _ = trained_adapter(tmp_path / "other", seed=9)
     adapters.load(other.replace("run-1@", "run-2@"), tmp_path / "other")
     assert sorted(adapters.adapters) == sorted(names[1:] + [other.replace("run-1@", "run-2@")])
-    with pytest.raises(AdapterError):
-        adapters.resolve(names[0])
+    again = adapters.resolve(names[0])  # evicted, not forgotten: loaded again on demand
+    assert again.name == names[0] and again.policy_version == 1
+    assert names[1] not in adapters.adapters  # ... which evicts the label's oldest in turn
+    adapters.unload(names[0])
+    with pytest.raises(AdapterError) as err:
+        adapters.resolve(names[0])  # unloaded on purpose: a 404
+    assert err.value.status == 404
