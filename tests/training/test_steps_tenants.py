@@ -104,3 +104,21 @@ def test_a_failed_step_of_one_run_leaves_the_other_runs_adapter(var_dir, adapter
     assert all(torch.equal(v, steps._RESIDENT.pool.tenants[b].adapter[k]) for k, v in parked.items())
     eb1 = data.group(b, 1, [1.0, 0.0], seed=2)
     assert steps.train_step(b, 1, eb1)["policy_version"] == first_b["policy_version"] + 1
+
+
+def test_cancelling_one_run_drops_its_tenant_only(var_dir, adapter_engine, data):
+    a, b = data.run([adapter_engine.url], LORA), data.run([adapter_engine.url], LORA)
+    ea, eb = data.group(a, 0, [1.0, 0.0], seed=1), data.group(b, 0, [1.0, 0.0], seed=1)
+    steps.train_step(a, 0, ea)
+    steps.train_step(b, 0, eb)  # b is active, a parked
+    with session_scope() as s:
+        s.get(Run, a).status = "cancelled"
+    ea1 = data.group(a, 1, [1.0, 0.0], seed=2)
+    assert "skipped" in steps.train_step(a, 1, ea1)
+    pool = steps._RESIDENT.pool
+    assert a not in pool.tenants and pool.active == b
+    installed = {k: p.data.clone() for k, p in pool.params.items()}  # b's adapter, untouched by a's cancel
+    assert all(torch.equal(installed[k], v) for k, v in pool.tenants[b].adapter.items())
+    eb1 = data.group(b, 1, [1.0, 0.0], seed=2)
+    assert steps.train_step(b, 1, eb1)["policy_version"] == 2
+    assert any(not torch.equal(installed[k], p.data) for k, p in pool.params.items())  # b trained on
