@@ -67,6 +67,12 @@ def engine_problems(cfg: RunConfig, exclude_run: int | None = None) -> list[tupl
         return [("model.engine", f"{cfg.model.engine!r}: LoRA runs share engines only on the embedded engine, which "
                                  f"serves each run's adapter per request; train run {holder_id} uses these engines "
                                  "now. Wait until it ends")]
+    from app.training.weight_sync import pushes_to  # no torch
+
+    if any(pushes_to(u) for u in mine | _engines(holder)):
+        return [("model.engine_urls", "LoRA runs share engines only on this machine's disk (the trainer's adapter "
+                                      f"folders are read by path); train run {holder_id} uses these engines, which "
+                                      "get checkpoints over HTTP. Wait until it ends")]
     shape = lora_shape(cfg)
     pool = lora_shape(holder)
     out = []

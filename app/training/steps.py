@@ -41,7 +41,7 @@ from app.training.batching import StepSequence
 from app.training.grpo import group_advantages
 from app.training.store import build_episode_trajectories, trajectory_transform
 from app.training.tracking import log_scalars
-from app.training.weight_sync import push_adapter, push_weights
+from app.training.weight_sync import push_adapter, push_weights, pushes_to
 
 ADAPTER_DIR = "adapter"  # a LoRA checkpoint's engine adapter folder (Trainer.save)
 
@@ -223,8 +223,9 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
 
     metrics["trainer_resident"] = resident  # model + optimizer were already in this process's memory
     synced = time.perf_counter()
-    if _RESIDENT.pool is not None and engine_kind == "embedded":
-        # A LoRA tenant: the engines keep the shared base and serve this run's adapter by name.
+    if _RESIDENT.pool is not None and engine_kind == "embedded" and not any(pushes_to(u) for u in engine_urls):
+        # A LoRA tenant: the engines keep the shared base and serve this run's adapter by name (read
+        # from the shared disk; an engine on another machine still gets the merged full weights).
         from app.engines.embedded.adapters import adapter_name
 
         metrics["adapter"] = adapter_name(f"run-{run_id}", path / ADAPTER_DIR)

@@ -81,3 +81,17 @@ def test_the_api_answers_400_naming_the_field(client):
     assert resp.status_code == 400 and resp.get_json()["error"]["field"] == "training.lora"
     with session_scope() as s:
         assert s.query(Run).count() == before  # nothing written
+
+
+def test_lora_runs_do_not_share_engines_that_get_checkpoints_over_http(database, monkeypatch):
+    from app import config
+
+    holding(lora=True)
+    assert engine_problems(train(lora=True)) == []
+    monkeypatch.setenv("TURNSTILE_WEIGHT_TRANSFER", "push")
+    config.reset_settings()
+    try:
+        assert fields(engine_problems(train(lora=True))) == ["model.engine_urls"]
+    finally:
+        monkeypatch.delenv("TURNSTILE_WEIGHT_TRANSFER")
+        config.reset_settings()
