@@ -84,7 +84,9 @@ def resync_engines() -> dict[str, str]:
     An engine restarted after a step loads its base weights and stamps version 0 on what it
     serves; without this the run would go on sampling from the base model.  For each running
     run with a completed step, every engine whose `/v1/policy_version` is below the run's
-    version gets the newest completed checkpoint (`push_weights`, through the reload gate).
+    version gets the newest completed checkpoint (`push_weights`, through the reload gate).  A LoRA
+    tenant's step (metrics `adapter`) is checked by its adapter instead: an engine that does not
+    serve it (restarted) loads it again; the shared base weights are never pushed for it.
     Returns `{engine_url: "ok" | "error: …"}` for the engines it re-synced or could not reach.
     """
     from app.engines.client import EngineCallError, EngineClient
@@ -103,9 +105,12 @@ def resync_engines() -> dict[str, str]:
             if run.id not in newest:
                 cfg = run.run_config()
                 newest[run.id] = (cfg.model.engine_urls or get_settings().engine_urls, cfg.model.engine,
-                                  step.policy_version, step.checkpoint_path)
-    for run_id, (urls, kind, version, checkpoint) in newest.items():
+                                  step.policy_version, step.checkpoint_path, (step.metrics or {}).get("adapter"))
+    for run_id, (urls, kind, version, checkpoint, adapter) in newest.items():
         for url in urls:
+            if adapter:  # a LoRA tenant: the engine must serve its adapter; its base weights stay shared
+                results.update(_resync_adapter(url, run_id, adapter, Path(checkpoint), version))
+                continue
             try:
                 with EngineClient(url, timeout=10) as client:
                     serving = client.policy_version()
@@ -117,6 +122,23 @@ def resync_engines() -> dict[str, str]:
             log.warning("run=%s engine=%s event=resync serving=%s policy_version=%s", run_id, url, serving, version)
             results.update(push_weights([url], Path(checkpoint) / "model", version, engine_kind=kind))
     return results
+
+
+def _resync_adapter(url: str, run_id: int, adapter: str, checkpoint: Path, version: int) -> dict[str, str]:
+    """Load LoRA adapter `adapter` (from `checkpoint`/adapter) on engine `url` unless it serves it
+    (`GET /v1/lora_adapters`); `{}` when nothing was needed, else `{url: "ok" | "error: …"}`."""
+    import httpx
+
+    from app.training.weight_sync import push_adapter
+
+    try:
+        served = {a.get("id") for a in httpx.get(f"{url.rstrip('/')}/v1/lora_adapters", timeout=10).json()["data"]}
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        return {url: f"error: {exc}"}
+    if adapter in served:
+        return {}
+    log.warning("run=%s engine=%s event=resync_adapter adapter=%s policy_version=%s", run_id, url, adapter, version)
+    return push_adapter([url], checkpoint / "adapter", adapter, version)
 
 
 def watchdog(in_workers: set[tuple[int, int]], queue_depth: int) -> Plan:

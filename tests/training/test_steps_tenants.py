@@ -19,13 +19,24 @@ from app.training import steps
 
 
 class AdapterEngine:
-    """Records `POST /v1/load_lora_adapter` and `POST /v1/load_weights` bodies; answers 200."""
+    """Records `POST /v1/load_lora_adapter` and `POST /v1/load_weights` bodies; answers 200.
+    `GET /v1/lora_adapters` lists the adapters loaded since `forget()` (an engine restart)."""
 
     def __init__(self):
         self.calls: list[tuple[str, dict]] = []
+        self.since = 0
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                names = [b["lora_name"] for p, b in engine.calls[engine.since:] if p == "/v1/load_lora_adapter"]
+                out = json.dumps({"object": "list", "data": [{"id": n} for n in names]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 engine.calls.append((self.path, body))
@@ -42,6 +53,9 @@ class AdapterEngine:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def forget(self):
+        self.since = len(self.calls)
 
     def close(self):
         self.server.shutdown()
@@ -122,3 +136,15 @@ def test_cancelling_one_run_drops_its_tenant_only(var_dir, adapter_engine, data)
     eb1 = data.group(b, 1, [1.0, 0.0], seed=2)
     assert steps.train_step(b, 1, eb1)["policy_version"] == 2
     assert any(not torch.equal(installed[k], p.data) for k, p in pool.params.items())  # b trained on
+
+
+def test_the_watchdog_reloads_a_restarted_engines_adapter_and_never_pushes_the_base(var_dir, adapter_engine, data):
+    from app.control import watchdog
+
+    a = data.run([adapter_engine.url], LORA)
+    name = steps.train_step(a, 0, data.group(a, 0, [1.0, 0.0], seed=1))["adapter"]
+    assert watchdog.resync_engines() == {}  # the engine serves it: nothing to do
+    adapter_engine.forget()  # the engine restarted: no adapters
+    assert watchdog.resync_engines() == {adapter_engine.url: "ok"}
+    assert adapter_engine.calls[-1][0] == "/v1/load_lora_adapter" and adapter_engine.calls[-1][1]["lora_name"] == name
+    assert all(path != "/v1/load_weights" for path, _body in adapter_engine.calls)
