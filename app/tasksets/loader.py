@@ -4,6 +4,9 @@ Named sets:
   * `synthetic` (default): `data/tasks/synthetic.jsonl`, bundled (PROVENANCE.md there).
   * `starter`: `data/tasks/starter.jsonl`, bundled, written by `python -m app.tasksets.starter`
     (one-line bugs in small generated packages, easy enough for SmolLM2 to solve some).
+  * `family`: `data/tasks/family.jsonl`, bundled, written by `python -m app.tasksets.family`
+    (160 one-line bugs of eight kinds in fourteen generated packages, split train / held-out at
+    random and an out-of-family split of kinds absent from train).
   * `swebench-real`: `../shared/tasks/swebench-real.jsonl` relative to the repository
     root; never copied into the project, so it exists only where that folder does.
   * anything else is a path: a `.jsonl`/`.json`/`.parquet` file, or a folder in the HF
@@ -41,6 +44,7 @@ SHARED_TASKS_DIR = ROOT.parent / "shared" / "tasks"
 NAMED_SETS = {
     "synthetic": BUNDLED_DIR / "synthetic.jsonl",
     "starter": BUNDLED_DIR / "starter.jsonl",
+    "family": BUNDLED_DIR / "family.jsonl",
     "swebench-real": SHARED_TASKS_DIR / "swebench-real.jsonl",
 }
 
