@@ -217,3 +217,18 @@ def test_a_host_name_is_resolved_and_each_of_its_addresses_tried():
             s.close()
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("text", ['{"a": [1, 2.5, null, "é"]}', ' {"a":1}', '{"a":1} ', '{"a":1}x', '', '[1,',
+                                  'NaN', '{"a":1}{"b":2}', '"\\ud800"', '1e999', '-Infinity'])
+def test_chunk_json_is_read_as_json_loads_reads_it(text):
+    from app.engines.stream import _loads
+    try:
+        want = json.loads(text)
+    except ValueError as exc:
+        with pytest.raises(ValueError) as got:
+            _loads(text)
+        assert type(got.value) is type(exc)
+        return
+    got = _loads(text)
+    assert got == want or (got != got and want != want)
