@@ -163,6 +163,11 @@ def create_run():
     send_start_run(run_id, priority)
     with session_scope() as session:
         payload = run_to_dict(session.get(Run, run_id))
+    from app.control.tenancy import engine_notice
+
+    notice = engine_notice(cfg, run_id)  # a full fine-tune next to others on the same engines: said, not refused
+    if notice is not None:
+        payload["engines_notice"] = notice
     resp = jsonify(payload)
     resp.status_code = 202
     resp.headers["Location"] = url_for("api.get_run", run_id=run_id)

@@ -3,12 +3,13 @@
 Train runs with `training.lora` are adapters on one resident base model (`app.training.tenants`):
 any number of them share the engines and the trainer when their LoRA shape agrees (base model,
 `lora_r`, `lora_alpha`, `lora_target_modules`, adapter dtype).  A full fine-tune writes every
-weight the engines serve, so it takes the engines for itself: it is refused while another
-train run uses them, and a LoRA run is refused while a full fine-tune holds them.
+weight the engines serve, so it takes the engines for itself: it is refused while LoRA runs
+share them, and a LoRA run is refused while a full fine-tune holds them.
 
 "Uses the engines": a run in `ACTIVE_STATES` whose stages are real (not simulated) and whose
 engine set (`model.engine_urls`, or the installation's `TURNSTILE_ENGINE_URLS`) overlaps this
-one's.  Imports no torch (the API process runs it).
+one's.  Full fine-tunes side by side are still allowed (as before this module): `engine_notice`
+words the warning the API returns with such a run.  Imports no torch (the API process runs it).
 """
 from __future__ import annotations
 
@@ -54,9 +55,13 @@ def engine_problems(cfg: RunConfig, exclude_run: int | None = None) -> list[tupl
         return []
     full = [rid for rid, other in others if not other.training.lora]
     if not cfg.training.lora:
-        ids = ", ".join(str(rid) for rid, _ in others)
-        return [("training.lora", f"false: a full fine-tune takes the engines for itself, and train run(s) {ids} "
-                                  "use them now; wait until they end, or train LoRA adapters (training.lora: true)")]
+        lora = [rid for rid, other in others if other.training.lora]
+        if not lora:
+            return []  # full fine-tunes side by side: as before, told in `engine_notice`
+        ids = ", ".join(str(rid) for rid in lora)
+        return [("training.lora", f"false: a full fine-tune takes the engines for itself, and LoRA train run(s) {ids} "
+                                  "share them now (its weights would replace their base); wait until they end, or "
+                                  "train LoRA adapters (training.lora: true)")]
     if full:
         return [("training.lora", f"true: train run {full[0]} is a full fine-tune and holds the engines for itself; "
                                   "LoRA runs share them only with other LoRA runs. Wait until it ends")]
@@ -81,6 +86,25 @@ def engine_problems(cfg: RunConfig, exclude_run: int | None = None) -> list[tupl
             out.append((where, f"{_show(shape[attr])} cannot share the LoRA pool of train run {holder_id}, whose "
                                f"adapters have {_show(pool[attr])}; use the same value, or wait until it ends"))
     return out
+
+
+def engine_notice(cfg: RunConfig, exclude_run: int | None = None) -> dict | None:
+    """For a full fine-tune created while other full fine-tunes use its engines (allowed, as
+    before): `{"engines_held_by_runs": [ids], "message"}` for the API's answer; else None.
+    `exclude_run`: the run itself."""
+    if cfg.kind != "train" or cfg.simulate is not None or cfg.training.lora:
+        return None
+    mine = _engines(cfg)
+    with session_scope() as s:
+        ids = [r.id for r in s.scalars(select(Run).where(Run.status.in_(ACTIVE_STATES), Run.kind == "train")
+                                       .order_by(Run.id))
+               if r.id != exclude_run and (other := r.run_config()).simulate is None and (mine == _engines(other) or mine & _engines(other))]
+    if not ids:
+        return None
+    return {"engines_held_by_runs": ids,
+            "message": f"train run(s) {', '.join(map(str, ids))} use these engines: a full fine-tune takes them for "
+                       "itself, so each run's new weights replace the other's on the engines. Train LoRA adapters "
+                       "(training.lora: true) to share them, or wait until those runs end"}
 
 
 def _show(value) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app import create_app
-from app.control.tenancy import engine_problems
+from app.control.tenancy import engine_notice, engine_problems
 from app.db import session_scope
 from app.runconfig import RunConfig
 from app.tables import Run
@@ -48,7 +48,7 @@ def test_lora_runs_of_one_shape_share_and_other_shapes_are_refused_naming_the_fi
     assert fields(engine_problems(vllm)) == ["model.engine"]
 
 
-def test_a_full_fine_tune_takes_the_engines_alone(database):
+def test_a_full_fine_tune_and_lora_runs_do_not_share_engines(database):
     lora_run = holding(lora=True)
     problems = engine_problems(train())
     assert fields(problems) == ["training.lora"] and "full fine-tune" in problems[0][1] and str(lora_run) in problems[0][1]
@@ -57,6 +57,11 @@ def test_a_full_fine_tune_takes_the_engines_alone(database):
     full = holding("queued")
     problems = engine_problems(train(lora=True))
     assert fields(problems) == ["training.lora"] and f"train run {full} is a full fine-tune" in problems[0][1]
+    # full fine-tunes side by side: allowed as before, and said
+    assert engine_problems(train()) == []
+    notice = engine_notice(train())
+    assert notice["engines_held_by_runs"] == [full] and "replace the other's" in notice["message"]
+    assert engine_notice(train(), exclude_run=full) is None and engine_notice(train(lora=True)) is None
     # other engines, simulated runs and eval runs are not in the way
     assert engine_problems(RunConfig.model_validate(
         {"kind": "train", "model": {"engine_urls": ["http://other:8000"]}, "training": {"lora": True}})) == []
@@ -95,3 +100,11 @@ def test_lora_runs_do_not_share_engines_that_get_checkpoints_over_http(database,
     finally:
         monkeypatch.delenv("TURNSTILE_WEIGHT_TRANSFER")
         config.reset_settings()
+
+
+def test_the_api_creates_a_full_fine_tune_next_to_another_and_says_so(client):
+    other = holding()
+    resp = client.post("/api/runs", json={"kind": "train"})
+    assert resp.status_code == 202, resp.get_json()
+    notice = resp.get_json()["engines_notice"]
+    assert notice["engines_held_by_runs"] == [other] and "full fine-tune" in notice["message"]
