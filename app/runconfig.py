@@ -311,6 +311,9 @@ class RunConfig(BaseModel):
         None, description="the held-out instances of `eval_every`: instance ids of the run's task set, or a split "
                           "spec 'SET:SPLIT' / 'SET:SPLIT@SEED' of it (e.g. 'family:heldout')")
     eval_samples: int = Field(1, ge=1, le=64, strict=True, description="samples per held-out instance of `eval_every`")
+    eval_first: bool = Field(True, strict=True, description="with `eval_every`: evaluate at step 0 too (false when "
+                                                            "the starting policy is evaluated by a run of its own, "
+                                                            "as `turnstile learn` does)")
     eval_of: EvalOf | None = Field(None, description="set on the eval runs that `eval_every` makes")
     splice_history: bool = Field(
         True, strict=True,

@@ -35,10 +35,11 @@ BOOTSTRAP_REPLICATES = 2000
 
 
 def schedule(cfg: RunConfig) -> list[int]:
-    """Policy updates after which the held-out set is evaluated: 0, N, 2N, ... below `steps`, and `steps`."""
+    """Policy updates after which the held-out set is evaluated: 0 (unless `eval_first` is false),
+    N, 2N, ... below `steps`, and `steps`."""
     if not cfg.eval_every:
         return []
-    return sorted({*range(0, cfg.steps, cfg.eval_every), cfg.steps})
+    return sorted({*range(0 if cfg.eval_first else cfg.eval_every, cfg.steps, cfg.eval_every), cfg.steps})
 
 
 def resolve_instances(cfg: RunConfig) -> list[str]:
