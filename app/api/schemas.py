@@ -71,6 +71,10 @@ class Run(_Out):
     waiting: str | None = Field(None, description="set while a queued (or cancelling) run has waited longer than a "
                                                   "lease plus a watchdog period for a control worker: what is "
                                                   "missing and how long it has waited")
+    engines_notice: dict[str, Any] | None = Field(
+        None, description="`POST /api/runs` only: a full fine-tune created while other full fine-tunes use its "
+                          "engines (allowed; each run's new weights replace the other's): `engines_held_by_runs` "
+                          "(ids) and `message`")
 
 
 class Completion(_Out):
