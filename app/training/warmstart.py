@@ -8,7 +8,9 @@ calls in 76 calls, measured).  DeepSeek-R1 (arXiv:2501.12948 §2.3.1) starts RL 
 supervised "cold start" for the same reason.  Here the demonstrations are the *train*
 instances' own fixes, written as the harness's actions on exactly the prompt the harness
 sends: turn 1 a one-line `sed -i` edit derived from the instance's gold patch, turn 2 the
-harness's submit command.  Held-out instances are never seen.
+harness's submit command (with `read_file`, an issue that does not say the fix first gets a
+turn that `cat`s the file, so the skill of finding the fix by reading is demonstrated too).
+Held-out instances are never seen.
 
 `warm_start` fine-tunes LoRA adapters (peft) on those turns with next-token cross-entropy on the
 assistant tokens only, merges them into the weights, and writes a model folder (the
@@ -53,6 +55,9 @@ class WarmStartConfig:
     lora_r: int = 16
     lora_alpha: int = 32
     seed: int = 0
+    # Instances whose issue names the suspicious line but not the fix (`difficulty` ending in
+    # "-line") get a first turn that reads the file (`cat`), so the fix is found by reading it.
+    read_file: bool = False
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "WarmStartConfig":
@@ -101,21 +106,49 @@ def _call(command: str, index: int) -> dict:
         "function": {"name": "bash", "arguments": json.dumps({"command": command})}}]}
 
 
-def demonstration(tokenizer, harness, problem_statement: str, command: str) -> tuple[list[int], list[int]]:
-    """`(input_ids, loss_mask)` of one two-turn demonstration, both `list[int]` of one length.
+def buggy_file(record) -> tuple[str, str]:
+    """`(path, text)` of the file the gold patch of `record` fixes, as the agent finds it (the bug in
+    place): the inline source's clean file with each added line of the patch replaced by its removed one.
 
-    The conversation is the harness's first request for `problem_statement`, the fix `command`
-    as a `bash` tool call, its tool result (return code 0, no output), and the harness's submit
-    command.  `loss_mask` is 1 on the two assistant turns (end-of-turn token included) and 0
-    on everything the harness and the chat template write.
+    Raises ValueError for a record without an inline source, or a patch of more than one file.
+    """
+    from unidiff import PatchSet
+
+    source = getattr(record, "source", None)
+    files = getattr(source, "files", None) if source is not None else None
+    patched = list(PatchSet(record.patch))
+    if not files or len(patched) != 1 or patched[0].path not in files:
+        raise ValueError(f"{record.instance_id}: reading the file needs an inline source and a one-file patch")
+    text = files[patched[0].path]
+    for hunk in patched[0]:
+        removed = [line.value for line in hunk if line.is_removed]
+        added = [line.value for line in hunk if line.is_added]
+        for bad, good in zip(removed, added):
+            text = text.replace(good, bad, 1)
+    return patched[0].path, text
+
+
+def demonstration(tokenizer, harness, problem_statement: str, command: str,
+                  read: tuple[str, str] | None = None) -> tuple[list[int], list[int]]:
+    """`(input_ids, loss_mask)` of one two-turn demonstration (three with `read`), both `list[int]` of one length.
+
+    The conversation is the harness's first request for `problem_statement`, with `read=(path,
+    text)` a `cat path` tool call and its result (`text`), the fix `command` as a `bash` tool
+    call, its tool result (return code 0, no output), and the harness's submit command.
+    `loss_mask` is 1 on the assistant turns (end-of-turn token included) and 0 on everything
+    the harness and the chat template write.
     Raises ValueError when a rendered prefix is not a prefix of the whole (a template that
     rewrites earlier turns cannot be trained this way).
     """
     from app.engines.embedded.templates import render_prompt
 
     messages, tools = harness.first_messages(problem_statement)
-    turns = [_call(command, 0), {"role": "tool", "tool_call_id": "call_0", "content": harness.observation(0, "")},
-             _call(harness.submit_command, 1)]
+    turns = []
+    if read is not None:
+        turns += [_call(f"cat {read[0]}", 9), {"role": "tool", "tool_call_id": "call_9",
+                                              "content": harness.observation(0, read[1])}]
+    turns += [_call(command, 0), {"role": "tool", "tool_call_id": "call_0", "content": harness.observation(0, "")},
+              _call(harness.submit_command, 1)]
     ids: list[int] = []
     mask: list[int] = []
     history = list(messages)
@@ -160,6 +193,8 @@ def warm_start(base: str, harness, records: Sequence, config: WarmStartConfig, o
 
     if not hasattr(harness, "first_messages"):
         raise NotImplementedError(f"warm start: harness {harness.name!r} does not describe its first request")
+    reads = {r.instance_id: buggy_file(r) for r in records
+             if config.read_file and str(getattr(r, "difficulty", "") or "").endswith("-line")}
     demos = [(r.instance_id, r.problem_statement, fix_command(r.patch)) for r in records]
     folder = (Path(out_root) / f"warmstart-{cache_key(base, harness, demos, config)}").resolve()
     if (folder / "config.json").is_file():
@@ -167,7 +202,8 @@ def warm_start(base: str, harness, records: Sequence, config: WarmStartConfig, o
         return folder
     torch.manual_seed(config.seed)
     model, tokenizer = modeling.load_model(base, torch.float32)
-    sequences = [demonstration(tokenizer, harness, statement, command) for _, statement, command in demos]
+    sequences = [demonstration(tokenizer, harness, statement, command, reads.get(name))
+                 for name, statement, command in demos]
     model = policy.add_lora(model, config.lora_r, config.lora_alpha, 0.0)
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
