@@ -8,7 +8,8 @@ The config file holds one train run config (`RunConfig`) plus a `learn` section:
 `heldout` / `train` (instance ids, or the name of a split of the starter set: "starter:heldout",
 "starter:train"), `eval_samples` (k samples per held-out instance), `eval_budget` (optional
 budget for the eval runs, default the train run's), `warm_start` (optional: hyperparameters of
-`app.training.warmstart.WarmStartConfig`).  Steps, in order:
+`app.training.warmstart.WarmStartConfig`), `warm_start_count` (optional: demonstrate that many
+instances of the warm start's, evenly spread), `out_of_family` (optional split spec).  Steps, in order:
 
 0. with `warm_start`: supervised warm start on the train instances' fixes (cached by its
    inputs; `app.training.warmstart.warm_start_folder`, in a child process), which becomes
@@ -18,8 +19,16 @@ budget for the eval runs, default the train run's), `warm_start` (optional: hype
 3. eval run on the held-out instances with the train run's newest checkpoint (`run:<id>`);
 4. `compare` of 1 and 3 (95% bootstrap intervals, `app/stats.py`), saved as
    `var/runs/<train id>/compare.json`, and the figure `var/runs/<train id>/learning.png`:
-   the training reward per step (every episode drawn for it) with its moving average, and held-out pass@1 before and
-   after with their 95% intervals.
+   the training reward per step (every episode drawn for it) with its moving average and, with
+   `eval_every` in the config, the held-out pass@1 curve (the train run's own evals, step 0 the
+   "before" run) with 95% intervals; and held-out pass@1 before and after with their intervals.
+   With `learn.out_of_family` (a split of bug kinds absent from train), that split is evaluated
+   before and after too and compared on its own (`compare_out_of_family.json`).
+
+`TURNSTILE_LEARN_SEED` (or `--seed`) draws everything random again: split specs of the learn
+section get `@SEED` (the set's split under that seed; one that does not exist is an error), and
+the trainer's and the warm start's seeds become SEED.  With `eval_every`, the train run's last
+held-out eval (the newest checkpoint) is the "after" of the comparison.
 """
 from __future__ import annotations
 
@@ -82,8 +91,16 @@ def draw(path: Path, train_run: Mapping, comparison: Mapping | None) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [2, 1]})
     left.plot(steps, rewards, "o", color="#999999", label="reward mean of the episodes drawn for the step")
     left.plot(steps, moving_average(rewards), "-", color="#1f77b4", label=f"moving average ({MOVING_AVERAGE} steps)")
+    points = [p for p in train_run.get("heldout") or [] if p.get("pass_at_1") is not None]
+    if comparison:  # the "before" run is the curve's step 0
+        points = [{"step": 0, "pass_at_1": comparison["before"]["value"], "low": comparison["before"]["low"],
+                   "high": comparison["before"]["high"]}] + [p for p in points if p["step"] != 0]
+    if points:
+        xs, ys = [p["step"] for p in points], [p["pass_at_1"] for p in points]
+        left.errorbar(xs, ys, yerr=[[y - p["low"] for y, p in zip(ys, points)], [p["high"] - y for y, p in zip(ys, points)]],
+                      fmt="s-", color="#d62728", capsize=4, label="held-out pass@1 (95% CI)")
     left.set_xlabel("training step")
-    left.set_ylabel("training reward")
+    left.set_ylabel("training reward / held-out pass@1")
     left.set_ylim(-0.05, 1.05)
     left.set_title(f"train run {train_run['id']}")
     left.legend(loc="upper left", fontsize=8)
@@ -117,42 +134,128 @@ def _run(config: dict, console: Console, timeout_s: float | None) -> dict:
     return final
 
 
-def cmd_learn(args) -> int:
-    from app.stats import compare_samples
+def seeded(spec, seed: int | None):
+    """A split spec under split seed `seed` ("family:train" -> "family:train@1"); ids, a spec that
+    names its seed already, and seed None are returned unchanged."""
+    if seed is None or not isinstance(spec, str) or "@" in spec:
+        return spec
+    return f"{spec}@{seed}"
+
+
+def learn_seed(value: str | None) -> int | None:
+    """The seed of `TURNSTILE_LEARN_SEED` / `--seed` (None when unset); SystemExit when not an integer >= 0."""
+    if value is None or str(value).strip() == "":
+        return None
+    if not str(value).strip().isdigit():
+        raise SystemExit(f"TURNSTILE_LEARN_SEED / --seed: {value!r} is not a seed (an integer >= 0)")
+    return int(value)
+
+
+def _ids(spec) -> list[str]:
     from app.tasksets.starter import instance_ids
+
+    try:
+        return instance_ids(spec)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def _split(samples: dict, names: Sequence[str]) -> dict:
+    return {n: samples[n] for n in names if n in samples}
+
+
+def warm_section(learn: Mapping, warm: Mapping, train_ids: list[str]) -> dict:
+    """The warm start's settings with its instances resolved: `warm["instances"]` (default the
+    train ids), cut to `learn["warm_start_count"]` evenly spread ones when given (a CPU epoch
+    costs seconds per demonstration)."""
+    out = {key: v for key, v in warm.items() if v is not None}
+    pool = _ids(out.pop("instances", train_ids))
+    if learn.get("warm_start_count"):
+        count = min(int(learn["warm_start_count"]), len(pool))
+        pool = [pool[i * len(pool) // count] for i in range(count)]
+    return {**out, "instances": pool}
+
+
+def _final_eval(train: Mapping, timeout_s: float | None, console: Console) -> dict | None:
+    """The train run's last `eval_every` eval (the newest checkpoint on the held-out set), followed to its end."""
+    steps = int(train["config"]["steps"])
+    with client.api_client() as api:
+        points = api.get(f"/api/runs/{train['id']}").raise_for_status().json().get("heldout") or []
+    final = next((p for p in points if p["step"] == steps and p["run_id"]), None)
+    if final is None:
+        return None
+    console.print(f"held-out eval of the final policy: run {final['run_id']}")
+    run = client.follow_run(final["run_id"], timeout_s=timeout_s, console=console)
+    if run["status"] != "completed":
+        raise SystemExit(f"run {run['id']} ended {run['status']}: {run.get('error') or 'see its page'}")
+    return run
+
+
+def cmd_learn(args) -> int:
+    import os
+
+    from app.stats import compare_samples
     from app.training.warmstart import warm_start_folder
 
     config = client.read_config_file(args.config)
     learn = config.pop("learn", None) or {}
-    heldout = instance_ids(learn.get("heldout", "starter:heldout"))
-    train_ids = instance_ids(learn.get("train", "starter:train"))
+    seed = learn_seed(args.seed if args.seed is not None else os.environ.get("TURNSTILE_LEARN_SEED"))
+    heldout = _ids(seeded(learn.get("heldout", "starter:heldout"), seed))
+    train_ids = _ids(seeded(learn.get("train", "starter:train"), seed))
+    ood = _ids(seeded(learn["out_of_family"], seed)) if learn.get("out_of_family") else []
     k = int(learn.get("eval_samples", 4))
     console = make_console()
     config["model"] = dict(config.get("model") or {})
-    if learn.get("warm_start") is not None:
+    warm = learn.get("warm_start")
+    if seed is not None:
+        # another draw of everything random: the split, the warm start's and the trainer's seeds
+        config["training"] = {**(config.get("training") or {}), "seed": seed}
+        warm = None if warm is None else {**warm, "seed": seed, "instances": seeded(warm.get("instances"), seed)}
+        console.print(f"seed {seed}: {len(train_ids)} train, {len(heldout)} held-out, {len(ood)} out-of-family instances")
+    if warm is not None:
         # The policy GRPO starts from, and the "before" of the comparison, is the warm-started one.
-        config["model"]["checkpoint"] = str(warm_start_folder(config, learn["warm_start"], train_ids))
+        config["model"]["checkpoint"] = str(warm_start_folder(config, warm_section(learn, warm, train_ids), train_ids))
+    if config.get("eval_every"):
+        # the held-out curve of the train run; its step 0 is the "before" run below
+        config.update(eval_instances=heldout, eval_samples=k, eval_first=False)
     eval_base = {key: config[key] for key in ("task_set", "harness", "timeouts") if key in config}
-    eval_base.update(kind="eval", instances=heldout, group_size=k, tasks_per_step=len(heldout), steps=1,
+    eval_base.update(kind="eval", group_size=k, steps=1,
                      budget=learn.get("eval_budget") or config.get("budget") or {}, model=dict(config["model"]))
     if "scheduling" in config:
         eval_base["scheduling"] = {s: v for s, v in config["scheduling"].items() if s in ("rollout_slots", "ready_depth")}
-    # one series id on the three runs, so their dashboard pages link to each other
+    # one series id on the runs, so their dashboard pages link to each other
     series = {"kind": "learn", "id": uuid.uuid4().hex[:12]}
-    before = _run({**eval_base, "series": {**series, "role": "before"}}, console, args.timeout)
+    before = _run({**eval_base, "instances": heldout + ood, "tasks_per_step": len(heldout) + len(ood),
+                   "series": {**series, "role": "before"}}, console, args.timeout)
     train = _run({**config, "kind": "train", "instances": train_ids, "series": {**series, "role": "train"}},
                  console, args.timeout)
     after_cfg = json.loads(json.dumps(eval_base))
     after_cfg["model"]["checkpoint"] = f"run:{train['id']}"
-    after = _run({**after_cfg, "series": {**series, "role": "after"}}, console, args.timeout)
+    after = _final_eval(train, args.timeout, console) if config.get("eval_every") else None
+    if after is None:
+        after = _run({**after_cfg, "instances": heldout, "tasks_per_step": len(heldout),
+                      "series": {**series, "role": "after"}}, console, args.timeout)
     with client.api_client() as api:
-        samples = [client.run_samples(api, r["id"]) for r in (before, after)]
-    result = compare_samples(*samples, seed=0)
+        before_all, after_held = (client.run_samples(api, r["id"]) for r in (before, after))
+        train = api.get(f"/api/runs/{train['id']}").raise_for_status().json()  # with its held-out curve
     paths = RunPaths(train["id"])
     paths.root.mkdir(parents=True, exist_ok=True)
-    write_json(str(paths.compare), before, after, *samples, result)
+    before_held = _split(before_all, heldout)
+    result = compare_samples(before_held, after_held, seed=0)
+    write_json(str(paths.compare), before, after, before_held, after_held, result)
+    console.print(comparison_table(before, after, before_held, after_held, result))
+    ood_result = None
+    if ood:
+        after_ood = _run({**after_cfg, "instances": ood, "tasks_per_step": len(ood),
+                          "series": {**series, "role": "after"}}, console, args.timeout)
+        with client.api_client() as api:
+            after_ood_samples = client.run_samples(api, after_ood["id"])
+        ood_result = compare_samples(_split(before_all, ood), after_ood_samples, seed=0)
+        write_json(str(paths.root / "compare_out_of_family.json"), before, after_ood, _split(before_all, ood),
+                   after_ood_samples, ood_result)
+        console.print("out-of-family split (bug kinds absent from train):")
+        console.print(comparison_table(before, after_ood, _split(before_all, ood), after_ood_samples, ood_result))
     png = draw(paths.learning_png, train, json.loads(paths.compare.read_text()))
-    console.print(comparison_table(before, after, *samples, result))
     _, rewards, losses = step_series(train)
     s = slope(rewards)
     console.print(f"training reward per step: {', '.join(f'{r:.3f}' for r in rewards)} (slope "
@@ -178,7 +281,8 @@ def cmd_warm_start(args) -> int:
     learn = config.pop("learn", None) or {}
     if learn.get("warm_start") is None:
         raise SystemExit(f"{args.config}: no learn.warm_start section")
-    print(warm_start_folder(config, learn["warm_start"], learn.get("train", "starter:train")))
+    train_ids = _ids(learn.get("train", "starter:train"))
+    print(warm_start_folder(config, warm_section(learn, learn["warm_start"], train_ids), train_ids))
     return 0
 
 
@@ -186,6 +290,8 @@ def register(sub) -> None:
     p = sub.add_parser("learn", help="eval held-out, train, eval again, compare, draw learning.png (make learn)")
     p.add_argument("--config", default="demo/learn.json", help="train run config with a `learn` section")
     p.add_argument("--timeout", type=float, default=None, help="give up following one run after this many seconds")
+    p.add_argument("--seed", default=None, help="split seed of the learn section's split specs, and the trainer's and "
+                                                "warm start's seed (default: TURNSTILE_LEARN_SEED, else the config's)")
     p.set_defaults(handler=cmd_learn)
     p = sub.add_parser("warm-start", help="the supervised warm start of a learn config (cached model folder)")
     p.add_argument("--config", default="demo/learn.json", help="train run config with a learn.warm_start section")
