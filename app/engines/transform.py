@@ -139,3 +139,37 @@ def processed_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature:
     lse = torch.logsumexp(top.masked_fill(~keep, MASKED), dim=-1)
     lse = torch.where(inside, lse, torch.logaddexp(lse, target_scores))
     return torch.where(cut, target_scores - lse, target_scores - full)
+
+
+def kept_threshold(scores: torch.Tensor, targets: torch.Tensor, support: torch.Tensor, top_k: torch.Tensor | None = None,
+                   top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """The support `processed_logprobs` normalises over, as a threshold: K = {v : scores_v >= thr}
+    plus the target (float32 [n]; -inf for rows over the whole vocabulary).  `scores` are the
+    temperature-scaled logits [n, V]; `support`, `top_k`, `top_p` as in `processed_logprobs`
+    (-1 derived).  No gradient: the fused loss head keeps this per row instead of a [n, V] mask
+    (`app.training.head`); a score tied with the threshold counts in, where `processed_logprobs`
+    takes exactly |K| (ties between fp32 logits aside, the same set).
+    """
+    import torch
+
+    with torch.no_grad():
+        scores = scores.float()
+        support = support.to(scores.device, torch.long).clone()
+        derive = support < 0
+        if bool(derive.any()):
+            if top_k is None or top_p is None:
+                raise ValueError("a support of -1 (not reported) needs top_k and top_p to derive it")
+            rows = derive.nonzero(as_tuple=True)[0]
+            support[rows] = derived_support(scores[rows], top_k.to(scores.device)[rows], top_p.to(scores.device)[rows])
+        vocab = scores.shape[-1]
+        cut = (support > 0) & (support < vocab)
+        thr = torch.full((scores.shape[0],), float("-inf"), device=scores.device)
+        if not bool(cut.any()):
+            return thr
+        width = int(support[cut].max())
+        top = torch.topk(scores, width, dim=-1).values
+        size = torch.where(cut, support, width).clamp(1, width).unsqueeze(-1)
+        kth = top.gather(-1, size - 1).squeeze(-1)
+        before = torch.cat([torch.full_like(top[:, :1], float("inf")), top], dim=-1).gather(-1, size - 1).squeeze(-1)
+        inside = scores.gather(-1, targets.unsqueeze(-1)).squeeze(-1) >= kth
+        return torch.where(cut, torch.where(inside, kth, before), thr)

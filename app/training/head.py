@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from app.engines.transform import kept_threshold
+
 # Logits per chunk, in elements (positions x vocab): 2^26 fp32 = 256 MiB, i.e. 1365 positions
 # of a 49152-token vocabulary, 441 of Qwen3's 151936.
 CHUNK_ELEMENTS = 2**26
@@ -46,25 +48,34 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     """Autograd function behind `fused_token_logprobs` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int):
+    def forward(ctx, hidden, weight, targets, chunk: int, temperature=None, support=None, top_k=None, top_p=None):
         dtype = _compute_dtype(hidden)
+        transformed = temperature is not None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
             lse = torch.empty_like(out)
+            thr = torch.empty_like(out) if transformed else None
             for start in range(0, hidden.shape[0], chunk):
                 stop = start + chunk
+                t = targets[start:stop]
                 logits = (hidden[start:stop].to(dtype) @ w.T).float()
+                if transformed:  # scores s = logits / T over the kept support (module docstring)
+                    logits.div_(temperature[start:stop].unsqueeze(-1))
+                    thr[start:stop] = kept_threshold(logits, t, support[start:stop],
+                                                     None if top_k is None else top_k[start:stop],
+                                                     None if top_p is None else top_p[start:stop])
+                    logits.masked_fill_(_outside(logits, t, thr[start:stop]), float("-inf"))
                 lse[start:stop] = torch.logsumexp(logits, dim=-1)
-                out[start:stop] = logits.gather(-1, targets[start:stop].unsqueeze(-1)).squeeze(-1) - lse[start:stop]
+                out[start:stop] = logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse[start:stop]
                 del logits
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, temperature if transformed else None, thr)
         ctx.chunk, ctx.dtype = chunk, dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, temperature, thr = ctx.saved_tensors
         chunk, dtype = ctx.chunk, ctx.dtype
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None
@@ -72,12 +83,19 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             g = grad_out.float()
+            if temperature is not None:  # d logq / d logits = (onehot - q on the support) / T
+                g = g / temperature.float()
             for start in range(0, hidden.shape[0], chunk):
                 stop = start + chunk
                 h = hidden[start:stop].to(dtype)
                 logits = (h @ w.T).float()
+                if temperature is not None:
+                    logits.div_(temperature[start:stop].unsqueeze(-1))
+                    outside = _outside(logits, targets[start:stop], thr[start:stop])
                 # logits -> -g * softmax (in place), then + g at the target: g * (onehot - softmax)
                 grad_logits = logits.sub_(lse[start:stop].unsqueeze(-1)).exp_().mul_(-g[start:stop].unsqueeze(-1))
+                if temperature is not None:
+                    grad_logits.masked_fill_(outside, 0.0)
                 grad_logits.scatter_add_(-1, targets[start:stop].unsqueeze(-1), g[start:stop].unsqueeze(-1))
                 grad_logits = grad_logits.to(dtype)
                 if want_h:
@@ -85,11 +103,19 @@ class _FusedHeadLogprobs(torch.autograd.Function):
                 if want_w:
                     grad_w += grad_logits.T @ h  # in the compute dtype, summed over chunks in fp32
                 del logits, grad_logits
-        return grad_h, (grad_w.to(weight.dtype) if want_w else None), None, None
+        return grad_h, (grad_w.to(weight.dtype) if want_w else None), None, None, None, None, None, None
+
+
+def _outside(scores: torch.Tensor, targets: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
+    """bool [n, V]: the tokens outside each row's kept support (below `thr`, the target kept)."""
+    outside = scores < thr.unsqueeze(-1)
+    return outside.scatter_(-1, targets.unsqueeze(-1), False)
 
 
 def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int | None = None) -> torch.Tensor:
+                         chunk: int | None = None, temperature: torch.Tensor | None = None,
+                         support: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
+                         top_p: torch.Tensor | None = None) -> torch.Tensor:
     """log softmax(hidden @ weight.T)[targets], float32 [N], without materialising [N, V] logits.
 
     `hidden`: float [N, d] (the model's final hidden states at the sampled positions);
@@ -97,6 +123,12 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     [0, V).  `chunk`: positions per chunk (default `chunk_positions(V)`).  Under autocast the
     matmuls run in the autocast dtype and the softmax in fp32.  Differentiable in `hidden` and
     `weight`.  Raises ValueError on mismatched shapes.
+
+    With `temperature` (float [N]) the targets are scored under the sampling transform
+    (`app.engines.transform.processed_logprobs`, `support`/`top_k`/`top_p` [N] as there):
+    logits / T renormalised over the kept support, found per row as a threshold
+    (`kept_threshold`), so the backward pass rebuilds the support from the recomputed logits
+    without storing an [N, V] mask; its gradient is (onehot - q on the support) / T.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and head weight {tuple(weight.shape)} do not fit ([N, d], [V, d])")
@@ -104,4 +136,11 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         raise ValueError(f"targets {tuple(targets.shape)} must be [N] = [{hidden.shape[0]}]")
     if hidden.shape[0] == 0:
         return hidden.new_zeros(0, dtype=torch.float32)
-    return _FusedHeadLogprobs.apply(hidden, weight, targets, chunk or chunk_positions(weight.shape[0]))
+    if temperature is None and support is not None:
+        temperature = torch.ones(hidden.shape[0], device=hidden.device)
+    if temperature is not None:
+        temperature = temperature.to(hidden.device, torch.float32)
+        support = (torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device) if support is None
+                   else support.to(hidden.device))
+    return _FusedHeadLogprobs.apply(hidden, weight, targets, chunk or chunk_positions(weight.shape[0]),
+                                    temperature, support, top_k, top_p)

@@ -153,9 +153,8 @@ def token_logprobs(
     Sampling transform: with `temperature` (float32 [N]) and `support`, `top_k`, `top_p` ([N],
     `app.training.batching.MicroBatch`), each target is scored under the distribution the
     engine drew it from, `app.engines.transform.processed_logprobs`:
-    logq = logit[target] / T - logsumexp over the |K| highest logits / T.  The fused head only
-    knows the full-vocabulary normaliser, so these micro-batches take the checkpointed head
-    (chunks of logits recomputed in the backward pass), whatever `head` says.
+    logq = logit[target] / T - logsumexp over the |K| highest logits / T, with every head (the
+    fused head finds the support per row as a threshold, `app.training.head`).
     """
     lm = causal_lm(model)
     hidden = lm.model(
@@ -165,11 +164,10 @@ def token_logprobs(
     transform = None
     if temperature is not None or support is not None:
         transform = (temperature, support, top_k, top_p)
-        head = "plain" if head == "plain" else "checkpointed"
     if head == "fused" and lm.lm_head.bias is None:
         from app.training.head import fused_token_logprobs
 
-        return fused_token_logprobs(selected, lm.lm_head.weight, targets, head_chunk)
+        return fused_token_logprobs(selected, lm.lm_head.weight, targets, head_chunk, *(transform or ()))
     if head == "plain":
         return _head_logprobs(lm.lm_head, selected, targets, *(transform or ()))
     if head not in ("fused", "checkpointed"):

@@ -57,3 +57,32 @@ def test_step_gap_is_float_noise_under_the_transform(packing):
     assert matched["logprob_gap_max_abs"] <= 1e-5
     assert dropped["logprob_gap_max_abs"] > 1.0
     assert math.isfinite(matched["loss"]) and math.isfinite(matched["grad_norm"]) and matched["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_fused_head_under_the_transform_equals_processed_logprobs_in_value_and_gradient(chunk):
+    """The fused head (support as a per-row threshold, rebuilt in the backward pass) against
+    autograd through `processed_logprobs` on full logits: recorded, derived and whole-vocabulary
+    supports, a target outside its row's top |K| (kept), T != 1 and T = 1 mixed."""
+    from app.engines.transform import processed_logprobs
+    from app.training.head import fused_token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    n, d, vocab = 40, 16, 300
+    hidden = torch.randn(n, d, generator=g, requires_grad=True)
+    weight = (0.8 * torch.randn(vocab, d, generator=g)).requires_grad_(True)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    upstream = torch.randn(n, generator=g)
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.5] * 10)
+    support = torch.tensor([20, 0, -1, 1, 5] * 8)
+    top_k = torch.tensor([20, 0, 20, 20, 0] * 8)
+    top_p = torch.tensor([0.9, 1.0, 0.9, 1.0, 0.5] * 8)
+    ref = processed_logprobs(hidden @ weight.T, targets, temperature, support, top_k, top_p)
+    gh, gw = torch.autograd.grad((ref * upstream).sum(), (hidden, weight))
+    out = fused_token_logprobs(hidden, weight, targets, chunk, temperature, support, top_k, top_p)
+    fh, fw = torch.autograd.grad((out * upstream).sum(), (hidden, weight))
+    assert (out - ref).abs().max() <= 1e-5
+    assert (fh - gh).norm() / gh.norm() <= 1e-5
+    assert (fw - gw).norm() / gw.norm() <= 1e-5
+    plain = torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets[:, None])[:, 0]
+    assert (out - plain).abs().max() > 0.1   # the transform changed the values: the check can fail
