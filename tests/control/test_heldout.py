@@ -84,7 +84,7 @@ def test_a_train_run_evaluates_held_out_every_n_steps_and_at_the_end_without_wai
         step0 = s.scalar(select(TrainingStep).where(TrainingStep.run_id == train_id, TrainingStep.step == 0))
         assert step0.status == "completed"
     tags = _tb_tags(train_id)
-    assert [step for step, _ in tags["heldout/pass_at_1"]] == [0, 2, 3]
+    assert sorted(step for step, _ in tags["heldout/pass_at_1"]) == [0, 2, 3]  # written as each eval ends
     assert {step for step, _ in tags["heldout/pass_at_1_low"]} == {0, 2, 3}
     page = client.get(f"/runs/{train_id}")
     assert page.status_code == 200
