@@ -237,8 +237,7 @@ def main() -> int:
     result = {"budget_min": args.budget_min, "configs": {"opd": args.opd, "grpo": args.grpo}, "arms": {},
               "started": dt.datetime.now(dt.timezone.utc).isoformat()}
     if args.before_run:
-        with client.api_client() as api:
-            before = api.get(f"/api/runs/{args.before_run}").raise_for_status().json()
+        before, _ = wait_run(args.before_run, None)
     else:
         first = args.arms.split(",")[0]
         before, _, seconds = submit_and_wait(eval_config(configs[first], None, "before", f"{series}-{first}"))
