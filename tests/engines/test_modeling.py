@@ -105,11 +105,13 @@ def test_real_smollm2_loads_from_cache_and_generates_exactly(one_thread):
               f"{[tokenizer.decode([s.token_id for s in o]) for o in outputs]!r}")
     finally:
         scheduler.stop()
+    # Logprobs are recorded under the distribution each token was drawn from: the plain one for
+    # greedy (request 0), the temperature-0.7 one for request 1 (no top-k/top-p: whole vocabulary).
     worst = 0.0
     with torch.no_grad():
-        for prompt, samples in zip(prompts, outputs):
+        for temperature, prompt, samples in zip((1.0, 0.7), prompts, outputs):
             ids = [s.token_id for s in samples]
-            logits = model(torch.tensor([prompt + ids])).logits[0].float()
+            logits = model(torch.tensor([prompt + ids])).logits[0].float() / temperature
             ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(ids)[:, None])[:, 0]
             worst = max(worst, (ref - torch.tensor([s.logprob for s in samples])).abs().max().item())
     print(f"SmolLM2 logprob parity: max abs diff {worst:.2e}")
