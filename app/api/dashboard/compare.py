@@ -7,24 +7,18 @@ over the instances both runs sampled.
 """
 from __future__ import annotations
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from app.control import heldout
 from app.stats import compare_samples, pass_at_k, wilson
-from app.tables import Episode, Run, TaskInstance
+from app.tables import Run
 
 REPLICATES = 2000  # enough for a 95% percentile interval to ±0.01 on a page that answers at once
 
 
-def instance_samples(s: Session, run_id: int) -> dict[str, list[bool]]:
-    """instance id -> resolved flag of each completed sample (sample order)."""
-    out: dict[str, list[bool]] = {}
-    for name, resolved in s.execute(
-            select(TaskInstance.instance_id, Episode.resolved).join(TaskInstance, TaskInstance.id == Episode.instance_id)
-            .where(Episode.run_id == run_id, Episode.status == "completed")
-            .order_by(TaskInstance.instance_id, Episode.group_index, Episode.sample_index)):
-        out.setdefault(name, []).append(bool(resolved))
-    return out
+# instance id -> resolved flag of each completed sample (sample order); one query for the
+# dashboard and the held-out curve.
+instance_samples = heldout.samples
 
 
 def _cell(flags: list[bool], k: int) -> dict:

@@ -85,13 +85,7 @@ def build_record(inst: Instance, hint: str, split_of: dict[str, str]) -> dict:
     p2p = sorted(t for t in good if bad.get(t) == "PASSED")
     if not f2p:
         raise RuntimeError(f"{inst.instance_id}: no test catches the bug")
-    test_cmd = f"python -m pytest -rA -p no:cacheprovider --color=no {pkg.test_file}"
-    eval_script = "\n".join([
-        "#!/bin/bash", "set -uxo pipefail", "# run from the repository root with the instance's venv first on PATH",
-        "BASE=$(git rev-list --max-parents=0 HEAD | tail -n 1)", "git status --short",
-        'git -c core.fileMode=false diff "$BASE"', f'git checkout "$BASE" -- {pkg.test_file}',
-        ": '>>>>> Start Test Output'", test_cmd, ": '>>>>> End Test Output'", f'git checkout "$BASE" -- {pkg.test_file}',
-        ""])
+    test_cmd, eval_script = starter_generate.test_scripts(pkg.test_file)
     commit = starter_generate._base_commit(pkg.name, clean, bug_patch)
     return {
         "instance_id": inst.instance_id, "repo": f"turnstile-family/{pkg.name}", "base_commit": commit,

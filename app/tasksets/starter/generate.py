@@ -44,6 +44,20 @@ def _buggy_files(bug: Bug) -> dict[str, str]:
     return files
 
 
+def test_scripts(test_file: str) -> tuple[str, str]:
+    """(test_cmd, eval_script) of a generated instance whose tests are `test_file`: the eval script
+    (bash, in SWE-bench's shape) puts the test file back to the base commit's before and after the
+    run and fences pytest's report with the `>>>>> Start/End Test Output` markers the log parsers
+    look for."""
+    test_cmd = f"python -m pytest -rA -p no:cacheprovider --color=no {test_file}"
+    eval_script = "\n".join([
+        "#!/bin/bash", "set -uxo pipefail", "# run from the repository root with the instance's venv first on PATH",
+        "BASE=$(git rev-list --max-parents=0 HEAD | tail -n 1)", "git status --short",
+        'git -c core.fileMode=false diff "$BASE"', f'git checkout "$BASE" -- {test_file}',
+        ": '>>>>> Start Test Output'", test_cmd, ": '>>>>> End Test Output'", f'git checkout "$BASE" -- {test_file}', ""])
+    return test_cmd, eval_script
+
+
 def _diff(before: dict[str, str], after: dict[str, str]) -> str:
     """`git diff` (a/ b/ prefixes, index line) from the `before` tree to the `after` tree."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,12 +118,7 @@ def build_record(bug: Bug) -> dict:
     p2p = sorted(t for t in good if bad.get(t) == "PASSED")
     if not f2p:
         raise RuntimeError(f"{bug.instance_id}: no test catches the bug")
-    test_cmd = f"python -m pytest -rA -p no:cacheprovider --color=no {test_file}"
-    eval_script = "\n".join([
-        "#!/bin/bash", "set -uxo pipefail", "# run from the repository root with the instance's venv first on PATH",
-        "BASE=$(git rev-list --max-parents=0 HEAD | tail -n 1)", "git status --short",
-        'git -c core.fileMode=false diff "$BASE"', f'git checkout "$BASE" -- {test_file}',
-        ": '>>>>> Start Test Output'", test_cmd, ": '>>>>> End Test Output'", f'git checkout "$BASE" -- {test_file}', ""])
+    test_cmd, eval_script = test_scripts(test_file)
     commit = _base_commit(bug.package, clean, bug_patch)
     return {
         "instance_id": bug.instance_id, "repo": f"turnstile-starter/{bug.package}", "base_commit": commit,
