@@ -366,13 +366,7 @@ def main() -> None:
             d, g, cpu_ms = max(ds), max(gs), min(cpu)
             print(f"{sessions:<10}{d:>10.1f}{g:>10.1f}{g / d:>8.2f}{cpu_ms:>16.2f}")
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
 
 
 if __name__ == "__main__":

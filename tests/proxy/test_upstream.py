@@ -10,6 +10,7 @@ import threading
 
 import pytest
 from support.gateway_calls import APIS, parse, post, request_for
+from support import read_http_request
 from support.gateway import free_port, start_gateway, stop, wait_http
 
 MODELS = b'{"object":"list","data":[{"id":"raw-engine","object":"model","max_model_len":4096}]}'
@@ -29,17 +30,10 @@ ANSWERS = {
 
 class RawEngine(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            more = self.request.recv(65536)
-            if not more:
-                return
-            data += more
-        head, body = data.split(b"\r\n\r\n", 1)
-        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
-        while len(body) < length:
-            body += self.request.recv(65536)
+        request = read_http_request(self.request)
+        if request is None:
+            return
+        head, body = request
         if head.startswith(b"GET"):
             self.request.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                                  b"connection: close\r\n\r\n%s" % (len(MODELS), MODELS))

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from support import read_http_request
 from support.gateway import completions, free_port, start_gateway, stop, wait_http
 from support.gateway_calls import auth_headers, request_for
 
@@ -96,17 +97,10 @@ class FloodEngine(socketserver.BaseRequestHandler):
     MODELS = b'{"object":"list","data":[{"id":"flood","object":"model","max_model_len":1000000}]}'
 
     def handle(self) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            more = self.request.recv(65536)
-            if not more:
-                return
-            data += more
-        head, body = data.split(b"\r\n\r\n", 1)
-        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
-        while len(body) < length:
-            body += self.request.recv(65536)
+        request = read_http_request(self.request)
+        if request is None:
+            return
+        head, body = request
         if head.startswith(b"GET"):
             self.request.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                                  b"connection: close\r\n\r\n%s" % (len(self.MODELS), self.MODELS))

@@ -75,3 +75,20 @@ def celery_worker_args(queues: str, concurrency: int = 2, name: str = "w") -> li
     return [sys.executable, "-m", "celery", "-A", "app", "worker", "-Q", queues, "-c", str(concurrency),
             "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h", "--without-heartbeat", "--without-mingle",
             "--without-gossip", "-O", "fair", "--loglevel", "INFO"]
+
+
+def read_http_request(sock) -> tuple[bytes, bytes] | None:
+    """(head, body) of one HTTP/1.1 request read from `sock` (body by its content-length), or None
+    when the peer closes before the head ends.  For test engines that answer raw bytes."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = sock.recv(65536)
+        if not more:
+            return None
+        data += more
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, body
