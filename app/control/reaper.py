@@ -21,7 +21,8 @@ its lease or finished in the meantime is never touched, and two watchdogs cannot
 READY buffer, slot list and the cancel flags are written from SQL, and the messages of
 stages no worker had claimed (all lost with Redis's queues) are sent again at once, without
 counting a redelivery; on every pass a READY buffer that differs from the run's `ready`
-episodes is rewritten, and missing cancel flags are set again.
+episodes is rewritten, and missing cancel flags are set again.  It holds each run's tick lock
+while it looks, so a tick that arrived meanwhile (the run's dirty mark) is sent again after.
 """
 from __future__ import annotations
 
@@ -177,6 +178,10 @@ def rebuild_redis_state(queued: set[tuple[str, int]] | None) -> tuple[list[Plan]
                 report["ready"].append(run_id)
             if lost:
                 redis_state.reset_slots(run_id, want["free_slots"], want["running"])
+        if redis_state.is_dirty(run_id):
+            # A tick that found the lock held here returned, leaving its dirty mark for the holder
+            # (`scheduler.tick`); this pass does not tick, so it hands the mark on as a tick to send.
+            plans.append(Plan(tick=[run_id]))
         if lost:
             resent = _resend_unclaimed(run_id, priority, queued)
             report["resent"] += resent

@@ -80,7 +80,7 @@ def test_a_worker_stopped_past_its_lease_loses_the_stage_and_writes_nothing_on_s
         return ep if ep is not None and ep.status == "running" and ep.attempts == 1 and _owner_pgid(ep.lease_owner) \
             else None
 
-    first = wait_for(first_attempt_held, 90, what=f"the first attempt to start\n{logs()}")
+    first = wait_for(first_attempt_held, 90, what=lambda: f"the first attempt to start\n{logs()}")
     stopped = next(w for w in rollout_workers if w.popen.pid == _owner_pgid(first.lease_owner))
     other = next(w for w in rollout_workers if w is not stopped)
     time.sleep(0.5)
@@ -91,7 +91,7 @@ def test_a_worker_stopped_past_its_lease_loses_the_stage_and_writes_nothing_on_s
             ep = _episode(run_id)
             return ep if ep.attempts == 2 and _owner_pgid(ep.lease_owner) == other.popen.pid else None
 
-        second = wait_for(taken_over, 60, interval=0.5, what=f"another worker to take the rollout over\n{logs()}")
+        second = wait_for(taken_over, 60, interval=0.5, what=lambda: f"another worker to take the rollout over\n{logs()}")
     finally:
         os.killpg(stopped.popen.pid, signal.SIGCONT)  # while the second attempt still runs
     assert second.status == "running" and second.redeliveries == 1
@@ -100,14 +100,14 @@ def test_a_worker_stopped_past_its_lease_loses_the_stage_and_writes_nothing_on_s
     def stopped_stage_returned():
         return stopped.output().count("rollout.run_episode[") > stopped_output.count("rollout.run_episode[")
 
-    wait_for(stopped_stage_returned, 30, what=f"the continued worker's stage to return\n{logs()}")
+    wait_for(stopped_stage_returned, 30, what=lambda: f"the continued worker's stage to return\n{logs()}")
 
     def finished():
         _reap()
         with session_scope() as s:
             return s.get(Run, run_id).status in ("completed", "failed")
 
-    wait_for(finished, 60, interval=0.5, what=f"the run to finish\n{logs()}")
+    wait_for(finished, 60, interval=0.5, what=lambda: f"the run to finish\n{logs()}")
     ep = _episode(run_id)
     with session_scope() as s:
         assert s.get(Run, run_id).status == "completed"

@@ -139,6 +139,32 @@ def test_a_flushed_redis_is_rebuilt_to_what_sql_implies(database, redis_db):
     assert redis_state.ready_ids(run_id) == want["ready"]
 
 
+def test_a_tick_that_meets_the_reapers_lock_is_sent_again(database, redis_db, monkeypatch):
+    """The reaper holds the run's tick lock while it compares Redis with SQL; a tick arriving then
+    returns at once and leaves the dirty mark for the holder.  The reaper must hand that on, or
+    the run waits for the next watchdog pass (with no beat, forever: a run that never finished)."""
+    from app.control import scheduler
+
+    run_id, _ = _started_run(rollout_slots=1, group_size=2)
+    expected = reaper.expected_redis_state
+    lost_ticks = []
+
+    def tick_during_the_pass(rid):
+        lost_ticks.append(scheduler.tick(rid))  # another process's tick, e.g. a graded episode's
+        return expected(rid)
+
+    monkeypatch.setattr(reaper, "expected_redis_state", tick_during_the_pass)
+    plans, _ = watchdog.recover_episodes(set())
+    assert len(lost_ticks) == 1 and not lost_ticks[0]  # it found the lock held: it planned nothing
+    assert redis_state.is_dirty(run_id)  # and left its mark (a tick that ran takes it)
+    assert any(run_id in plan.tick for plan in plans), plans
+    # with no tick arriving, a pass sends none
+    monkeypatch.setattr(reaper, "expected_redis_state", expected)
+    redis_state.take_dirty(run_id)
+    plans, _ = watchdog.recover_episodes(set())
+    assert not any(run_id in plan.tick for plan in plans)
+
+
 def test_a_sigkilled_rollout_worker_is_reaped_and_the_run_finishes(database, redis_db, spawn, monkeypatch,
                                                                      var_dir):
     """Fault injection: SIGKILL of the whole rollout worker (main process and children) mid-episode.

@@ -82,7 +82,7 @@ def stack(tmp_path, monkeypatch, spawn):
         except httpx.HTTPError:
             return False
 
-    wait_for(up, 120, interval=0.5, what=f"the stack to come up\n{st.logs()}")
+    wait_for(up, 120, interval=0.5, what=lambda: f"the stack to come up\n{st.logs()}")
     yield st
     client.close()
     db.dispose_engine()

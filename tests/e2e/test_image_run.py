@@ -76,7 +76,7 @@ def test_mini_swe_agent_train_run_in_the_image_graded_by_swebench_eval_script(st
         run = stack.api.get(f"/api/runs/{run_id}").json()
         return run if run["status"] in ("completed", "failed", "cancelled") else None
 
-    run = wait_for(done, 420, interval=1, what=f"run {run_id} to finish\n{stack.logs()}")
+    run = wait_for(done, 420, interval=1, what=lambda: f"run {run_id} to finish\n{stack.logs()}")
     assert run["status"] == "completed", (run["error"], stack.logs())
 
     spec = make_test_spec(record)

@@ -150,7 +150,7 @@ def _machines(net, pg_dir, spawn, tmp_path, monkeypatch):
         except httpx.HTTPError:
             return False
 
-    wait_for(up, 300, interval=1, what=f"the machines' servers to come up\n{logs()}")
+    wait_for(up, 300, interval=1, what=lambda: f"the machines' servers to come up\n{logs()}")
     for key in ("DATABASE_URL", "REDIS_URL", "TURNSTILE_API_URL"):
         monkeypatch.setenv(key, env_all[key])
     config.reset_settings()
@@ -199,7 +199,7 @@ def test_a_train_run_completes_across_five_machines(machines):
             return None
         return run if run["status"] in ("completed", "failed", "cancelled") else None
 
-    run = wait_for(finished, 1500, interval=2, what=f"run {run_id} to finish\n{logs()}")
+    run = wait_for(finished, 1500, interval=2, what=lambda: f"run {run_id} to finish\n{logs()}")
     assert run["status"] == "completed", (run.get("error"), logs())
 
     with session_scope() as s:

@@ -32,7 +32,7 @@ def _finish(stack, run_id: int, timeout: float) -> dict:
         run = stack.api.get(f"/api/runs/{run_id}").json()
         return run if run["status"] in ("completed", "failed", "cancelled") else None
 
-    return wait_for(done, timeout, interval=1, what=f"run {run_id} to finish\n{stack.logs()}")
+    return wait_for(done, timeout, interval=1, what=lambda: f"run {run_id} to finish\n{stack.logs()}")
 
 
 def test_mini_swe_agent_train_run_end_to_end(stack):
@@ -187,7 +187,7 @@ def test_agent_timeout_keeps_the_episode_and_grades_it(stack):
     gate = redis.Redis.from_url(stack.env["REDIS_URL"])
     key = gate_key(stack.env["TURNSTILE_ENGINE_URLS"])
     try:
-        wait_for(first_call, 60, interval=0.05, what=f"the first model call of run {run_id}\n{stack.logs()}")
+        wait_for(first_call, 60, interval=0.05, what=lambda: f"the first model call of run {run_id}\n{stack.logs()}")
         gate.set(key, 1, ex=120)
         wait_for(lambda: stack.api.get(f"/api/runs/{run_id}").json()["episodes_by_status"].get("running") is None,
                  90, interval=0.5, what="the rollout to end")

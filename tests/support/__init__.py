@@ -34,15 +34,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
-    """Poll `predicate()` until it returns a truthy value; raise AssertionError after `timeout` s."""
+def wait_for(predicate, timeout: float, interval: float = 0.2, what="condition"):
+    """Poll `predicate()` until it returns a truthy value; raise AssertionError after `timeout` s.
+
+    `what` names the condition; a callable is called only on timeout, so logs it reads show the
+    processes' state when the wait gave up, not when it began."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}")
 
 
 class Proc:
