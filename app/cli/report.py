@@ -89,7 +89,7 @@ def render_summary(run: dict, console: Console) -> None:
         facts.add_row("prefix merging", f"{merge.get('completions', 0)} completions -> {merge.get('chains', 0)} chains "
                                         f"({merge.get('merged', 0)} merged, {merge.get('cut', 0)} cut, {merge.get('rejected', 0)} rejected)")
     if summary.get("logprob_gap_max_abs") is not None:
-        facts.add_row("trainer vs rollout logprob gap", f"max |Δ| {summary['logprob_gap_max_abs']:.2e} nats")
+        facts.add_row("trainer vs rollout logprob gap (on-policy tokens)", f"max |Δ| {summary['logprob_gap_max_abs']:.2e} nats")
     stages = summary.get("stage_seconds") or {}
     facts.add_row("stage seconds (p50)", f"prepare {_fmt(stages.get('prepare_p50'), '.1f')}, rollout {_fmt(stages.get('rollout_p50'), '.1f')}"
                                          f" (p99 {_fmt(stages.get('rollout_p99'), '.1f')}), grade {_fmt(stages.get('grade_p50'), '.1f')}")

@@ -36,7 +36,9 @@ class StepSequence:
 
     `token_ids` int [T]; `loss_mask` 0/1 [T]; `logprobs` float nats [T] (rollout logprob
     where the mask is 1); `advantage` float; `episode_id` for reporting; `transform` the
-    sampling transform of each token (None: the identity, scored as plain log softmax).
+    sampling transform of each token (None: the identity, scored as plain log softmax);
+    `policy_lag` how many policy versions the oldest weights that sampled any of its tokens lag
+    the trainer's (0: on-policy, so its logprob gap measures sampling-vs-training mismatch alone).
     """
 
     token_ids: Sequence[int]
@@ -45,6 +47,7 @@ class StepSequence:
     advantage: float
     episode_id: int | None = None
     transform: SequenceTransform | None = None
+    policy_lag: int = 0
 
     @property
     def trainable(self) -> int:

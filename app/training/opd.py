@@ -150,7 +150,8 @@ class StepDistillation:
             self.turn_kl.append(float(gap[start:end].sum()))
         self.seconds.append(float(score.seconds))
         return OPDSequence(base.token_ids, base.loss_mask, base.logprobs, base.advantage if include else 0.0,
-                           base.episode_id, base.transform, token_advantages=adv.tolist())
+                           base.episode_id, base.transform, policy_lag=base.policy_lag,
+                           token_advantages=adv.tolist())
 
     def metrics(self) -> dict:
         """`reverse_kl_per_token`, `reverse_kl_per_turn` (nats), `tokens_scored`,

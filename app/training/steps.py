@@ -207,7 +207,8 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
         waited = None
         if config.algorithm != "grpo":  # the teacher worker scores the chains (sent with this step)
             waited = opd.wait_for_scores(run_id, step, episode_ids, config, trainer.vocab_size)
-        sequences, metrics = step_sequences(run_id, episode_ids, config, trainer.vocab_size)
+        sequences, metrics = step_sequences(run_id, episode_ids, config, trainer.vocab_size,
+                                            policy_version=_RESIDENT.policy_version)
         if waited is not None:
             metrics["opd"]["teacher_wait_s"] = waited
         metrics.update(trainer.update(sequences))
@@ -260,14 +261,26 @@ def _read_state(path: Path) -> dict:
     return json.loads((path / "trainer_state.json").read_text())
 
 
-def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, vocab_size: int):
+def policy_lag(row, policy_version: int | None) -> int:
+    """Versions by which the oldest policy that sampled a span of trajectory `row` (its
+    `meta.policy_versions`, one per completion; None where the engine did not say) lags
+    `policy_version`; 0 when either is unknown."""
+    versions = [v for v in (row.meta or {}).get("policy_versions") or [] if v is not None]
+    if policy_version is None or not versions:
+        return 0
+    return max(0, policy_version - min(versions))
+
+
+def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, vocab_size: int,
+                   policy_version: int | None = None):
     """Trajectories of the step's episodes with their advantages, and the data metrics.
 
     Returns `(list[StepSequence], metrics)`; metrics: episodes, groups, reward_mean,
     reward_std, resolved_rate, advantage_mean/std/min/max (per episode),
     zero_advantage_group_fraction, and the summed merge report (`merge`).
     Every sequence of an episode carries that episode's advantage, scaled by its group's
-    `weight` (< 1 for groups the scheduler down-weighted for staleness).
+    `weight` (< 1 for groups the scheduler down-weighted for staleness), and its `policy_lag`
+    behind `policy_version` (the version of the weights the trainer holds; None: all 0).
     """
     with session_scope() as s:
         episodes = list(s.scalars(select(Episode).where(Episode.id.in_(episode_ids), Episode.run_id == run_id)))
@@ -301,7 +314,7 @@ def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, 
                     merge["sequences_out_of_vocab"] += 1
                     continue
                 sequence = StepSequence(row.token_ids, row.loss_mask, row.logprobs, advantage[e.id], e.id,
-                                        trajectory_transform(row))
+                                        trajectory_transform(row), policy_lag(row, policy_version))
                 if distill is not None:  # per-token advantages; a chain without teacher scores is never trained
                     sequence = distill.sequence(row, sequence)
                     if sequence is None:

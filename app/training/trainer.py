@@ -234,9 +234,12 @@ class Trainer:
         """Run one GRPO step over `sequences`; return its metrics (JSON-able floats and ints).
 
         Metrics: loss, clip_fraction, kl (mean k3 value, an estimate of KL(policy || ref), whichever estimator is in the loss; 0 when off), tis_weight_mean,
-        tis_truncated_fraction, ratio_mean, logprob_gap_max_abs / logprob_gap_mean_abs,
-        micro_batches_zero_advantage (forward only: their gradient is exactly zero)
-        (|trainer - rollout| over sampled tokens before the update), grad_norm (largest
+        tis_truncated_fraction, ratio_mean, logprob_gap_max_abs / logprob_gap_mean_abs
+        (|trainer - rollout| before the update over the sampled tokens of on-policy sequences,
+        `policy_lag` 0: the sampling-vs-training mismatch alone), logprob_gap_stale_max_abs /
+        logprob_gap_stale_mean_abs and tokens_stale (the same over sequences sampled by older
+        weights: the mismatch plus the policy's change since, which TIS corrects),
+        micro_batches_zero_advantage (forward only: their gradient is exactly zero), grad_norm (largest
         pre-clip norm), tokens_trained, tokens_processed (real tokens through the model),
         padded_tokens, sequences, micro_batches, optimizer_updates, update_time_s,
         activation_checkpointing, world_size.
@@ -274,7 +277,8 @@ class Trainer:
         # With several updates per step, later updates see moved weights: their PPO ratio
         # needs logprobs from before the first update, so compute them all first.
         old = [[self._logprobs(mb, grad=False).float() for mb, _real in share] for share in shares] if len(chunks) > 1 else None
-        gaps = ([(o - mb.rollout_logprobs).abs() for olds, share in zip(old, shares)
+        lags = torch.tensor([seq.policy_lag for seq in sequences], dtype=torch.int64)
+        gaps = ([_gap(o, mb, lags) for olds, share in zip(old, shares)
                  for o, (mb, real) in zip(olds, share) if real] if old else [])
         totals = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "tis": 0.0, "tis_truncated": 0.0, "ratio": 0.0}
         grad_norm = 0.0
@@ -291,12 +295,12 @@ class Trainer:
                     if old is None:
                         values = self._logprobs(mb, grad=False).float()
                         if real:
-                            gaps.append((values - mb.rollout_logprobs).abs())
+                            gaps.append(_gap(values, mb, lags))
                     skipped += int(real)
                     continue
                 logprobs = self._logprobs(mb, grad=True).float()
                 if old is None and real:
-                    gaps.append((logprobs.detach() - mb.rollout_logprobs).abs())
+                    gaps.append(_gap(logprobs.detach(), mb, lags))
                 loss, stats = policy_loss(
                     logprobs,
                     old[u][j] if old is not None else logprobs.detach(),
@@ -331,14 +335,21 @@ class Trainer:
             grad_norm = max(grad_norm, norm)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        gap = torch.cat(gaps) if gaps else torch.zeros(0)
-        gap_max, gap_sum, gap_count = (float(gap.max()) if gap.numel() else 0.0), float(gap.sum()), gap.numel()
+        gap = torch.cat([g for g, _ in gaps]) if gaps else torch.zeros(0)
+        stale = torch.cat([m for _, m in gaps]) if gaps else torch.zeros(0, dtype=torch.bool)
+        fresh_gap, stale_gap = gap[~stale.to(gap.device)], gap[stale.to(gap.device)]
+        gap_max = float(fresh_gap.max()) if fresh_gap.numel() else 0.0
+        stale_max = float(stale_gap.max()) if stale_gap.numel() else 0.0
+        gap_sum, gap_count = float(fresh_gap.sum()), fresh_gap.numel()
+        stale_sum, stale_count = float(stale_gap.sum()), stale_gap.numel()
         if self.group is not None:
             keys = list(totals)
-            summed = self.group.all_reduce(torch.tensor([totals[k] for k in keys] + [gap_sum, gap_count, skipped]))
+            summed = self.group.all_reduce(torch.tensor([totals[k] for k in keys]
+                                                        + [gap_sum, gap_count, stale_sum, stale_count, skipped]))
             totals = dict(zip(keys, summed[: len(keys)].tolist()))
-            gap_sum, gap_count, skipped = float(summed[-3]), int(summed[-2]), int(summed[-1])
-            gap_max = float(self.group.all_reduce(torch.tensor([gap_max]), op="max")[0])
+            gap_sum, gap_count, stale_sum, stale_count, skipped = summed[len(keys):].tolist()
+            gap_count, stale_count, skipped = int(gap_count), int(stale_count), int(skipped)
+            gap_max, stale_max = self.group.all_reduce(torch.tensor([gap_max, stale_max]), op="max").tolist()
         n = max(metrics["tokens_trained"], 1)
         return _finite_or_none({
             **metrics,
@@ -350,6 +361,9 @@ class Trainer:
             "ratio_mean": totals["ratio"] / n,
             "logprob_gap_max_abs": gap_max,
             "logprob_gap_mean_abs": gap_sum / max(gap_count, 1),
+            "logprob_gap_stale_max_abs": stale_max,
+            "logprob_gap_stale_mean_abs": stale_sum / max(stale_count, 1),
+            "tokens_stale": stale_count,
             "grad_norm": grad_norm,
             "optimizer_updates": len(chunks),
             "micro_batches_zero_advantage": skipped,
@@ -523,3 +537,10 @@ def _write_json(path: Path, data: dict) -> None:
         json.dump(data, handle, indent=2, sort_keys=True)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def _gap(logprobs: torch.Tensor, mb: MicroBatch, lags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """|trainer - rollout| logprob (float [N], nats) of micro-batch `mb`'s sampled tokens, and
+    which of them belong to sequences sampled by older weights (bool [N], from `lags` int64
+    [sequences], each sequence's `policy_lag`)."""
+    return (logprobs - mb.rollout_logprobs).abs(), lags[mb.sequence_index.cpu()] > 0

@@ -218,6 +218,22 @@ def test_equal_rewards_leave_weights_unchanged():
     assert metrics["logprob_gap_max_abs"] < 1e-4
 
 
+def test_the_logprob_gap_of_stale_sequences_is_reported_apart_from_the_on_policy_gap():
+    """A sequence sampled by older weights differs from the trainer by the policy's change as well
+    as by any sampling mismatch; mixing it in would hide a fidelity fault behind staleness (or
+    show staleness as one).  Here its recorded logprobs are shifted by 0.5 nats."""
+    model = build_tiny_model(seed=0)
+    prompt = [1, 1000, 2000, 3000, 2, 1]
+    fresh = make_sequence(model, prompt, 6, seed=1, advantage=1.0)
+    stale = make_sequence(model, prompt, 5, seed=2, advantage=-1.0)
+    stale.logprobs = [lp - 0.5 if m else lp for lp, m in zip(stale.logprobs, stale.loss_mask)]
+    stale.policy_lag = 1
+    metrics = Trainer(TrainingConfig(learning_rate=1e-3), model).update([fresh, stale])
+    assert metrics["logprob_gap_max_abs"] < 1e-4 and metrics["logprob_gap_mean_abs"] < 1e-5
+    assert abs(metrics["logprob_gap_stale_max_abs"] - 0.5) < 1e-4
+    assert abs(metrics["logprob_gap_stale_mean_abs"] - 0.5) < 1e-4 and metrics["tokens_stale"] == 5
+
+
 def test_merged_chain_reproduces_per_request_logprobs():
     """Token-exact merging: a chain's sampled tokens see exactly their per-request context."""
     model = build_tiny_model(seed=0)

@@ -26,6 +26,15 @@ def weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def test_a_chains_policy_lag_counts_from_its_oldest_sampling_version():
+    from types import SimpleNamespace as Row
+
+    assert steps.policy_lag(Row(meta={"policy_versions": [3, 2, None]}), 4) == 2
+    assert steps.policy_lag(Row(meta={"policy_versions": [4, 4]}), 4) == 0
+    assert steps.policy_lag(Row(meta={"policy_versions": [None]}), 4) == 0  # the engine did not say
+    assert steps.policy_lag(Row(meta=None), 4) == 0 and steps.policy_lag(Row(meta={"policy_versions": [1]}), None) == 0
+
+
 def test_train_step_end_to_end_records_everything_and_is_idempotent(var_dir, engine, data):
     run_id = data.run([engine.url])
     episode_ids = data.group(run_id, 0, [1.0, 0.0], seed=1) + data.group(run_id, 1, [1.0, 1.0], seed=2)
@@ -46,6 +55,7 @@ def test_train_step_end_to_end_records_everything_and_is_idempotent(var_dir, eng
     assert metrics["tokens_trained"] == 4 * 3 * 6
     assert metrics["merge"]["chains"] == 4 and metrics["merge"]["completions"] == 12
     assert metrics["logprob_gap_max_abs"] < 1e-4  # recorded with a plain forward of the same weights
+    assert metrics["tokens_stale"] == 0  # sampled by version 0, the weights the step trained from
     assert metrics["engine_sync"] == {engine.url: "ok"} and metrics["engine_sync_failed"] == []
     for key in ("loss", "clip_fraction", "kl", "advantage_mean", "advantage_std", "grad_norm", "step_time_s"):
         assert key in metrics

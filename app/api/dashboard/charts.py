@@ -19,7 +19,7 @@ RATE = (0.0, 1.0)
 # Metrics the trainer's update computes (`Trainer.update`): none of them exists for a step whose
 # batches held no trainable token (`optimizer_updates` 0; the trainer still writes loss 0.0).
 UPDATE_METRICS = {"loss", "kl", "clip_fraction", "grad_norm", "tis_weight_mean", "tis_truncated_fraction",
-                  "ratio_mean", "logprob_gap_max_abs", "logprob_gap_mean_abs"}
+                  "ratio_mean", "logprob_gap_max_abs", "logprob_gap_mean_abs", "logprob_gap_stale_max_abs"}
 
 
 def metric(m: Metrics | None, path: str) -> float | None:
@@ -79,8 +79,9 @@ CHARTS: list[tuple[str, Series, dict]] = [
     ("grad norm (before clipping)", [("grad norm", "grad_norm")], {}),
     ("TIS truncated fraction", [("truncated", "tis_truncated_fraction")], {"range": RATE}),
     ("TIS weight / PPO ratio (mean)", [("TIS weight", "tis_weight_mean"), ("ratio", "ratio_mean")], {}),
-    ("trainer vs rollout logprob gap (nats)", [("max |Δ|", "logprob_gap_max_abs"),
-                                               ("mean |Δ|", "logprob_gap_mean_abs")], {}),
+    ("trainer vs rollout logprob gap (nats)", [("max |Δ| on-policy", "logprob_gap_max_abs"),
+                                               ("mean |Δ| on-policy", "logprob_gap_mean_abs"),
+                                               ("max |Δ| older weights", "logprob_gap_stale_max_abs")], {}),
     ("response length (sampled tokens per episode)", [("sampled", _per_episode("merge.trainable_tokens"))], {}),
     ("entropy", [("entropy", "entropy")], {}),
     ("tokens trained", [("trained", "tokens_trained"), ("processed", "tokens_processed")], {}),
