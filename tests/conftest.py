@@ -104,6 +104,18 @@ def redis_db(request):
 
 
 @pytest.fixture
+def one_thread():
+    """One torch intra-op thread for the test: its matrices are tiny, and on a shared 2-core box
+    OpenMP's spinning threads made such steps many times slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def spawn(tmp_path):
     """Start real subprocesses (celery workers, servers); all are killed at teardown."""
     procs: list[Proc] = []

@@ -20,15 +20,6 @@ from app.engines.modeling import (
 from app.engines.embedded.sampling import SamplingParams
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread for in-process generation (see tests/engines/conftest.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_tiny_model_is_deterministic_and_shares_smollm2_vocab():
     a, b, c = build_tiny_model(0), build_tiny_model(0), build_tiny_model(1)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))

@@ -20,13 +20,7 @@ from app.training.trainer import Trainer
 PROMPT = [1, 100, 200, 2, 1]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared box OpenMP's spinning makes two threads many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def state(model) -> dict[str, bytes]:

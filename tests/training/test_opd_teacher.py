@@ -26,12 +26,7 @@ from app.training.opd import OPDSequence, TeacherScoresMissing
 from app.training.teacher_check import check_teacher
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -69,12 +69,7 @@ def adapter_engine():
     server.close()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 LORA = {"lora": True, "lora_r": 4, "lora_alpha": 8, "learning_rate": 1e-2, "seed": 5}

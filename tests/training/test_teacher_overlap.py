@@ -5,7 +5,6 @@ graded are not sent."""
 from __future__ import annotations
 
 import pytest
-import torch
 from sqlalchemy import update
 
 from app.db import session_scope
@@ -17,12 +16,7 @@ from app.training import teacher
 REDIS_DB = 10
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture

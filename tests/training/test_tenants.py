@@ -62,14 +62,7 @@ def new_pool(**overrides) -> TenantPool:
 PROBE = sequences(999, n=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: these matrices are tiny, and on a shared 2-core box several threads
-    per op made each step ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def greedy(pool: TenantPool, prompt=(5, 17, 300, 42), tokens: int = 6) -> list[int]:

@@ -10,7 +10,6 @@ import threading
 from contextlib import contextmanager
 
 import pytest
-import torch
 from werkzeug.serving import make_server
 
 from app.engines.modeling import build_tiny_model, load_tokenizer, save_weights
@@ -22,12 +21,7 @@ from app.training.tokenizer_match import read_facts, tokenizer_dir
 WORD = re.compile(r"^\u0120?[a-z]{4,}$")  # a byte-level piece that is a plain lower-case word
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @contextmanager

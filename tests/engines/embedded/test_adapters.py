@@ -19,12 +19,7 @@ from app.training import policy
 PROMPT = [5, 17, 300, 42, 7, 99, 1000, 23, 8, 64, 12, 77, 31, 400, 9, 18, 2000, 51, 6, 33]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def trained_adapter(folder, seed: int, version: int = 1, r: int = 4, alpha: int = 8):
