@@ -138,3 +138,11 @@ def add_group(run_id: int, group_index: int, rewards: list[float], seed: int) ->
 def data():
     """`data.run(engine_urls, training)` -> run id; `data.group(run_id, index, rewards, seed)` -> episode ids."""
     return SimpleNamespace(run=make_run, group=add_group, root=ROOT, Engine=Engine)
+
+
+@pytest.fixture
+def teacher_dir(tmp_path):
+    """A teacher checkpoint of the student's architecture and tokenizer (another random init)."""
+    from app.engines.modeling import build_tiny_model, save_weights
+
+    return str(save_weights(build_tiny_model(seed=1), tmp_path / "teacher"))

@@ -29,12 +29,6 @@ from app.training.teacher_check import check_teacher
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-@pytest.fixture
-def teacher_dir(tmp_path):
-    """A teacher checkpoint of the student's architecture and tokenizer (another random init)."""
-    return str(save_weights(build_tiny_model(seed=1), tmp_path / "teacher"))
-
-
 def opd_run(data, engine_urls, teacher_cfg, algorithm="opd") -> int:
     return data.run(engine_urls, {"algorithm": algorithm, "teacher": teacher_cfg, "learning_rate": 1e-5})
 

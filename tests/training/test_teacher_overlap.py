@@ -8,7 +8,6 @@ import pytest
 from sqlalchemy import update
 
 from app.db import session_scope
-from app.engines.modeling import build_tiny_model, save_weights
 from app.tables import Episode, Run
 from app.tasks.teacher import send_if_graded
 from app.training import teacher
@@ -17,11 +16,6 @@ REDIS_DB = 10
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-@pytest.fixture
-def teacher_dir(tmp_path):
-    return str(save_weights(build_tiny_model(seed=1), tmp_path / "teacher"))
 
 
 def waiting(redis_db, queue: str) -> int:
