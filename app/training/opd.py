@@ -30,6 +30,13 @@ sampled token y_t through both logprobs.  The reported reverse KL per token is t
 samples; Schulman 2020, joschu.net/blog/kl-approx.html); per turn it is the sum over one
 completion's sampled tokens, averaged over completions.
 
+pi_S is the policy that sampled: under a caller's sampling transform (temperature, top-k, top-p)
+the recorded logprob is that of the transformed student (`app.engines.transform`), which is also
+what the trainer's ratio and TIS score, while the teacher is scored untransformed.  The estimate
+is then of KL(transformed student || teacher): at T < 1 a student whose sharpened samples match
+the teacher is itself flatter than the teacher.  mini-swe-agent sends no temperature (T = 1, no
+truncation), where the two coincide.
+
 A chain without a stored teacher score is never trained: `StepDistillation.sequence` drops it
 and the share of such chains is a step metric (`opd.chains_unscored_fraction`, 0 in a healthy run).
 """
