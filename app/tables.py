@@ -329,3 +329,13 @@ class TrainingStep(Base):
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
     run: Mapped[Run] = relationship(back_populates="steps")
+
+    def start_values(self, now: dt.datetime) -> dict[str, Any]:
+        """Column values for the step's move to `training` at `now`: `started_at`, and on its
+        first start its wait on the gpu queue (created -> started, seconds) as the scheduler
+        metric `scheduling.gpu_queue_wait_s` (a re-sent step keeps the first wait)."""
+        metrics = dict(self.metrics or {})
+        scheduling = dict(metrics.get("scheduling") or {})
+        if "gpu_queue_wait_s" not in scheduling:
+            scheduling["gpu_queue_wait_s"] = max(0.0, (now - aware_utc(self.created_at)).total_seconds())
+        return {"started_at": now, "metrics": {**metrics, "scheduling": scheduling}}

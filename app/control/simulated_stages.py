@@ -102,7 +102,8 @@ class SimulatedStages:
             if row.status == "completed":
                 return dict(row.metrics or {})
             # pending, or training left behind by a killed worker and re-sent by the watchdog
-            if not transition(s, TrainingStep, row.id, "training", expect=("pending", "training"), started_at=utcnow()):
+            if not transition(s, TrainingStep, row.id, "training", expect=("pending", "training"),
+                              **row.start_values(utcnow())):
                 return {"skipped": f"step {step} is {row.status}"}
         time.sleep(self.sim.train_s)
         with session_scope() as s:

@@ -187,7 +187,8 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
         episode_ids = list(row.episode_ids or episode_ids or [])
         if not episode_ids:
             raise ValueError(f"step {step} of run {run_id} lists no episodes")
-        transition(s, TrainingStep, row.id, "training", expect=("pending", "training"), started_at=utcnow(), error=None)
+        transition(s, TrainingStep, row.id, "training", expect=("pending", "training"), error=None,
+                   **row.start_values(utcnow()))
         run_cfg = run.run_config()
         spec, config = run_cfg.model.name, run_cfg.training
         if run_cfg.model.checkpoint:  # a train run that starts from a checkpoint trains those weights

@@ -93,6 +93,8 @@ def test_a_run_with_a_thousand_queued_episodes_does_not_hold_back_another_runs_s
     # The gpu queue: the flood's steps that started between the small run's step being sent and its start.
     sent, began = aware_utc(step.created_at), aware_utc(step.started_at)
     assert sum(1 for t in flood_steps if sent < aware_utc(t) <= began) <= 2
+    # the dashboard's per-run queue waits (the "queue waits" chart) have the step's gpu wait
+    assert abs(step.metrics["scheduling"]["gpu_queue_wait_s"] - (began - sent).total_seconds()) < 1e-3
 
     with session_scope() as s:  # the flood goes on unharmed by the small run: its episodes still roll out
         before = _count(flood, Episode.status == "completed")

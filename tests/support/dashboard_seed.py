@@ -124,7 +124,7 @@ def _step_metrics(step: int, rewards: list[float], rng: random.Random) -> dict:
                   "rejected": 0, "trainable_tokens": 180 + 20 * step, "cut_reasons": {"context_diverged": step} if step else {}, "rejected_reasons": {}},
         "scheduling": {"trainer_busy_fraction": 0.55 + 0.1 * step, "rollout_slot_occupancy": 0.9,
                        "ready_wait_s": {"n": 4, "p50": 0.04 + 0.01 * step, "max": 0.3},
-                       "staleness_hist": {"0": 3, "1": step}},
+                       "gpu_queue_wait_s": 0.5 + step, "staleness_hist": {"0": 3, "1": step}},
         "policy_version": step + 1, "step_time_s": 11.5, "update_time_s": 8.1 + step, "checkpoint_time_s": 1.2,
         "engine_sync_time_s": 0.4, "grad_norm": 0.8 - 0.1 * step, "optimizer_updates": 1,
         "tis_weight_mean": 0.98, "tis_truncated_fraction": 0.02 * step, "ratio_mean": 1.0,

@@ -44,8 +44,10 @@ def test_train_step_end_to_end_records_everything_and_is_idempotent(var_dir, eng
     with session_scope() as s:
         row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.step == 0))
         assert row.status == "completed" and row.policy_version == 1 and row.error is None
+        waited = (row.started_at - row.created_at).total_seconds()
+        assert abs(row.metrics["scheduling"]["gpu_queue_wait_s"] - waited) < 1e-3  # created -> started
         assert s.get(Run, run_id).policy_version == 1
-        assert row.metrics == json.loads(json.dumps(metrics))
+        assert row.metrics == {**json.loads(json.dumps(metrics)), "scheduling": row.metrics["scheduling"]}
         assert s.scalar(select(func.count()).select_from(Trajectory)) == 4  # one chain per episode
         episode = s.get(Episode, episode_ids[0])
         assert episode.merge_stats["prefix_merging"]["completions_merged"] == 2

@@ -91,7 +91,8 @@ CHARTS: list[tuple[str, Series, dict]] = [
                         ("chains", "merge.chains"), ("cut", "merge.chains_cut"), ("rejected", "merge.rejected")], {}),
     ("trainer busy / rollout slots", [("trainer busy", "scheduling.trainer_busy_fraction"),
                                       ("slot occupancy", "scheduling.rollout_slot_occupancy")], {"range": RATE}),
-    ("READY wait (s)", [("p50", "scheduling.ready_wait_s.p50"), ("max", "scheduling.ready_wait_s.max")], {}),
+    ("queue waits (s)", [("READY p50", "scheduling.ready_wait_s.p50"), ("READY max", "scheduling.ready_wait_s.max"),
+                         ("gpu queue", "scheduling.gpu_queue_wait_s")], {}),
     ("staleness (policy versions)", [("mean", _staleness_mean)], {}),
     # On-policy distillation (training.algorithm opd / grpo+opd; app.training.opd).
     ("reverse KL to the teacher (nats)", [("per token", "opd.reverse_kl_per_token"),

@@ -69,7 +69,7 @@ def test_run_page_shows_config_curves_and_episodes(browser, site, shots):
     captions = [f.get_attribute("data-title") for f in browser.find_elements(By.CSS_SELECTOR, "figure.chart")]
     for title in ("reward (mean ± std)", "resolved rate", "loss", "KL", "clip fraction",
                   "trainer vs rollout logprob gap (nats)", "tokens trained", "prefix merging",
-                  "trainer busy / rollout slots", "READY wait (s)", "staleness (policy versions)"):
+                  "trainer busy / rollout slots", "queue waits (s)", "staleness (policy versions)"):
         assert title in captions
     # uPlot drew one canvas per chart
     WebDriverWait(browser, WAIT_S).until(
