@@ -11,7 +11,8 @@ Which weights an eval samples: the mid-run evals leave the engines as the train 
 so their episodes are served by the policy of step `step` and, once the train run syncs a newer
 one, by later versions; every completion records the version that served it, and the curve
 reports the range (`served_versions`).  The last eval loads the train run's newest checkpoint
-(`model.checkpoint: run:<id>`): exactly the final policy.
+(`model.checkpoint: run:<id>`): exactly the final policy.  A LoRA run's evals sample its
+newest adapter instead (the gateway maps their sessions to it), the last one included.
 
 When an eval completes, its pass@1 (the mean over instances of the resolved fraction) and a 95%
 clustered bootstrap interval (`app.stats.compare_samples`: instances resampled, then samples
@@ -88,7 +89,10 @@ def problems(cfg: RunConfig) -> list[tuple[str, str]]:
 def eval_config(cfg: RunConfig, run_id: int, step: int, instances: list[str], final: bool) -> dict:
     """The config of the eval run at `step` of train run `run_id` (JSON, as `POST /api/runs` takes)."""
     model = cfg.model.model_dump(mode="json")
-    model["checkpoint"] = f"run:{run_id}" if final else None
+    # A LoRA run's final policy is its newest adapter, which the gateway serves to its evals
+    # (`app.proxy.sessions.current_adapter`); loading its merged checkpoint would replace the base
+    # weights every LoRA run on these engines shares.
+    model["checkpoint"] = f"run:{run_id}" if final and not cfg.training.lora else None
     scheduling = {"rollout_slots": max(1, cfg.scheduling.rollout_slots // 2), "ready_depth": cfg.scheduling.ready_depth}
     out = {"kind": "eval", "task_set": cfg.task_set, "harness": cfg.harness, "runtime": cfg.runtime, "model": model,
            "instances": instances, "group_size": cfg.eval_samples, "tasks_per_step": len(instances), "steps": 1,

@@ -6,6 +6,9 @@ any number of them share the engines and the trainer when their LoRA shape agree
 weight the engines serve, so it takes the engines for itself: it is refused while LoRA runs
 share them, and a LoRA run is refused while a full fine-tune holds them.
 
+An eval run that loads a checkpoint (`model.checkpoint`) writes the engines' weights as a full
+fine-tune does: it is refused while LoRA runs share them, and a LoRA run is refused while it runs.
+
 "Uses the engines": a run in `ACTIVE_STATES` whose stages are real (not simulated) and whose
 engine set (`model.engine_urls`, or the installation's `TURNSTILE_ENGINE_URLS`) overlaps this
 one's.  Full fine-tunes side by side are still allowed (as before this module): `engine_notice`
@@ -38,19 +41,21 @@ def _engines(cfg: RunConfig) -> set[str]:
 
 
 def engine_problems(cfg: RunConfig, exclude_run: int | None = None) -> list[tuple[str, str]]:
-    """`(field, message)` for each reason a new train run `cfg` cannot share the deployment with
-    the train runs already using its engines; [] when it can (or `cfg` is not a real train run).
+    """`(field, message)` for each reason a new run `cfg` cannot share the deployment with the runs
+    already using its engines; [] when it can (or `cfg` is simulated, or an eval run that loads
+    no checkpoint).
     Sharing needs the embedded engine (vLLM engines get one run's merged weights).
     `exclude_run`: a run id left out (the run itself, when re-checked)."""
-    if cfg.kind != "train" or cfg.simulate is not None:
+    if cfg.simulate is not None or cfg.kind not in ("train", "eval"):
         return []
+    if cfg.kind == "eval":
+        return _checkpoint_eval_problems(cfg, exclude_run)
     mine = _engines(cfg)
-    with session_scope() as s:
-        rows = [(r.id, r.run_config()) for r in s.scalars(
-            select(Run).where(Run.status.in_(ACTIVE_STATES), Run.kind == "train").order_by(Run.id))
-            if r.id != exclude_run]
-    others = [(rid, other) for rid, other in rows
-              if other.simulate is None and (mine == _engines(other) or mine & _engines(other))]
+    others = _users(cfg, "train", exclude_run)
+    evals = [rid for rid, other in _users(cfg, "eval", exclude_run) if other.model.checkpoint]
+    if cfg.training.lora and evals:
+        return [("training.lora", f"true: eval run {evals[0]} has loaded a checkpoint into these engines, so the base "
+                                  "weights LoRA adapters sit on are not the base model's now; wait until it ends")]
     if not others:
         return []
     full = [rid for rid, other in others if not other.training.lora]
@@ -86,6 +91,31 @@ def engine_problems(cfg: RunConfig, exclude_run: int | None = None) -> list[tupl
             out.append((where, f"{_show(shape[attr])} cannot share the LoRA pool of train run {holder_id}, whose "
                                f"adapters have {_show(pool[attr])}; use the same value, or wait until it ends"))
     return out
+
+
+def _users(cfg: RunConfig, kind: str, exclude_run: int | None) -> list[tuple[int, RunConfig]]:
+    """(id, config) of the active real runs of `kind` whose engines overlap `cfg`'s, oldest first."""
+    mine = _engines(cfg)
+    with session_scope() as s:
+        rows = [(r.id, r.run_config()) for r in s.scalars(
+            select(Run).where(Run.status.in_(ACTIVE_STATES), Run.kind == kind).order_by(Run.id))
+            if r.id != exclude_run]
+    return [(rid, other) for rid, other in rows
+            if other.simulate is None and (mine == _engines(other) or mine & _engines(other))]
+
+
+def _checkpoint_eval_problems(cfg: RunConfig, exclude_run: int | None) -> list[tuple[str, str]]:
+    """An eval run that loads `model.checkpoint` pushes full weights into its engines: refused while
+    LoRA train runs share them (it would replace the base their adapters sit on)."""
+    if not cfg.model.checkpoint:
+        return []  # it samples the engines as they are; it loads nothing
+    lora = [rid for rid, other in _users(cfg, "train", exclude_run) if other.training.lora]
+    if not lora:
+        return []
+    ids = ", ".join(map(str, lora))
+    return [("model.checkpoint", f"{cfg.model.checkpoint!r}: loading it replaces the base weights that LoRA train "
+                                 f"run(s) {ids} share on these engines; wait until they end, or evaluate on other "
+                                 "engines (model.engine_urls)")]
 
 
 def engine_notice(cfg: RunConfig, exclude_run: int | None = None) -> dict | None:

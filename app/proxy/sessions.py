@@ -101,8 +101,15 @@ def resolve_session_info(token: str | None) -> SessionInfo | None:
 
 def current_adapter(run_id: int, config: dict | None) -> str | None:
     """The adapter name (`run-<id>@<hash>`) a LoRA train run's newest completed step loaded on the
-    engines, or None (not a LoRA run, no step yet: the adapters start as the base model)."""
-    if not (config or {}).get("training", {}).get("lora") or (config or {}).get("kind") != "train":
+    engines, or None (not a LoRA run, no step yet: the adapters start as the base model).  A
+    held-out eval of a train run (`eval_of`) samples that run's adapter: the policy it measures."""
+    config = config or {}
+    if config.get("kind") == "eval" and (config.get("eval_of") or {}).get("run") is not None:
+        train_id = int(config["eval_of"]["run"])
+        with session_scope() as s:
+            train_config = s.scalar(select(Run.config).where(Run.id == train_id))
+        return current_adapter(train_id, train_config) if (train_config or {}).get("kind") == "train" else None
+    if not config.get("training", {}).get("lora") or config.get("kind") != "train":
         return None
     with session_scope() as s:
         metrics = s.scalar(select(TrainingStep.metrics).where(

@@ -193,3 +193,14 @@ def test_eval_every_needs_instances_and_a_train_run(database, redis_db):
     assert resp.status_code == 400 and "eval_instances" in resp.get_json()["error"]["message"]
     resp = client.post("/api/runs", json={**TRAIN, "kind": "eval"})
     assert resp.status_code == 400 and "only a train run evaluates" in str(resp.get_json()["error"]["details"])
+
+
+def test_the_last_eval_of_a_lora_run_samples_its_adapter_and_loads_no_checkpoint():
+    """Loading a LoRA run's merged checkpoint would replace the base every LoRA run on the engines
+    shares; its newest adapter is its final policy, and the gateway serves it to the eval."""
+    full = RunConfig.model_validate({k: v for k, v in TRAIN.items() if k != "simulate"})
+    lora = RunConfig.model_validate({**{k: v for k, v in TRAIN.items() if k != "simulate"},
+                                     "training": {"lora": True}})
+    assert heldout.eval_config(full, 7, 3, ["sim-h0"], final=True)["model"]["checkpoint"] == "run:7"
+    assert heldout.eval_config(lora, 7, 3, ["sim-h0"], final=True)["model"]["checkpoint"] is None
+    assert heldout.eval_config(full, 7, 2, ["sim-h0"], final=False)["model"]["checkpoint"] is None

@@ -108,3 +108,36 @@ def test_the_api_creates_a_full_fine_tune_next_to_another_and_says_so(client):
     assert resp.status_code == 202, resp.get_json()
     notice = resp.get_json()["engines_notice"]
     assert notice["engines_held_by_runs"] == [other] and "full fine-tune" in notice["message"]
+
+
+def test_an_eval_that_loads_a_checkpoint_and_lora_runs_do_not_share_engines(database):
+    """An eval run with `model.checkpoint` pushes full weights into its engines, as a full fine-tune
+    does: it would replace the base the LoRA adapters sit on."""
+    with_checkpoint = RunConfig.model_validate({"kind": "eval", "model": {"checkpoint": "run:1"}})
+    assert engine_problems(with_checkpoint) == []  # no LoRA run in the way
+    lora_run = holding(lora=True)
+    problems = engine_problems(with_checkpoint)
+    assert fields(problems) == ["model.checkpoint"] and str(lora_run) in problems[0][1]
+    assert engine_problems(RunConfig.model_validate({"kind": "eval"})) == []  # samples the engines as they are
+    assert engine_problems(RunConfig.model_validate(
+        {"kind": "eval", "model": {"checkpoint": "run:1", "engine_urls": ["http://other:8000"]}})) == []
+    with session_scope() as s:
+        s.get(Run, lora_run).status = "completed"
+        ev = Run(kind="eval", config=with_checkpoint.model_dump(mode="json"), status="running")
+        s.add(ev)
+        s.flush()
+        eval_id = ev.id
+    problems = engine_problems(train(lora=True))
+    assert fields(problems) == ["training.lora"] and f"eval run {eval_id}" in problems[0][1]
+    assert engine_problems(train()) == []  # a full fine-tune next to it: as before
+
+
+def test_the_api_refuses_a_checkpoint_eval_while_lora_runs_share_the_engines(client, tmp_path):
+    from app.engines.modeling import build_tiny_model, save_weights
+
+    folder = save_weights(build_tiny_model(seed=0), tmp_path / "checkpoint")  # a real one: the API checks it
+    lora_run = holding(lora=True)
+    resp = client.post("/api/runs", json={"kind": "eval", "model": {"name": "tiny", "checkpoint": str(folder)}})
+    assert resp.status_code == 400, resp.get_json()
+    err = resp.get_json()["error"]
+    assert err["field"] == "model.checkpoint" and f"LoRA train run(s) {lora_run}" in err["message"], err

@@ -100,6 +100,11 @@ def test_interleaved_lora_runs_train_alike_and_serve_their_own_adapters(var_dir,
         configs = {run: s.get(Run, run).config for run in (a, b)}
     configs = {run: {**cfg, "kind": "train"} for run, cfg in configs.items()}
     assert current_adapter(a, configs[a]) == names[2] and current_adapter(b, configs[b]) == names[3]
+    # a held-out eval of run a samples a's newest adapter, not the shared base
+    with session_scope() as s:
+        s.get(Run, a).config = configs[a]
+    assert current_adapter(10_000, {"kind": "eval", "eval_of": {"run": a, "step": 1}}) == names[2]
+    assert current_adapter(10_000, {"kind": "eval"}) is None
 
 
 def test_a_failed_step_of_one_run_leaves_the_other_runs_adapter(var_dir, adapter_engine, data):
