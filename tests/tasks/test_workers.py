@@ -142,6 +142,53 @@ def test_killed_gpu_pool_child_leaves_the_step_to_the_watchdog(env, spawn, monke
         assert s.get(Run, run_id).policy_version == 1
 
 
+def test_a_killed_step_of_one_run_is_re_sent_while_another_runs_steps_go_on(env, spawn, monkeypatch):
+    """Two train runs on one gpu worker: SIGKILL of the pool child in run A's step loses A's step
+    only; run B's steps (queued behind it, then after it) train and complete before the watchdog
+    re-sends A's, which then completes too; each run's policy version counts its own steps once."""
+    import os
+    import signal
+
+    from app.control import watchdog as control_watchdog
+    from app.tasks import control as control_tasks
+
+    gpu = spawn(celery_worker_args("gpu", concurrency=1, name="gpu"), env, name="gpu")
+    spawn(celery_worker_args("control,prepare,rollout,grade", concurrency=3, name="cpu"), env, name="cpu")
+    a = _create({"kind": "train", "group_size": 2, "tasks_per_step": 1, "steps": 1,
+                 "simulate": {"episode_median_s": 0.1, "train_s": 6.0}})
+
+    def training():
+        with session_scope() as s:
+            return s.scalar(select(TrainingStep.id).where(TrainingStep.run_id == a, TrainingStep.status == "training"))
+
+    wait_for(training, 60, what=lambda: f"run A's step to start training\n{gpu.output()[-3000:]}")
+    b = _create({"kind": "train", "group_size": 2, "tasks_per_step": 1, "steps": 2, "mode": "sync",
+                 "simulate": {"episode_median_s": 0.1, "train_s": 0.2}})
+    children = [int(p) for p in open(f"/proc/{gpu.popen.pid}/task/{gpu.popen.pid}/children").read().split()]
+    assert len(children) == 1, children
+    os.kill(children[0], signal.SIGKILL)
+    wait_for(lambda: _run_status(b) in ("completed", "failed"), 90,
+             what=lambda: f"run B to finish while A's step is lost\n{gpu.output()[-3000:]}")
+    with session_scope() as s:
+        assert s.get(Run, b).status == "completed" and s.get(Run, b).policy_version == 2
+        lost = s.scalar(select(TrainingStep).where(TrainingStep.run_id == a))
+        assert (lost.status, lost.error) == ("training", None)  # lost, not failed; nobody re-sent it yet
+        assert s.get(Run, a).status == "running" and s.get(Run, a).policy_version == 0
+    monkeypatch.setattr(control_watchdog, "STEP_GRACE_S", 0.0)
+    passes = []
+
+    def resent():
+        passes.append(control_tasks.watchdog())
+        return passes[-1]["resent"]
+
+    assert (a, 0) in wait_for(resent, 60, interval=2, what="the watchdog to re-send A's step"), passes
+    wait_for(lambda: _run_status(a) in ("completed", "failed"), 60,
+             what=lambda: f"run A to finish after the re-send\n{gpu.output()[-3000:]}")
+    with session_scope() as s:
+        assert s.get(Run, a).status == "completed" and s.get(Run, a).policy_version == 1
+        assert s.get(Run, b).policy_version == 2  # B untouched by A's recovery
+
+
 def test_an_eval_run_writes_its_figures_to_tensorboard(env, spawn):
     """Eval runs appear in TensorBoard too: instances solved, resolved rate and reward mean at the end."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
