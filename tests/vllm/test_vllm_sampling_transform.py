@@ -10,7 +10,10 @@ Two gaps are told apart:
 
 * the transform itself: ``app.engines.transform`` applied to vLLM's *own* untransformed logits
   (its raw ``prompt_logprobs`` of the same ids, top 20, which hold every kept token when top-k
-  is 20) must give vLLM's processed logprobs and supports, <= 1e-5;
+  is 20) must give vLLM's processed logprobs and supports, <= 1e-5, or within vLLM's own
+  decode-vs-prefill drift divided by T where that is larger: those raw logits come from a second,
+  prefill, forward pass, and a greedy answer in the same run measures how far such a pass lands
+  from the decode that sampled (untransformed on both sides);
 * the trainer's: its own fp32 forward differs from vLLM's CPU kernels already without any
   transform (the identity floor, measured on the same tokens, ~2-3e-5); under T the transform
   divides that rounding by T, so the trainer's gap is bounded by the floor / T, not by 1e-5.
@@ -92,6 +95,10 @@ def test_trainer_scores_under_vllms_processed_logprobs(vllm_server, trainer):
     supports = derived_support(raw / temperature[:, None], torch.full((n,), 20), torch.full((n,), 0.9))
     own = (processed_logprobs(raw, targets, temperature, torch.tensor(support)) - engine).abs().max().item()
     assert supports.tolist() == support
+    greedy = capture(vllm_server, temperature=0.0)
+    greedy_ids = torch.tensor(greedy.sampled_ids)
+    drift = (vllm_raw_top(vllm_server, greedy, vocab).gather(1, greedy_ids[:, None])[:, 0]
+             - torch.tensor(greedy.logprobs)).abs().max().item()
 
     # The trainer: under the recorded transform, with the support derived, ignoring the transform.
     matched = (trainer_logprobs(trainer, record) - engine).abs().max().item()
@@ -102,10 +109,11 @@ def test_trainer_scores_under_vllms_processed_logprobs(vllm_server, trainer):
     ignored = (untransformed - engine).abs().max().item()
     floor = (untransformed - raw.gather(1, targets[:, None])[:, 0]).abs().max().item()   # same tokens, no transform
     print(f"\nvLLM (CPU, fp32), T=0.7 top-p 0.9 top-k 20, {n} tokens, supports {support}:\n"
-          f"  the transform on vLLM's own raw logits vs its processed logprobs: {own:.2e}\n"
+          f"  the transform on vLLM's own raw logits vs its processed logprobs: {own:.2e} "
+          f"(vLLM's decode-vs-prefill drift, greedy: {drift:.2e})\n"
           f"  trainer vs vLLM: {matched:.2e} with the recorded support, {derived:.2e} with the support derived, "
           f"{ignored:.2e} ignoring the transform; identity floor on the same tokens {floor:.2e}")
-    assert own <= GAP
+    assert own <= max(GAP, 1.5 * drift / 0.7)
     assert matched <= max(GAP, 1.5 * floor / 0.7) and abs(derived - matched) <= 1e-6
     assert ignored > 0.1   # the untransformed policy is another one: the checks above can fail
 
