@@ -124,11 +124,7 @@ def engine_notice(cfg: RunConfig, exclude_run: int | None = None) -> dict | None
     `exclude_run`: the run itself."""
     if cfg.kind != "train" or cfg.simulate is not None or cfg.training.lora:
         return None
-    mine = _engines(cfg)
-    with session_scope() as s:
-        ids = [r.id for r in s.scalars(select(Run).where(Run.status.in_(ACTIVE_STATES), Run.kind == "train")
-                                       .order_by(Run.id))
-               if r.id != exclude_run and (other := r.run_config()).simulate is None and (mine == _engines(other) or mine & _engines(other))]
+    ids = [rid for rid, _other in _users(cfg, "train", exclude_run)]
     if not ids:
         return None
     return {"engines_held_by_runs": ids,

@@ -97,46 +97,66 @@ def test_worker_sigkill_mid_episode_loses_nothing(env, spawn):
         assert s.scalar(select(func.count()).select_from(Group).where(Group.run_id == run_id)) == 1
 
 
-def test_killed_gpu_pool_child_leaves_the_step_to_the_watchdog(env, spawn, monkeypatch):
-    """SIGKILL of the gpu worker's pool child mid-step: the step is not failed (Celery reports a
-    WorkerLostError to the errback); the watchdog re-sends it and the run completes."""
-    import os
-    import signal
-
-    from app.control import watchdog as control_watchdog
-    from app.tasks import control as control_tasks
-
+def _gpu_and_cpu_workers(spawn, env):
+    """A gpu worker of one pool child and a worker for the other queues; returns the gpu worker."""
     gpu = spawn(celery_worker_args("gpu", concurrency=1, name="gpu"), env, name="gpu")
     spawn(celery_worker_args("control,prepare,rollout,grade", concurrency=3, name="cpu"), env, name="cpu")
-    run_id = _create({"kind": "train", "group_size": 2, "tasks_per_step": 1, "steps": 1,
-                      "simulate": {"episode_median_s": 0.1, "train_s": 6.0}})
+    return gpu
 
+
+def _wait_training(run_id: int, gpu) -> None:
     def training():
         with session_scope() as s:
             return s.scalar(select(TrainingStep.id).where(TrainingStep.run_id == run_id,
                                                           TrainingStep.status == "training"))
 
-    wait_for(training, 60, what=f"the step to start training\n{gpu.output()[-3000:]}")
+    wait_for(training, 60, what=lambda: f"run {run_id}'s step to start training\n{gpu.output()[-3000:]}")
+
+
+def _kill_pool_child(gpu) -> None:
+    """SIGKILL the gpu worker's one prefork pool child (the process running the step)."""
+    import os
+    import signal
+
     children = [int(p) for p in open(f"/proc/{gpu.popen.pid}/task/{gpu.popen.pid}/children").read().split()]
     assert len(children) == 1, children  # prefork pool, concurrency 1
     os.kill(children[0], signal.SIGKILL)
-    time.sleep(3)  # the errback has long run by now
-    with session_scope() as s:
-        step = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id))
-        assert step.status == "training" and step.error is None, (step.status, step.error)
-        assert s.get(Run, run_id).status == "running"
+
+
+def _watchdog_until_resent(monkeypatch, what: str) -> tuple[list, list]:
+    """What beat runs every 30 s, here in-process and more often, until a pass re-sends a step: a
+    worker may still list the lost task as active for a moment after its child died, so a pass may
+    find nothing yet.  Returns (that pass's re-sent steps, every pass's report)."""
+    from app.control import watchdog as control_watchdog
+    from app.tasks import control as control_tasks
+
     monkeypatch.setattr(control_watchdog, "STEP_GRACE_S", 0.0)  # the step is old enough to be orphaned
-    # What beat runs every 30 s, here in-process and more often: a worker may still list the lost
-    # task as active for a moment after its child died, so a pass may find nothing yet.
     passes = []
 
     def resent():
         passes.append(control_tasks.watchdog())
         return passes[-1]["resent"]
 
-    assert wait_for(resent, 60, interval=2, what="the watchdog to re-send the step") == [(run_id, 0)], passes
+    return wait_for(resent, 60, interval=2, what=what), passes
+
+
+def test_killed_gpu_pool_child_leaves_the_step_to_the_watchdog(env, spawn, monkeypatch):
+    """SIGKILL of the gpu worker's pool child mid-step: the step is not failed (Celery reports a
+    WorkerLostError to the errback); the watchdog re-sends it and the run completes."""
+    gpu = _gpu_and_cpu_workers(spawn, env)
+    run_id = _create({"kind": "train", "group_size": 2, "tasks_per_step": 1, "steps": 1,
+                      "simulate": {"episode_median_s": 0.1, "train_s": 6.0}})
+    _wait_training(run_id, gpu)
+    _kill_pool_child(gpu)
+    time.sleep(3)  # the errback has long run by now
+    with session_scope() as s:
+        step = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id))
+        assert step.status == "training" and step.error is None, (step.status, step.error)
+        assert s.get(Run, run_id).status == "running"
+    resent, passes = _watchdog_until_resent(monkeypatch, "the watchdog to re-send the step")
+    assert resent == [(run_id, 0)], passes
     wait_for(lambda: _run_status(run_id) in ("completed", "failed"), 60,
-             what=f"the run to finish after the re-send\n{gpu.output()[-3000:]}")
+             what=lambda: f"the run to finish after the re-send\n{gpu.output()[-3000:]}")
     assert _run_status(run_id) == "completed", gpu.output()[-3000:]
     with session_scope() as s:
         assert s.get(Run, run_id).policy_version == 1
@@ -146,27 +166,13 @@ def test_a_killed_step_of_one_run_is_re_sent_while_another_runs_steps_go_on(env,
     """Two train runs on one gpu worker: SIGKILL of the pool child in run A's step loses A's step
     only; run B's steps (queued behind it, then after it) train and complete before the watchdog
     re-sends A's, which then completes too; each run's policy version counts its own steps once."""
-    import os
-    import signal
-
-    from app.control import watchdog as control_watchdog
-    from app.tasks import control as control_tasks
-
-    gpu = spawn(celery_worker_args("gpu", concurrency=1, name="gpu"), env, name="gpu")
-    spawn(celery_worker_args("control,prepare,rollout,grade", concurrency=3, name="cpu"), env, name="cpu")
+    gpu = _gpu_and_cpu_workers(spawn, env)
     a = _create({"kind": "train", "group_size": 2, "tasks_per_step": 1, "steps": 1,
                  "simulate": {"episode_median_s": 0.1, "train_s": 6.0}})
-
-    def training():
-        with session_scope() as s:
-            return s.scalar(select(TrainingStep.id).where(TrainingStep.run_id == a, TrainingStep.status == "training"))
-
-    wait_for(training, 60, what=lambda: f"run A's step to start training\n{gpu.output()[-3000:]}")
+    _wait_training(a, gpu)
     b = _create({"kind": "train", "group_size": 2, "tasks_per_step": 1, "steps": 2, "mode": "sync",
                  "simulate": {"episode_median_s": 0.1, "train_s": 0.2}})
-    children = [int(p) for p in open(f"/proc/{gpu.popen.pid}/task/{gpu.popen.pid}/children").read().split()]
-    assert len(children) == 1, children
-    os.kill(children[0], signal.SIGKILL)
+    _kill_pool_child(gpu)
     wait_for(lambda: _run_status(b) in ("completed", "failed"), 90,
              what=lambda: f"run B to finish while A's step is lost\n{gpu.output()[-3000:]}")
     with session_scope() as s:
@@ -174,14 +180,8 @@ def test_a_killed_step_of_one_run_is_re_sent_while_another_runs_steps_go_on(env,
         lost = s.scalar(select(TrainingStep).where(TrainingStep.run_id == a))
         assert (lost.status, lost.error) == ("training", None)  # lost, not failed; nobody re-sent it yet
         assert s.get(Run, a).status == "running" and s.get(Run, a).policy_version == 0
-    monkeypatch.setattr(control_watchdog, "STEP_GRACE_S", 0.0)
-    passes = []
-
-    def resent():
-        passes.append(control_tasks.watchdog())
-        return passes[-1]["resent"]
-
-    assert (a, 0) in wait_for(resent, 60, interval=2, what="the watchdog to re-send A's step"), passes
+    resent, passes = _watchdog_until_resent(monkeypatch, "the watchdog to re-send A's step")
+    assert (a, 0) in resent, passes
     wait_for(lambda: _run_status(a) in ("completed", "failed"), 60,
              what=lambda: f"run A to finish after the re-send\n{gpu.output()[-3000:]}")
     with session_scope() as s:

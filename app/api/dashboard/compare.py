@@ -16,11 +16,6 @@ from app.tables import Run
 REPLICATES = 2000  # enough for a 95% percentile interval to ±0.01 on a page that answers at once
 
 
-# instance id -> resolved flag of each completed sample (sample order); one query for the
-# dashboard and the held-out curve.
-instance_samples = heldout.samples
-
-
 def _cell(flags: list[bool], k: int) -> dict:
     n, c = len(flags), sum(flags)
     return {"n": n, "c": c, "pass1": c / n if n else None, "pass1_ci": wilson(c, n) if n else None,
@@ -48,7 +43,7 @@ def eval_results(s: Session, run: Run) -> dict:
     """An eval (or collect) run's page section: {k, rows: [{instance, cell}], overall}; rows empty
     until a sample is graded."""
     k = _group_size(run)
-    samples = instance_samples(s, run.id)
+    samples = heldout.samples(s, run.id)
     return {"k": k, "rows": [{"instance": name, "cell": _cell(f, k)} for name, f in sorted(samples.items())],
             "overall": _overall(samples, k) if samples else None}
 
@@ -83,7 +78,7 @@ def compare_runs(s: Session, a_id: int, b_id: int) -> dict | None:
     if a is None or b is None:
         return None
     k = min(_group_size(a), _group_size(b))
-    results = [instance_samples(s, a.id), instance_samples(s, b.id)]
+    results = [heldout.samples(s, a.id), heldout.samples(s, b.id)]
     names = sorted(set(results[0]) | set(results[1]))
     rows = [{"instance": name, "cells": [_cell(res[name], k) if name in res else None for res in results],
              "shared": all(name in res for res in results)} for name in names]

@@ -6,7 +6,8 @@ import pytest
 from selenium.webdriver.common.by import By
 
 from api.dashboard.pages import console_clean, open_page, rows, text
-from app.api.dashboard.compare import REPLICATES, instance_samples
+from app.api.dashboard.compare import REPLICATES
+from app.control.heldout import samples as instance_samples
 from app.db import session_scope
 from app.stats import compare_samples, pass_at_k, wilson
 
