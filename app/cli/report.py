@@ -57,14 +57,15 @@ def render_summary(run: dict, console: Console) -> None:
         # reward over every drawn episode beside the trained ones' (which are mixed by construction).
         filtering = any(st.get("groups_filtered") for st in summary["steps"])
         for col in ("step", "ver", "eps", "reward", *(("filtered", "drawn reward") if filtering else ()),
-                    "resolved", "loss", "lp gap", "tokens", "train s"):
+                    "resolved", "loss", "lp gap", "lp gap older", "tokens", "train s"):
             table.add_column(col)
         for st in summary["steps"]:
             m = st.get("metrics") or {}
             drawn = (_fmt(st.get("groups_filtered")), _fmt(st.get("sampled_reward_mean"))) if filtering else ()
             table.add_row(str(st["step"]), _fmt(st.get("policy_version")), _fmt(st.get("episodes")),
                           _fmt(st.get("reward_mean")), *drawn, _fmt(st.get("resolved_rate")), _fmt(m.get("loss"), ".4f"),
-                          _fmt(m.get("logprob_gap_max_abs"), ".1e"), _fmt(m.get("tokens_trained")), _fmt(st.get("train_s"), ".1f"))
+                          _fmt(m.get("logprob_gap_max_abs"), ".1e"), _fmt(m.get("logprob_gap_stale_max_abs"), ".1e"),
+                          _fmt(m.get("tokens_trained")), _fmt(st.get("train_s"), ".1f"))
         console.print(table)
     solved = solved_of(summary)
     if solved and run["kind"] != "train":

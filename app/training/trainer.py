@@ -238,7 +238,8 @@ class Trainer:
         (|trainer - rollout| before the update over the sampled tokens of on-policy sequences,
         `policy_lag` 0: the sampling-vs-training mismatch alone), logprob_gap_stale_max_abs /
         logprob_gap_stale_mean_abs and tokens_stale (the same over sequences sampled by older
-        weights: the mismatch plus the policy's change since, which TIS corrects),
+        weights: the mismatch plus the policy's change since, which TIS corrects; each gap None
+        when the step had no such token),
         micro_batches_zero_advantage (forward only: their gradient is exactly zero), grad_norm (largest
         pre-clip norm), tokens_trained, tokens_processed (real tokens through the model),
         padded_tokens, sequences, micro_batches, optimizer_updates, update_time_s,
@@ -359,10 +360,11 @@ class Trainer:
             "tis_weight_mean": totals["tis"] / n,
             "tis_truncated_fraction": totals["tis_truncated"] / n,
             "ratio_mean": totals["ratio"] / n,
-            "logprob_gap_max_abs": gap_max,
-            "logprob_gap_mean_abs": gap_sum / max(gap_count, 1),
-            "logprob_gap_stale_max_abs": stale_max,
-            "logprob_gap_stale_mean_abs": stale_sum / max(stale_count, 1),
+            # None where the step had no such token: a 0 would read as a perfect match
+            "logprob_gap_max_abs": gap_max if gap_count else None,
+            "logprob_gap_mean_abs": gap_sum / gap_count if gap_count else None,
+            "logprob_gap_stale_max_abs": stale_max if stale_count else None,
+            "logprob_gap_stale_mean_abs": stale_sum / stale_count if stale_count else None,
             "tokens_stale": stale_count,
             "grad_norm": grad_norm,
             "optimizer_updates": len(chunks),

@@ -232,6 +232,10 @@ def test_the_logprob_gap_of_stale_sequences_is_reported_apart_from_the_on_policy
     assert metrics["logprob_gap_max_abs"] < 1e-4 and metrics["logprob_gap_mean_abs"] < 1e-5
     assert abs(metrics["logprob_gap_stale_max_abs"] - 0.5) < 1e-4
     assert abs(metrics["logprob_gap_stale_mean_abs"] - 0.5) < 1e-4 and metrics["tokens_stale"] == 5
+    # a step of stale chains only has no on-policy gap: None, not a perfect 0
+    only_stale = Trainer(TrainingConfig(learning_rate=1e-3), build_tiny_model(seed=0)).update([stale])
+    assert only_stale["logprob_gap_max_abs"] is None and only_stale["logprob_gap_mean_abs"] is None
+    assert abs(only_stale["logprob_gap_stale_max_abs"] - 0.5) < 1e-4
 
 
 def test_merged_chain_reproduces_per_request_logprobs():
