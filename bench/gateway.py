@@ -175,10 +175,12 @@ def throughput(sessions: int, seconds: float, url: str, headers_for, body_for) -
     return sum(counts) / (time.monotonic() - t0)
 
 
-def start_gateway(env: dict, workers: int, threads: int, log_path: str) -> subprocess.Popen:
+def start_gateway(env: dict, workers: int, threads: int, log_path: str,
+                  worker_class: str = "gthread") -> subprocess.Popen:
     return subprocess.Popen([str(ROOT / ".venv/bin/gunicorn"), "-c", "workers/gateway_conf.py",
                              "app.proxy:create_gateway_app()"], cwd=ROOT,
-                            env=dict(env, TURNSTILE_GATEWAY_WORKERS=str(workers), TURNSTILE_GATEWAY_THREADS=str(threads)),
+                            env=dict(env, TURNSTILE_GATEWAY_WORKERS=str(workers), TURNSTILE_GATEWAY_THREADS=str(threads),
+                                     TURNSTILE_GATEWAY_WORKER_CLASS=worker_class),
                             stderr=open(log_path, "ab"))
 
 
@@ -206,12 +208,10 @@ def token_rate(args, env: dict, tmp: str) -> None:
     apis = args.apis.split(",")
     procs = [subprocess.Popen([sys.executable, str(ROOT / "bench/token_stream.py"), "engine", "--port", str(eport),
                                "--rate", str(args.rate), "--tokens", str(args.tokens)], cwd=ROOT)]
+    classes = args.worker_class.split(",")
     try:
         wait(engine)
         tokens = make_sessions(max(sessions))
-        procs.append(start_gateway(env, 1, max(sessions) + 8, f"{tmp}/gateway.log"))
-        wait(gateway)
-        gw_pids = gunicorn_pids(procs[1].pid)
         eng_pids = [procs[0].pid]
 
         def maker(api: str, direct: bool):
@@ -237,40 +237,49 @@ def token_rate(args, env: dict, tmp: str) -> None:
             return load, cpu_seconds(pids) - c0, cpu_seconds(eng_pids) - e0, client_cpu() - l0
 
         print(f"token rate: engine {args.rate:.0f} tokens/s per stream, {args.tokens} tokens per answer, "
-              f"{args.seconds:.0f} s per point; one gateway worker (gunicorn gthread); cores={os.cpu_count()}")
-        head = (f"{'api':<10}{'sess':>5}{'direct tok/s':>13}{'gw tok/s':>10}{'ratio':>7}{'gw µs/tok':>10}"
+              f"{args.seconds:.0f} s per point; one gateway worker (gunicorn {' and '.join(classes)}); "
+              f"cores={os.cpu_count()}")
+        head = (f"{'class':<8}{'api':<10}{'sess':>5}{'direct tok/s':>13}{'gw tok/s':>10}{'ratio':>7}{'gw µs/tok':>10}"
                 f"{'ITL+ p50 ms':>12}{'ITL+ p99 ms':>12}{'TTFT+ p50':>10}{'eng µs/tok':>11}{'cli µs/tok':>11}{'err':>5}")
         print(head)
         rows = []
 
-        def row(api, n, d, g, gcpu, ecpu, ccpu):
+        def row(wc, api, n, d, g, gcpu, ecpu, ccpu):
             dr, gr = d.tokens / d.seconds, g.tokens / g.seconds
             itl50 = (pct(g.gaps, 50) - pct(d.gaps, 50)) * 1e3 if g.gaps and d.gaps else float("nan")
             itl99 = (pct(g.gaps, 99) - pct(d.gaps, 99)) * 1e3 if g.gaps and d.gaps else float("nan")
             ttft = (pct(g.ttft, 50) - pct(d.ttft, 50)) * 1e3 if g.ttft and d.ttft else float("nan")
             us = gcpu * 1e6 / max(1, g.tokens)
-            line = (f"{api:<10}{n:>5}{dr:>13.0f}{gr:>10.0f}{gr / dr if dr else 0:>7.2f}{us:>10.1f}{itl50:>12.2f}"
+            line = (f"{wc:<8}{api:<10}{n:>5}{dr:>13.0f}{gr:>10.0f}{gr / dr if dr else 0:>7.2f}{us:>10.1f}{itl50:>12.2f}"
                     f"{itl99:>12.2f}{ttft:>10.2f}{ecpu * 1e6 / max(1, g.tokens):>11.1f}"
                     f"{ccpu * 1e6 / max(1, g.tokens):>11.1f}{g.errors:>5}")
             print(line, flush=True)
             rows.append(line)
 
-        for n in sessions:
-            d, _, _, _ = measure(engine, n, maker("chat", True), [])
-            for api in apis:
-                prof = f"{args.profile}-{api}-{n}.raw" if args.profile and n == 64 else None
-                g, gcpu, ecpu, ccpu = measure(gateway, n, maker(api, False), gw_pids, prof)
-                row(api, n, d, g, gcpu, ecpu, ccpu)
-        if args.scale_workers:
+        def restart(workers: int, wc: str) -> list[int]:
             stop(procs[1:])
             del procs[1:]
-            procs.append(start_gateway(env, args.scale_workers, 264, f"{tmp}/gateway.log"))
+            procs.append(start_gateway(env, workers, max(sessions) + 8, f"{tmp}/gateway.log", wc))
             wait(gateway)
-            n = 256
-            d, _, _, _ = measure(engine, n, maker("chat", True), [])
-            g, gcpu, ecpu, ccpu = measure(gateway, n, maker("chat", False), gunicorn_pids(procs[1].pid))
+            return gunicorn_pids(procs[1].pid)
+
+        # Direct and each worker class take turns at every setting, so a change in the box's load
+        # falls on all of them alike.
+        direct = {n: measure(engine, n, maker("chat", True), [])[0] for n in sessions}
+        for wc in classes:
+            gw_pids = restart(1, wc)
+            for n in sessions:
+                for api in apis:
+                    prof = f"{args.profile}-{wc}-{api}-{n}.raw" if args.profile and n == 64 else None
+                    g, gcpu, ecpu, ccpu = measure(gateway, n, maker(api, False), gw_pids, prof)
+                    row(wc, api, n, direct[n], g, gcpu, ecpu, ccpu)
+        if args.scale_workers:
+            n = max(sessions)
             print(f"scale-out: {args.scale_workers} gateway workers, {n} sessions (chat)")
-            row("chat", n, d, g, gcpu, ecpu, ccpu)
+            for wc in classes:
+                gw_pids = restart(args.scale_workers, wc)
+                g, gcpu, ecpu, ccpu = measure(gateway, n, maker("chat", False), gw_pids)
+                row(wc, "chat", n, direct[n], g, gcpu, ecpu, ccpu)
     finally:
         stop(procs)
 
@@ -290,6 +299,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200, help="token-rate mode: tokens per answer")
     ap.add_argument("--sessions", default="1,16,64,256", help="token-rate mode: concurrent sessions")
     ap.add_argument("--apis", default="chat,anthropic,responses,gemini", help="token-rate mode: client APIs")
+    ap.add_argument("--worker-class", default="gthread,gevent",
+                    help="token-rate mode: gunicorn worker classes of the gateway, measured in turn")
     ap.add_argument("--profile", default=None,
                     help="token-rate mode: py-spy stacks of the worker at 64 sessions to PREFIX-API-64.raw")
     ap.add_argument("--scale-workers", type=int, default=2,
@@ -325,7 +336,8 @@ def main() -> None:
             model = client.models()[0]["id"]
         from app.conformance.scripted import directive
 
-        print(f"gateway: gunicorn gthread workers={args.workers} threads={args.threads}; db={db_url.split(':')[0]}; "
+        print(f"gateway: gunicorn {os.environ.get('TURNSTILE_GATEWAY_WORKER_CLASS', 'gevent')} "
+              f"workers={args.workers} threads={args.threads}; db={db_url.split(':')[0]}; "
               f"cores={os.cpu_count()}")
         lat = latency(args.n, engine, gateway, tokens[32], model, "The quick brown fox jumps over it.", floor)
         print(f"\n{'latency (ms)':<12}" + "".join(f"{'direct p' + p:>11}{'gw p' + p:>9}{'added p' + p:>11}"
@@ -337,7 +349,7 @@ def main() -> None:
                 cells += f"{d:>11.2f}{g:>9.2f}{g - d:>11.2f}"
             print(f"{name:<12}{cells}{pct(res['gateway'], 50) / pct(res['direct'], 50):>11.2f}")
         fl = lat["non-stream"]["floor"]
-        print(f"floor: a constant answer from the gateway's stack (gunicorn gthread + Flask; no engine call, no "
+        print(f"floor: a constant answer from the gateway's stack (gunicorn + Flask; no engine call, no "
               f"record): p50 {pct(fl, 50) * 1e3:.2f} ms, p95 {pct(fl, 95) * 1e3:.2f} ms: the least that a gateway on "
               f"this stack adds per call here; the gateway's own work adds "
               f"{(pct(lat['non-stream']['gateway'], 50) - pct(lat['non-stream']['direct'], 50) - pct(fl, 50)) * 1e3:.2f}"

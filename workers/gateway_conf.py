@@ -1,13 +1,17 @@
 """gunicorn config for the gateway: `gunicorn -c workers/gateway_conf.py 'app.proxy:create_gateway_app()'`.
 
-gthread workers: each streamed answer holds one thread while it relays the
-engine's events, reading the engine's socket and writing the client's on that one
-thread (writes are unbuffered, so every SSE event is flushed as it is yielded).
-gevent has not been measured against it: it is not installed, and its patching
-removes select.poll, which the stream reader uses (figures: docs/benchmarks.md).  Threads are cheap; size them for the number of concurrent harness
-sessions (TURNSTILE_GATEWAY_THREADS per worker).  Settings (app.config):
-TURNSTILE_GATEWAY_BIND, TURNSTILE_GATEWAY_WORKERS, TURNSTILE_GATEWAY_THREADS,
-TURNSTILE_GATEWAY_WORKER_TIMEOUT, TURNSTILE_GATEWAY_ACCESS_LOG, TURNSTILE_LOG_LEVEL.
+Worker class (TURNSTILE_GATEWAY_WORKER_CLASS): gevent by default, gthread on request.  Each
+streamed answer reads the engine's socket and writes the client's on one thread (gthread) or
+greenlet (gevent); writes are unbuffered, so every SSE event is flushed as it is yielded.  With
+gevent the worker is one OS thread switching greenlets at socket waits: no GIL hand-off between
+threads per read and write, about 40% less CPU per streamed token and 1.7x the tokens/s of one
+worker at 64 sessions (bench/gateway.py --token-rate; docs/benchmarks.md).  Its patching makes
+select.poll, sockets, locks and time.sleep cooperative; psycopg 3 (>= 3.1.14) and redis-py
+cooperate as they are.  A long CPU burst in one request (a big body's JSON) holds the worker's
+other streams for its length, where gthread would interleave them every 5 ms (the GIL's switch
+interval).  Settings (app.config): TURNSTILE_GATEWAY_BIND, TURNSTILE_GATEWAY_WORKERS,
+TURNSTILE_GATEWAY_WORKER_CLASS, TURNSTILE_GATEWAY_THREADS, TURNSTILE_GATEWAY_WORKER_TIMEOUT,
+TURNSTILE_GATEWAY_ACCESS_LOG, TURNSTILE_LOG_LEVEL.
 """
 import os
 
@@ -16,8 +20,10 @@ from app.config import get_settings
 _settings = get_settings()  # a bad value stops gunicorn here, with the variable's name
 bind = _settings.gateway_bind
 workers = _settings.gateway_workers
-worker_class = "gthread"
-threads = _settings.gateway_threads
+worker_class = _settings.gateway_worker_class
+threads = _settings.gateway_threads  # gthread: threads per worker (gevent: a greenlet per connection,
+# up to gunicorn's worker_connections, 1000 by default; gthread keeps idle keep-alive connections in
+# its poller beyond its threads, up to the same bound)
 # Long generations and long prefills: the gateway itself never times a request out;
 # keep-alive frames keep the client's idle timers fed.
 timeout = _settings.gateway_worker_timeout
@@ -34,7 +40,9 @@ errorlog = "-"
 loglevel = _settings.log_level.lower()
 
 
-def post_fork(server, worker):
+def post_worker_init(worker):
+    # After the worker loaded the app (and, for gevent, after its monkey-patching: post_fork runs
+    # before it, and a module imported there would keep the unpatched socket and locks).
     # No pooled DB connection or HTTP client may cross a fork.
     from app.db import dispose_engine
     from app.proxy.upstream import get_upstream, reset_upstream

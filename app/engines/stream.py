@@ -17,8 +17,6 @@ reuse, and an answer cut before its first byte on a reused connection is retried
 from __future__ import annotations
 
 import json
-import json.decoder
-import json.scanner
 import os
 import re
 import select
@@ -28,6 +26,8 @@ import threading
 import time
 from typing import Iterator
 from urllib.parse import urlsplit
+
+import orjson
 
 from app.engines.errors import EngineCallError, EngineConnectionError, EngineHTTPError
 from app.engines.sse import SSEDecoder
@@ -43,20 +43,17 @@ _RECV = 256 * 1024
 _AGAIN = object()          # a read that found nothing after all (spurious wake-up, TLS record not whole)
 
 
-_scan = json.scanner.make_scanner(json.decoder.JSONDecoder())  # what json.loads runs, minus its wrapper
-
-
 def _loads(text: str):
-    """``json.loads(text)``: the same object or the same ValueError; a chunk that is one JSON value
-    with nothing around it (every engine chunk) skips ``json.loads``' whitespace regexes and
-    wrapper (3.1 vs 4.6 µs per 265-byte chunk measured here)."""
+    """``json.loads(text)``, through orjson (1.1–2.1 vs 5.2–5.7 µs per 288-byte chunk here with the
+    stdlib's parser; engine chunks are strict JSON): the same object, or the same ValueError, since
+    what orjson refuses (NaN or Infinity, lone surrogates, bad JSON) goes to ``json.loads``, which
+    decides as it always did.  One difference: an integer beyond 64 bits becomes the nearest float
+    (orjson's rule), where ``json.loads`` keeps it exact; no field of a chat chunk holds one (token
+    ids are below 2**31, ``created`` is a Unix time)."""
     try:
-        obj, end = _scan(text, 0)
-    except StopIteration:
-        return json.loads(text)  # leading whitespace, or not JSON: json.loads decides
-    if end != len(text):
-        return json.loads(text)  # trailing whitespace or extra data: json.loads decides
-    return obj
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
 
 
 def stream_items(events: list[tuple[str | None, str]]) -> list:

@@ -220,7 +220,8 @@ def test_a_host_name_is_resolved_and_each_of_its_addresses_tried():
 
 
 @pytest.mark.parametrize("text", ['{"a": [1, 2.5, null, "é"]}', ' {"a":1}', '{"a":1} ', '{"a":1}x', '', '[1,',
-                                  'NaN', '{"a":1}{"b":2}', '"\\ud800"', '1e999', '-Infinity'])
+                                  'NaN', '{"a":1}{"b":2}', '"\\ud800"', '1e999', '-Infinity',
+                                  '{"id": 18446744073709551615, "x": 0.1234567890123456789012}'])
 def test_chunk_json_is_read_as_json_loads_reads_it(text):
     from app.engines.stream import _loads
     try:
@@ -232,3 +233,11 @@ def test_chunk_json_is_read_as_json_loads_reads_it(text):
         return
     got = _loads(text)
     assert got == want or (got != got and want != want)
+    assert repr(got) == repr(want)  # the same types too (an integer stays an integer)
+
+
+def test_chunk_json_integers_beyond_64_bits_become_the_nearest_float():
+    """orjson's one difference from json.loads (documented on `_loads`)."""
+    from app.engines.stream import _loads
+    got = _loads('[18446744073709551616, -9223372036854775809, 18446744073709551615]')
+    assert got == [float(2**64), float(-2**63 - 1), 2**64 - 1] and isinstance(got[2], int)

@@ -21,9 +21,19 @@ from support.gateway import (ROOT, SDKs, Stack, free_port, make_episode, start_e
                              start_gateway, stop, wait_http)
 
 
+WORKER_CLASSES = ("gevent", "gthread")
+
+
+def pytest_generate_tests(metafunc):
+    """A test marked `both_worker_classes` runs against a gateway of each gunicorn worker class."""
+    if metafunc.definition.get_closest_marker("both_worker_classes") and "gw_stack" in metafunc.fixturenames:
+        metafunc.parametrize("gw_stack", WORKER_CLASSES, indirect=True, scope="session")
+
+
 @pytest.fixture(scope="session")
-def gw_stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gateway")
+def gw_stack(request, tmp_path_factory):
+    worker_class = getattr(request, "param", None)
+    tmp = tmp_path_factory.mktemp(f"gateway-{worker_class or 'default'}")
     db_url = f"sqlite:///{tmp / 'gateway.db'}"
     from sqlalchemy import create_engine
     eng = create_engine(db_url)
@@ -33,9 +43,9 @@ def gw_stack(tmp_path_factory):
     procs = [start_engine(eport, "--max-model-len", "4096")]
     try:
         wait_http(f"http://127.0.0.1:{eport}/health")
-        procs.append(start_gateway(gport, db_url, f"http://127.0.0.1:{eport}", tmp / "gateway.log"))
+        procs.append(start_gateway(gport, db_url, f"http://127.0.0.1:{eport}", tmp / "gateway.log", worker_class))
         wait_http(f"http://127.0.0.1:{gport}/health")
-        yield Stack(db_url, f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}", procs)
+        yield Stack(db_url, f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}", procs, worker_class)
     finally:
         stop(procs)
 

@@ -126,6 +126,7 @@ def _assert_error_shape(api: str, body: dict) -> None:
 # --- a non-stream client that leaves --------------------------------------------------------
 
 
+@pytest.mark.both_worker_classes
 @pytest.mark.parametrize("api", APIS)
 def test_non_stream_client_disconnect_cancels_the_engine_request(gw, episode, api):
     """The engine would take 8 s (40 tokens, 0.2 s each); the client gives up after 1.5 s: the
@@ -154,6 +155,40 @@ def test_non_stream_client_disconnect_cancels_the_engine_request(gw, episode, ap
     assert sent and sent[-1]["body"]["stream"] is False
     time.sleep(0.5)  # a record would have been written by now
     assert completions(ep) == []
+
+
+@pytest.mark.both_worker_classes
+@pytest.mark.parametrize("api", APIS)
+def test_stream_client_disconnect_closes_the_engine_request_at_once(gw, episode, api):
+    """A streamed answer (a token every 20 ms): the client leaves after a few events, and the
+    gateway's next write fails, so it closes the engine request within 0.25 s of the client
+    leaving; what was sampled is recorded as partial."""
+    ep, token = episode
+    gw.reset_engine()
+    full = "abcdefghij" * 20
+    path, body = request_for(api, True, "x " + directive({"text": full, "token_delay": 0.02}))
+    headers = {**auth_headers(api, token), "content-type": "application/json"}
+    with httpx.Client(timeout=10) as client:
+        with client.stream("POST", gw.gateway_url + path, content=json.dumps(body), headers=headers) as resp:
+            got = b""
+            for chunk in resp.iter_raw():
+                got += chunk
+                if got.count(b"\n\n") >= 6:
+                    break
+        left_at = time.time()
+    aborted = []
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline and not aborted:
+        aborted = [x for x in httpx.get(gw.engine_url + "/_scripted/aborted").json()["aborted"]
+                   if x["episode"] == str(ep)]
+        time.sleep(0.02)
+    assert aborted, "the engine request was not closed"
+    assert aborted[0]["at"] - left_at < 0.25, f"closed {aborted[0]['at'] - left_at:.3f} s after the client left"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not completions(ep):
+        time.sleep(0.05)
+    [rec] = completions(ep)
+    assert rec.partial and 0 < len(rec.sampled_ids) < len(full)
 
 
 # --- bad unicode, and failures while a stream is produced ----------------------------------

@@ -16,6 +16,8 @@ from support.gateway_calls import auth_headers, request_for
 
 from app.conformance.scripted import directive, encode
 
+pytestmark = pytest.mark.both_worker_classes  # the relay's reads and writes differ most between them
+
 # One token per character: 700 events, sent by the engine without pauses, so the gateway reads
 # many of them per network read and writes them on together.
 BURST = "".join(chr(0x61 + i % 26) for i in range(600)) + " wörld ✓ — 你好" * 10
@@ -132,7 +134,7 @@ def flood_gateway(gw_stack, tmp_path_factory):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     gport = free_port()
     proc = start_gateway(gport, gw_stack.db_url, f"http://127.0.0.1:{server.server_address[1]}",
-                         tmp_path_factory.mktemp("floodgw") / "gateway.log")
+                         tmp_path_factory.mktemp("floodgw") / "gateway.log", gw_stack.worker_class)
     try:
         wait_http(f"http://127.0.0.1:{gport}/health")
         yield f"http://127.0.0.1:{gport}", proc

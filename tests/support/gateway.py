@@ -37,6 +37,7 @@ class Stack:
     engine_url: str
     gateway_url: str
     procs: list = field(default_factory=list)
+    worker_class: str | None = None  # the gateway's gunicorn worker class (None: the default)
 
     def engine_requests(self) -> list[dict]:
         return httpx.get(f"{self.engine_url}/_scripted/requests").json()["requests"]
@@ -50,7 +51,12 @@ def start_engine(port: int, *extra: str) -> subprocess.Popen:
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def start_gateway(port: int, db_url: str, engine_urls: str, log_path: Path, **env) -> subprocess.Popen:
+def start_gateway(port: int, db_url: str, engine_urls: str, log_path: Path, worker_class: str | None = None,
+                  **env) -> subprocess.Popen:
+    """The gateway under gunicorn (`workers/gateway_conf.py`), with `worker_class` (gthread or
+    gevent; None: the configured default)."""
+    if worker_class:
+        env["TURNSTILE_GATEWAY_WORKER_CLASS"] = worker_class
     e = dict(os.environ, DATABASE_URL=db_url, TURNSTILE_ENGINE_URLS=engine_urls,
              TURNSTILE_GATEWAY_BIND=f"127.0.0.1:{port}", TURNSTILE_GATEWAY_WORKERS="2",
              TURNSTILE_GATEWAY_THREADS="16", TURNSTILE_GATEWAY_KEEPALIVE_S="0.3",
