@@ -17,8 +17,8 @@ TEST_WORKERS ?= 3
 demo: setup harness-demo model
 	bash scripts/demo.sh
 
-## learn: start the stack, eval the base policy on the starter held-out set, train on starter train,
-## eval the newest checkpoint, compare (95% bootstrap intervals), draw var/runs/<id>/learning.png
+## learn: start the stack, eval the base policy on the family held-out and out-of-family sets, train on
+## family train (held-out eval every 6 steps), eval again, compare (95% bootstrap intervals), draw var/runs/<id>/learning.png
 learn: setup harness-demo model
 	bash scripts/learn.sh
 

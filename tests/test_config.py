@@ -156,6 +156,14 @@ def test_gunicorn_configs_read_app_config(env, monkeypatch):
     assert (gateway["bind"], gateway["threads"], gateway["workers"], gateway["timeout"]) == ("127.0.0.1:9100", 7, 2, 0)
     assert gateway["loglevel"] == api["loglevel"] == "warning"
     assert (api["bind"], api["workers"]) == ("127.0.0.1:8000", 3)
+    assert gateway["worker_class"] == "gevent"
+    monkeypatch.setenv("TURNSTILE_GATEWAY_WORKER_CLASS", "gthread")
+    config.reset_settings()
+    assert runpy.run_path(str(ROOT / "workers" / "gateway_conf.py"))["worker_class"] == "gthread"
+    monkeypatch.setenv("TURNSTILE_GATEWAY_WORKER_CLASS", "eventlet")
+    config.reset_settings()
+    with pytest.raises(SettingsError, match="TURNSTILE_GATEWAY_WORKER_CLASS"):
+        runpy.run_path(str(ROOT / "workers" / "gateway_conf.py"))
 
 
 def test_launch_fills_procfile_placeholders_from_settings(env, monkeypatch):
