@@ -25,7 +25,9 @@ WORKER_CLASSES = ("gevent", "gthread")
 
 
 def pytest_generate_tests(metafunc):
-    """A test marked `both_worker_classes` runs against a gateway of each gunicorn worker class."""
+    """A test marked `both_worker_classes` runs against a gateway of each gunicorn worker class.
+    Each class is a stack of its own, started when the tests of that class begin: keep the mark to
+    a module or two (the SDK event order and the slow client), not on tests spread over many."""
     if metafunc.definition.get_closest_marker("both_worker_classes") and "gw_stack" in metafunc.fixturenames:
         metafunc.parametrize("gw_stack", WORKER_CLASSES, indirect=True, scope="session")
 

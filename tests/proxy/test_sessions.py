@@ -102,7 +102,6 @@ def test_the_session_cache_is_bounded(gw, monkeypatch):
     sessions.forget(None)
 
 
-@pytest.mark.both_worker_classes
 @pytest.mark.parametrize("api", APIS)
 def test_client_disconnect_mid_stream_leaves_a_partial_record(gw, api):
     ep, token = make_episode()

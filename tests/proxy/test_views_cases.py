@@ -290,7 +290,6 @@ def test_b25_streams_always_end_with_their_terminal_event(gw, episode, api, fail
     assert rec.partial is True and rec.error and rec.sampled_ids == encode("he")  # the 2 tokens sent
 
 
-@pytest.mark.both_worker_classes
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("delay", ["prefill_delay", "header_delay"])
 def test_b25_keepalives_during_long_prefill(gw, episode, api, delay):

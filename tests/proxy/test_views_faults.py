@@ -126,7 +126,6 @@ def _assert_error_shape(api: str, body: dict) -> None:
 # --- a non-stream client that leaves --------------------------------------------------------
 
 
-@pytest.mark.both_worker_classes
 @pytest.mark.parametrize("api", APIS)
 def test_non_stream_client_disconnect_cancels_the_engine_request(gw, episode, api):
     """The engine would take 8 s (40 tokens, 0.2 s each); the client gives up after 1.5 s: the
@@ -157,7 +156,6 @@ def test_non_stream_client_disconnect_cancels_the_engine_request(gw, episode, ap
     assert completions(ep) == []
 
 
-@pytest.mark.both_worker_classes
 @pytest.mark.parametrize("api", APIS)
 def test_stream_client_disconnect_closes_the_engine_request_at_once(gw, episode, api):
     """A streamed answer (a token every 20 ms): the client leaves after a few events, and the

@@ -265,7 +265,6 @@ def test_gemini_text_tools_multiturn(sdk, episode, stream):
     assert len(sdk.validated()) == (3 if stream else 0)
 
 
-@pytest.mark.both_worker_classes
 @pytest.mark.parametrize("which", ["anthropic", "chat", "responses", "gemini"])
 def test_sdks_accept_keepalives_during_prefill(sdk, episode, which):
     """Each SDK silently skips the gateway's keep-alive frames (ping / comment / repeated

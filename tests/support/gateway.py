@@ -19,7 +19,8 @@ from support.gateway_grammar import VALIDATORS, api_of_path
 from support import free_port as free_port  # re-exported for the gateway tests
 
 
-def wait_http(url: str, timeout: float = 30.0) -> None:
+def wait_http(url: str, timeout: float = 120.0) -> None:
+    """Until `url` answers below 500; a gateway worker imports the app first (10 s on a loaded 2-core box)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
