@@ -27,7 +27,10 @@ import time
 from typing import Iterator
 from urllib.parse import urlsplit
 
-import orjson
+try:
+    import orjson
+except ImportError:  # vLLM's own venv imports this module for its reload plugin, without orjson
+    orjson = None
 
 from app.engines.errors import EngineCallError, EngineConnectionError, EngineHTTPError
 from app.engines.sse import SSEDecoder
@@ -50,10 +53,12 @@ def _loads(text: str):
     decides as it always did.  One difference: an integer beyond 64 bits becomes the nearest float
     (orjson's rule), where ``json.loads`` keeps it exact; no field of a chat chunk holds one (token
     ids are below 2**31, ``created`` is a Unix time)."""
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return json.loads(text)
+    if orjson is not None:
+        try:
+            return orjson.loads(text)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(text)
 
 
 def stream_items(events: list[tuple[str | None, str]]) -> list:
