@@ -192,8 +192,8 @@ class Settings(BaseSettings):
     gateway_worker_class: Literal["gthread", "gevent"] = Field(
         "gevent", **_env("TURNSTILE_GATEWAY_WORKER_CLASS"),
         description="gunicorn worker class of the gateway: gevent (one thread, a greenlet per connection; "
-                    "about 40% less CPU per streamed token, bench/gateway.py --token-rate) or gthread (a "
-                    "thread per request).")
+                    "less CPU per streamed token from 16 sessions on, bench/gateway.py --token-rate) or "
+                    "gthread (a thread per request).")
     gateway_worker_timeout: int = Field(0, ge=0, **_env("TURNSTILE_GATEWAY_WORKER_TIMEOUT"),
                                         description="gunicorn worker timeout of the gateway, seconds (0: none; "
                                                     "keep-alive frames feed the clients' idle timers).")

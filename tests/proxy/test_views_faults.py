@@ -14,6 +14,7 @@ import pytest
 import zstandard
 from support.gateway_calls import APIS, ask, auth_headers, parse, post, request_for
 from support.gateway_sdk_calls import sdk_ask
+from support import wait_for
 from support.gateway import completions
 
 from app.conformance.scripted import directive
@@ -126,6 +127,15 @@ def _assert_error_shape(api: str, body: dict) -> None:
 # --- a non-stream client that leaves --------------------------------------------------------
 
 
+def _engine_aborted(gw, ep: int) -> list[dict]:
+    """The scripted engine's aborted requests of episode `ep` (each with its time, `at`), once
+    there is one; AssertionError after 6 s."""
+    def aborted():
+        return [x for x in httpx.get(gw.engine_url + "/_scripted/aborted").json()["aborted"]
+                if x["episode"] == str(ep)]
+    return wait_for(aborted, 6, interval=0.02, what="the engine request to be closed")
+
+
 @pytest.mark.parametrize("api", APIS)
 def test_non_stream_client_disconnect_cancels_the_engine_request(gw, episode, api):
     """The engine would take 8 s (40 tokens, 0.2 s each); the client gives up after 1.5 s: the
@@ -141,13 +151,7 @@ def test_non_stream_client_disconnect_cancels_the_engine_request(gw, episode, ap
         httpx.post(gw.gateway_url + path, content=json.dumps(body), headers=headers, timeout=1.5)
     left_at = time.time()
     assert time.monotonic() - t0 < 3
-    aborted = []
-    deadline = time.monotonic() + 6
-    while time.monotonic() < deadline and not aborted:
-        aborted = [x for x in httpx.get(gw.engine_url + "/_scripted/aborted").json()["aborted"]
-                   if x["episode"] == str(ep)]
-        time.sleep(0.05)
-    assert aborted, "the engine request was not cancelled"
+    aborted = _engine_aborted(gw, ep)
     assert aborted[0]["at"] - left_at < 1.2
     sent = [r for r in httpx.get(gw.engine_url + "/_scripted/requests").json()["requests"]
             if r["headers"].get("X-Turnstile-Episode") == str(ep)]
@@ -174,13 +178,7 @@ def test_stream_client_disconnect_closes_the_engine_request_at_once(gw, episode,
                 if got.count(b"\n\n") >= 6:
                     break
         left_at = time.time()
-    aborted = []
-    deadline = time.monotonic() + 6
-    while time.monotonic() < deadline and not aborted:
-        aborted = [x for x in httpx.get(gw.engine_url + "/_scripted/aborted").json()["aborted"]
-                   if x["episode"] == str(ep)]
-        time.sleep(0.02)
-    assert aborted, "the engine request was not closed"
+    aborted = _engine_aborted(gw, ep)
     assert aborted[0]["at"] - left_at < 0.25, f"closed {aborted[0]['at'] - left_at:.3f} s after the client left"
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and not completions(ep):
