@@ -95,6 +95,12 @@ class Settings(BaseSettings):
                               **_env("DATABASE_URL"),
                               description="SQLAlchemy URL of the database "
                                           "(default: SQLite file <TURNSTILE_VAR_DIR>/turnstile.db).")
+    sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
+        "NORMAL", **_env("TURNSTILE_SQLITE_SYNCHRONOUS"),
+        description="SQLite's synchronous pragma (https://sqlite.org/pragma.html#pragma_synchronous; the "
+                    "database is in WAL mode): NORMAL keeps every commit through a crash of any process and "
+                    "fsyncs at checkpoints only; FULL also fsyncs each commit, so a commit survives a power "
+                    "loss or an OS crash, at a disk flush per recorded model call.")
     cache_dir: Path | None = Field(None, **_env("TURNSTILE_CACHE_DIR"),
                                    description="Cache of sdists, git mirrors and built environments "
                                                "(default: <TURNSTILE_VAR_DIR>/cache).")

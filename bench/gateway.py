@@ -6,8 +6,9 @@ the gateway serves the same Chat Completions protocol):
 
 * added latency of a non-stream call (p50 / p95 / p99) and of time-to-first-token of a stream;
 * the floor: the same non-stream call answered by a constant-answer app on the gateway's own
-  server stack (`bench/gateway_floor.py`: gunicorn gthread + Flask, no engine call, no record),
-  i.e. the least any gateway on that stack adds;
+  server stack (`bench/gateway_floor.py`: the gateway's gunicorn worker class + Flask, no engine
+  call, no record), i.e. the least any gateway on that stack adds, in wall time and in CPU per call
+  (the gateway's and the floor's processes, from /proc);
 * throughput (calls/s) at 1, 8 and 32 concurrent sessions, with the engine simulating decode
   time (`--token-delay` per token) so that capacity, not the load generator, is measured.
 
@@ -108,26 +109,34 @@ def timed_call(client: EngineClient, body: dict, headers: dict, stream: bool) ->
     return time.perf_counter() - t0, first if first is not None else time.perf_counter() - t0
 
 
-def latency(n: int, engine: str, gateway: str, token: str, model: str, reply: str, floor: str) -> dict:
+def latency(n: int, engine: str, gateway: str, token: str, model: str, reply: str, floor: str,
+            gw_pids: list[int], floor_pids: list[int]) -> dict:
     """Per series (non-stream, ttft): seconds per call, direct and through the gateway, interleaved;
-    the non-stream series also times the floor app (`bench/gateway_floor.py`) with the same body."""
+    the non-stream series also times the floor app (`bench/gateway_floor.py`) with the same body,
+    and sums the CPU seconds the gateway's and the floor's processes spent on their calls
+    (`cpu_gateway`, `cpu_floor`: CPU is less shaken than wall time by the box's other load)."""
     from app.conformance.scripted import directive
     out = {}
     for stream in (False, True):
-        res = {"direct": [], "gateway": [], "floor": []}
+        res = {"direct": [], "gateway": [], "floor": [], "cpu_gateway": 0.0, "cpu_floor": 0.0}
         cd, cg, cf = (EngineClient(u, timeout=30) for u in (engine, gateway, floor))
         for i in range(n + 20):
             text = f"bench {i} {stream} " + directive({"text": reply})
             d = timed_call(cd, direct_body(text, stream, model), {}, stream)
             body = {"model": "gpt-bench", "messages": [{"role": "user", "content": text}], "max_tokens": 64,
                     "stream": stream}
+            c0 = cpu_seconds(gw_pids)
             g = timed_call(cg, body, {"authorization": f"Bearer {token}"}, stream)
+            c1, f0 = cpu_seconds(gw_pids), cpu_seconds(floor_pids)
             f = None if stream else timed_call(cf, body, {"authorization": f"Bearer {token}"}, False)
+            f1 = cpu_seconds(floor_pids)
             if i >= 20:  # warm-up excluded
                 res["direct"].append(d[1] if stream else d[0])
                 res["gateway"].append(g[1] if stream else g[0])
+                res["cpu_gateway"] += c1 - c0
                 if f is not None:
                     res["floor"].append(f[0])
+                    res["cpu_floor"] += f1 - f0
         for c in (cd, cg, cf):
             c.close()
         out["ttft" if stream else "non-stream"] = res
@@ -339,7 +348,8 @@ def main() -> None:
         print(f"gateway: gunicorn {os.environ.get('TURNSTILE_GATEWAY_WORKER_CLASS', 'gevent')} "
               f"workers={args.workers} threads={args.threads}; db={db_url.split(':')[0]}; "
               f"cores={os.cpu_count()}")
-        lat = latency(args.n, engine, gateway, tokens[32], model, "The quick brown fox jumps over it.", floor)
+        lat = latency(args.n, engine, gateway, tokens[32], model, "The quick brown fox jumps over it.", floor,
+                      gunicorn_pids(procs[1].pid), gunicorn_pids(procs[2].pid))
         print(f"\n{'latency (ms)':<12}" + "".join(f"{'direct p' + p:>11}{'gw p' + p:>9}{'added p' + p:>11}"
                                                     for p in ("50", "95", "99")) + f"{'ratio p50':>11}")
         for name, res in lat.items():
@@ -354,6 +364,10 @@ def main() -> None:
               f"this stack adds per call here; the gateway's own work adds "
               f"{(pct(lat['non-stream']['gateway'], 50) - pct(lat['non-stream']['direct'], 50) - pct(fl, 50)) * 1e3:.2f}"
               f" ms p50 beyond it")
+        ns = lat["non-stream"]
+        print(f"CPU per non-stream call: gateway {ns['cpu_gateway'] * 1e3 / args.n:.2f} ms, floor app "
+              f"{ns['cpu_floor'] * 1e3 / args.n:.2f} ms: the gateway's own work costs "
+              f"{(ns['cpu_gateway'] - ns['cpu_floor']) * 1e3 / args.n:.2f} ms of CPU beyond the floor")
 
         reply = {"text": "x" * 24, "token_delay": args.token_delay}
         print(f"\nthroughput (calls/s; engine decode {args.token_delay * 1e3:.1f} ms/token x 24 tokens, streamed)")

@@ -2,19 +2,21 @@
 
 ``EngineClient`` speaks the engine contract documented in ``app.engines.embedded.server`` (OpenAI Chat
 Completions, https://platform.openai.com/docs/api-reference/chat, plus vLLM's extensions:
-``return_token_ids``, ``/tokenize``, ``/detokenize``, ``max_model_len`` in ``/v1/models``) over
-httpx, the HTTP library the OpenAI and Anthropic SDKs bring.  The gateway, the trainer's weight
-sync, the vLLM reloader, the benches and the scripts all use it.  Streams are read on the
-caller's thread by ``app.engines.stream.ChatStream`` (its own HTTP/1.1 reader on the socket, so
-relaying a token costs no thread hand-off), parsed with ``app.engines.sse.SSEDecoder`` (WHATWG
-event-stream rules).
+``return_token_ids``, ``/tokenize``, ``/detokenize``, ``max_model_len`` in ``/v1/models``).  The
+gateway, the trainer's weight sync, the vLLM reloader, the benches and the scripts all use it.
+Chat completions, the gateway's per-call hop, are read on the caller's thread by
+``app.engines.stream`` (its own HTTP/1.1 reader on the socket: relaying a token costs no thread
+hand-off, and a non-stream answer costs half what httpx's request machinery does): streams
+by ``ChatStream``, parsed with ``app.engines.sse.SSEDecoder`` (WHATWG event-stream rules), whole
+answers by ``ChatAnswer``.  Every other call (models, tokens, weights, health) goes over httpx,
+the HTTP library the OpenAI and Anthropic SDKs bring.
 
 With a vLLM server every call works except ``reload`` / ``reset_to_base`` (use
 ``app.engines.vllm.VLLMReloader``) and ``policy_version``.
 
 Errors: a non-2xx answer raises ``EngineHTTPError`` (status and parsed body kept); a transport
 failure (refused, reset, timed out, malformed HTTP) raises ``EngineConnectionError``.  Both are
-``EngineCallError`` (defined in ``app.engines.errors``, re-exported here).  The non-stream
+``EngineCallError`` (defined in ``app.engines.errors``, re-exported here).  The httpx
 connections underneath are ``app.engines.transport``'s.
 """
 from __future__ import annotations
@@ -28,8 +30,8 @@ import httpx
 
 from app.engines.errors import (EngineCallError, EngineConnectionError, EngineHTTPError, connection_error,
                                 error_message, parse_body)
-from app.engines.stream import DONE, EOF, ChatStream, Target, stream_items
-from app.engines.transport import watched_transport, watching
+from app.engines.stream import DONE, EOF, ChatAnswer, ChatStream, Target, stream_items
+from app.engines.transport import one_write_transport
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -59,8 +61,8 @@ class EngineClient:
         # The request head and body are separate writes: without TCP_NODELAY, Nagle's
         # algorithm holds the body until the head is acknowledged (milliseconds per call).
         socket_options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
-        # Connections whose reads honour `watching` (see app.engines.transport).
-        transport = watched_transport(self.base_url, max_keepalive=max_keepalive, socket_options=socket_options)
+        # Connections that send a request in one write (see app.engines.transport).
+        transport = one_write_transport(self.base_url, max_keepalive=max_keepalive, socket_options=socket_options)
         self._http = httpx.Client(base_url=self.base_url, transport=transport, trust_env=False,
                                   timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)))
         self._streams = Target(self.base_url, min(connect_timeout, timeout), timeout)
@@ -156,7 +158,8 @@ class EngineClient:
 
     def complete(self, body: dict, *, headers: dict | None = None, idle: Callable[[], None] | None = None,
                  idle_s: float = 0.25) -> dict:
-        """Non-stream ``POST /v1/chat/completions`` with the full request ``body`` as given.
+        """Non-stream ``POST /v1/chat/completions`` with the full request ``body`` as given, on the
+        streams' kept connections (``app.engines.stream.ChatAnswer``).
 
         ``idle()``, when given, is called every ``idle_s`` seconds while the engine is silent (a
         non-stream answer is silent until it is done); an exception it raises abandons the call,
@@ -166,8 +169,8 @@ class EngineClient:
             EngineHTTPError: the engine answered 4xx/5xx.
             EngineConnectionError: transport failure or timeout.
         """
-        with watching(idle, idle_s):
-            return self.request("POST", "/v1/chat/completions", body, headers=headers)
+        with ChatAnswer(self._streams, body, headers) as call:
+            return call.result(idle, idle_s)
 
     def open_stream(self, body: dict, *, headers: dict | None = None) -> ChatStream:
         """Start a streamed ``POST /v1/chat/completions`` with ``body`` as given (it should say

@@ -108,14 +108,15 @@ def test_complete_reuses_its_connection_and_reports_refusal(scripted_engine):
         model = client.models()[0]["id"]
         body = {"model": model, "messages": [{"role": "user", "content": scripted.directive({"text": "abc def"})}],
                 "return_token_ids": True}
-        threads = threading.active_count()
+        kept, threads = [], []
         for _ in range(2):
             answer = client.complete(body, idle=lambda: None, idle_s=0.05)
             assert answer["choices"][0]["message"]["content"] == "abc def"
             assert answer["choices"][0]["token_ids"] == scripted.encode("abc def")
-            assert threading.active_count() == threads
-        [conn] = client._http._transport._pool.connections
-        assert conn.is_idle()
+            threads.append(threading.active_count())  # the in-process engine serves each connection on a thread
+            kept.append(list(client._streams.pool._idle))
+        assert threads[1] == threads[0]  # the client started none, and the engine no second connection
+        assert len(kept[0]) == 1 and kept[1] == kept[0]  # one connection, back in the pool after each call
         with pytest.raises(EngineHTTPError) as err:
             client.complete({**body, "model": "nope"}, idle=lambda: None)
         assert err.value.status == 404

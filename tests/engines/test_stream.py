@@ -48,10 +48,12 @@ def test_sized_body_and_bytes_after_the_end():
 
 class _Raw:
     """A TCP server answering each request on a connection with the next scripted answer (bytes,
-    or a callable given the socket); records how many connections it accepted."""
+    or a callable given the socket); records how many connections it accepted.  `close_after`: a
+    connection is closed after that many answers (else when the answers run out)."""
 
-    def __init__(self, answers):
+    def __init__(self, answers, close_after=None):
         self.answers = list(answers)
+        self.close_after = close_after
         self.accepted = 0
         self.srv = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.srv.getsockname()[1]}"
@@ -67,9 +69,9 @@ class _Raw:
             threading.Thread(target=self._conn, args=(conn,), daemon=True).start()
 
     def _conn(self, conn):
-        buf = b""
+        buf, served = b"", 0
         try:
-            while self.answers:
+            while self.answers and served != self.close_after:
                 while b"\r\n\r\n" not in buf:
                     data = conn.recv(65536)
                     if not data:
@@ -85,6 +87,7 @@ class _Raw:
                     answer(conn)
                     return
                 conn.sendall(answer)
+                served += 1
         finally:
             conn.close()
 
@@ -116,7 +119,7 @@ def _items(stream, timeout=5):
 
 def test_streams_reuse_the_connection_and_retry_a_stale_one():
     chunk = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
-    server = _Raw([_ok(_sse(chunk, chunk), split=[3, 30, 1]), _ok(_sse(chunk))])
+    server = _Raw([_ok(_sse(chunk, chunk), split=[3, 30, 1]), _ok(_sse(chunk))], close_after=2)
     try:
         with EngineClient(server.url, timeout=5) as client:
             s1 = client.open_stream({"stream": True})
@@ -241,3 +244,64 @@ def test_chunk_json_integers_beyond_64_bits_become_the_nearest_float():
     from app.engines.stream import _loads
     got = _loads('[18446744073709551616, -9223372036854775809, 18446744073709551615]')
     assert got == [float(2**64), float(-2**63 - 1), 2**64 - 1] and isinstance(got[2], int)
+
+
+def _json_answer(obj, chunked_sizes=None) -> bytes:
+    body = json.dumps(obj).encode()
+    if chunked_sizes is not None:
+        return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+                + _chunked(body, [*chunked_sizes, len(body) - sum(chunked_sizes)]))
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def test_a_whole_answer_sized_or_chunked_on_one_kept_connection_then_a_stale_one_retried():
+    """`complete` reads a non-stream answer on the streams' sockets: a sized body and a chunked one
+    split across reads come back whole and parsed, over one connection; when the engine has closed
+    it, the next call goes over a new one."""
+    answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "héllo"}}]}
+
+    def in_pieces(conn):  # a chunked answer in three writes, then the connection stays open
+        raw = _json_answer(answer, chunked_sizes=[5, 17])
+        for k in range(0, len(raw), 40):
+            conn.sendall(raw[k:k + 40])
+            time.sleep(0.01)
+        time.sleep(0.3)
+
+    server = _Raw([_json_answer(answer), _json_answer(answer)], close_after=2)
+    try:
+        with EngineClient(server.url, timeout=5) as client:
+            assert client.complete({"messages": []}) == answer
+            assert client.complete({"messages": []}) == answer
+            assert server.accepted == 1
+            server.answers.append(in_pieces)
+            time.sleep(0.1)  # the server closed the first connection after its two answers
+            assert client.complete({"messages": []}) == answer
+            assert server.accepted == 2
+    finally:
+        server.close()
+
+
+def test_a_whole_answer_cut_short_not_json_or_refused():
+    """A body that ends before its Content-Length is a connection error (never a truncated
+    answer); a body that is not JSON comes back as its text; a 4xx is the engine's HTTP error with
+    its parsed body."""
+    err = json.dumps({"error": {"message": "context too long", "code": 400}}).encode()
+    refusal = b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(err), err)
+    text = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 5\r\n\r\nhello"
+
+    def cut(conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"choices\": [")
+
+    server = _Raw([refusal, text, cut])
+    try:
+        with EngineClient(server.url, timeout=5) as client:
+            with pytest.raises(EngineHTTPError) as refused:
+                client.complete({"messages": []})
+            assert refused.value.status == 400 and refused.value.message == "context too long"
+            assert client.complete({"messages": []}) == "hello"
+            with pytest.raises(EngineConnectionError, match="before the whole answer"):
+                client.complete({"messages": []})
+            assert client._streams.pool._idle == []  # the cut connection is never kept
+    finally:
+        server.close()

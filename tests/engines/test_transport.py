@@ -12,7 +12,7 @@ def test_engine_connection_sends_a_request_in_one_write():
     until it next reads, so the engine gets the request in one segment (one wakeup)."""
     import socket as socket_mod
 
-    from app.engines.transport import WatchedStream
+    from app.engines.transport import HeldWriteStream
 
     class Inner:
         def __init__(self):
@@ -33,7 +33,7 @@ def test_engine_connection_sends_a_request_in_one_write():
             return self.a if info == "socket" else None
 
     inner = Inner()
-    stream = WatchedStream(inner)
+    stream = HeldWriteStream(inner)
     stream.write(b"POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\n")
     stream.write(b"{}")
     assert inner.writes == []
