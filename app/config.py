@@ -149,6 +149,11 @@ class Settings(BaseSettings):
                                  description="Processes of the `worker` (control, prepare, grade queues).")
     rollout_concurrency: int = Field(8, ge=1, **_env("TURNSTILE_ROLLOUT_CONCURRENCY"),
                                      description="Processes of the `rollout` worker (harness episodes at once).")
+    rollout_capacity: int = Field(default_factory=lambda data: data["rollout_concurrency"], ge=1,
+                                  **_env("TURNSTILE_ROLLOUT_CAPACITY"),
+                                  description="Episodes all rollout workers of the deployment run at once (default: "
+                                              "TURNSTILE_ROLLOUT_CONCURRENCY, one rollout host); runs that want "
+                                              "rollouts at the same time share it by their scheduling.share.")
     # Stage leases (app.control.lease): a killed worker's episode is re-dispatched at most
     # lease_ttl_s + watchdog_interval_s after its last renewal.
     lease_ttl_s: float = Field(30.0, gt=0, allow_inf_nan=False, **_env("TURNSTILE_LEASE_TTL_S"),

@@ -95,6 +95,9 @@ class Scheduling(BaseModel):
     min_accept_fraction: float = Field(0.5, ge=0, le=1)
     rollout_slots: int = Field(4, ge=1, le=1024, description="episodes running at once for this run")
     ready_depth: int = Field(2, ge=0, le=1024, description="prepared runtimes kept waiting in the READY buffer")
+    share: float = Field(1.0, gt=0, le=1000, allow_inf_nan=False,
+                         description="weight of this run's fair share of the deployment's rollout workers while other "
+                                     "runs want them too (app.control.shares); a run alone keeps its rollout_slots")
     dynamic_sampling: bool = Field(
         False, description="DAPO dynamic sampling (Yu et al. 2025, arXiv:2503.14476 §3.2): a train group whose usable "
                            "rewards are all equal has zero advantage, so it is set aside ('filtered', not trained) and "

@@ -12,6 +12,8 @@ Scheduling rules:
 * Groups: a train run keeps `tasks_per_step * (1 + async_level)` groups open, where
   async_level is `scheduling.max_async_level` in `async` mode and 0 in `sync` mode
   (sync also waits for the step in training before opening the next groups).
+* Rollout slots: `rollout_slots` per run, or its weighted fair share of the deployment's
+  rollout workers (`scheduling.share`, `app.control.shares`) while other runs want them too.
 * READY buffer: episodes are prepared ahead up to `ready_depth` beyond the free
   rollout slots; prepared episode ids wait in a Redis list per run, so a slot
   that frees is refilled by the next tick without waiting for setup.
@@ -32,7 +34,7 @@ import math
 
 from sqlalchemy import func, select, update
 
-from app.control import heldout, lease, redis_state
+from app.control import heldout, lease, redis_state, shares
 from app.control.plan import Plan, celery_priority
 from app.control.summary import scheduling_metrics, summarize_run
 from app.control.tracking import log_run_summary
@@ -168,18 +170,22 @@ def _plan_eval(s, run: Run, cfg: RunConfig) -> None:
 
 
 def _dispatch(s, run: Run, cfg: RunConfig) -> tuple[list[int], list[int]]:
-    """Start rollouts for free slots from the READY buffer, and prepare ahead to refill it."""
+    """Start rollouts for free slots from the READY buffer, and prepare ahead to refill it.  The
+    slots are the run's `rollout_slots`, or fewer while other runs want the rollout workers too
+    (its fair share: `app.control.shares`)."""
     sched = cfg.scheduling
+    share = shares.allowance(s, run.id)
+    slots = sched.rollout_slots if share is None else min(sched.rollout_slots, share)
     running = s.scalar(select(func.count()).where(Episode.run_id == run.id, Episode.status == "running"))
     to_run: list[int] = []
-    while running + len(to_run) < sched.rollout_slots:
+    while running + len(to_run) < slots:
         episode_id = redis_state.pop_ready(run.id)
         if episode_id is None:
             break
         if transition(s, Episode, episode_id, "running", expect=("ready",), **lease.dispatch_values()):
             to_run.append(episode_id)
             redis_state.assign_slot(run.id, episode_id)  # refilling a slot that a finished rollout released
-    free = sched.rollout_slots - running - len(to_run)
+    free = max(0, slots - running - len(to_run))
     in_prep = s.scalar(
         select(func.count()).where(Episode.run_id == run.id, Episode.status.in_(("preparing", "ready")))
     )

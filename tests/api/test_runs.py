@@ -58,6 +58,8 @@ SIM = {"simulate": {"episode_median_s": 0.1}}
         ({**SIM, "training": {"tis_cap": 0.5}}, "training.tis_cap"),
         ({**SIM, "task_set": "x" * (1024 * 1024)}, "task_set"),
         ({**SIM, "instances": ["i" * 300]}, "instances.0"),
+        ({**SIM, "scheduling": {"share": 0}}, "scheduling.share"),
+        ({**SIM, "scheduling": {"share": "nan"}}, "scheduling.share"),
     ],
 )
 def test_bad_run_config_is_400_naming_the_field(client, body, field):

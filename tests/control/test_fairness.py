@@ -12,6 +12,8 @@ the test is about the scheduling alone.
 """
 from __future__ import annotations
 
+import time
+
 from sqlalchemy import func, select
 
 from app import create_app
@@ -100,3 +102,38 @@ def test_a_run_with_a_thousand_queued_episodes_does_not_hold_back_another_runs_s
         before = _count(flood, Episode.status == "completed")
     wait_for(lambda: _count(flood, Episode.status == "completed") > before, 60, interval=0.5,
              what=lambda: f"the flood to go on\n{logs()}")
+
+
+def test_two_runs_share_the_rollout_workers_by_their_weights(postgres, redis_db, spawn, monkeypatch):
+    """Two runs that each want 4 rollouts at once on workers that run 4 (`TURNSTILE_ROLLOUT_CAPACITY`)
+    share them 3:1 by `scheduling.share` once both are under way (`app.control.shares`): the first
+    run, alone at first, had all 4 and gives one back as its rollouts finish; from then on neither
+    run ever has more in flight than its share, and both keep rolling out."""
+    monkeypatch.setenv("TURNSTILE_ROLLOUT_CAPACITY", "4")
+    workers = [spawn(celery_worker_args("control,prepare,grade", concurrency=2, name="cpu"), postgres, "cpu"),
+               spawn(celery_worker_args("rollout", concurrency=4, name="rollout"), postgres, "rollout")]
+
+    def logs() -> str:
+        return "\n".join(f"--- {w.log_path.name}\n{w.output()[-2500:]}" for w in workers)
+
+    def weighted(share: float) -> dict:
+        cfg = _train(tasks=100, episode_s=0.8)
+        cfg["scheduling"] = {**cfg["scheduling"], "share": share}
+        return cfg
+
+    heavy = _create(weighted(3.0))
+    wait_for(lambda: _count(heavy, Episode.status == "running") == SLOTS, 120, interval=0.2,
+             what=lambda: f"the first run to fill its slots alone\n{logs()}")
+    light = _create(weighted(1.0))
+    wait_for(lambda: _count(light, Episode.status == "running") >= 1, 120, interval=0.2,
+             what=lambda: f"the second run's first rollout\n{logs()}")
+    wait_for(lambda: _count(heavy, Episode.status == "running") <= 3, 60, interval=0.1,
+             what=lambda: f"the first run to fall to its share\n{logs()}")
+    done_before = (_count(heavy, Episode.status == "completed"), _count(light, Episode.status == "completed"))
+    samples = []
+    for _ in range(60):  # 6 s, several turnovers of 0.8 s rollouts
+        samples.append((_count(heavy, Episode.status == "running"), _count(light, Episode.status == "running")))
+        time.sleep(0.1)
+    done_after = (_count(heavy, Episode.status == "completed"), _count(light, Episode.status == "completed"))
+    assert max(h for h, _ in samples) <= 3 and max(ln for _, ln in samples) <= 1, samples
+    assert done_after[0] - done_before[0] >= 3 and done_after[1] - done_before[1] >= 1, (done_before, done_after)
