@@ -329,6 +329,32 @@ def _other_states(s, inst: list[TaskInstance], now: dt.datetime, ids: dict) -> N
     _episodes(s, cancelling, inst[1], 0, 1, "CC", now - dt.timedelta(minutes=3))
     cancelled = run("cancelled_train", "train", "cancelled", error="cancelled by the user")
     _episodes(s, cancelled, inst[2], 0, 0, "0C", now - dt.timedelta(minutes=10))
+    _lora_pair(s, inst, now, ids)
+
+
+def _lora_pair(s, inst: list[TaskInstance], now: dt.datetime, ids: dict) -> None:
+    """Two LoRA train runs live on the default engine (two adapters on one base model), shares 1
+    and 3, each with a trained step whose adapter the engines serve and rollouts in flight."""
+    for label, share, digest in (("lora_a", 1.0, "3f9a0c1d2e4b"), ("lora_b", 3.0, "a41c77e09b25")):
+        cfg = RunConfig.model_validate({"kind": "train", "harness": "mini-swe-agent", "task_set": "synthetic",
+                                        "group_size": 2, "tasks_per_step": 2, "steps": 4, "training": {"lora": True},
+                                        "scheduling": {"share": share}}).model_dump(mode="json")
+        r = Run(kind="train", status="running", config=cfg, policy_version=1, created_at=now - dt.timedelta(minutes=12),
+                started_at=now - dt.timedelta(minutes=12))
+        s.add(r)
+        s.flush()
+        ids[label] = r.id
+        eps = _episodes(s, r, inst[0], 0, 0, "10", now - dt.timedelta(minutes=10))
+        eps += _episodes(s, r, inst[1], 0, 1, "01", now - dt.timedelta(minutes=10))
+        for g in range(2):
+            s.add(Group(run_id=r.id, group_index=g, instance_id=inst[g].id, status="trained", step=0))
+        metrics = {**_step_metrics(0, [1.0, 0.0, 0.0, 1.0], random.Random(3)), "adapter": f"run-{r.id}@{digest}"}
+        s.add(TrainingStep(run_id=r.id, step=0, status="completed", policy_version=1, episode_ids=[e.id for e in eps],
+                           metrics=metrics, checkpoint_path=f"var/runs/{r.id}/checkpoints/step_0",
+                           started_at=now - dt.timedelta(minutes=6), finished_at=now - dt.timedelta(minutes=5)))
+        for g, marks in ((2, "RR"), (3, "Rq" if share == 1.0 else "RR")):
+            s.add(Group(run_id=r.id, group_index=g, instance_id=inst[g % 3].id, status="open", step=1))
+            _episodes(s, r, inst[g % 3], 1, g, marks, now - dt.timedelta(minutes=2))
 
 
 LEARN_SERIES = "seedlearn01"

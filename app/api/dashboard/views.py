@@ -1,11 +1,11 @@
 """Dashboard routes.  Each page reads SQL through its module (`data.py` runs, `run_view.py`, `episode.py`,
-`compare.py`, `overlay.py`) and renders one template."""
+`compare.py`, `overlay.py`, `engines.py`) and renders one template."""
 from __future__ import annotations
 
 from flask import Blueprint, abort, redirect, render_template, request, url_for
 from sqlalchemy import select
 
-from app.api.dashboard import compare, data, episode, overlay, run_view
+from app.api.dashboard import compare, data, engines, episode, overlay, run_view
 from app.api.dashboard.form import run_config_form
 from app.api.openapi import openapi_spec
 from app.db import session_scope
@@ -48,7 +48,7 @@ def runs_page():
     with session_scope() as s:
         rows = data.runs_overview(s, status=status, kind=kind)
         return render_template("dashboard/runs.html", rows=rows, status=status, kind=kind,
-                               states=RUN_STATES, kinds=RUN_KINDS)
+                               states=RUN_STATES, kinds=RUN_KINDS, engine_rows=engines.engine_sharing(s))
 
 
 @bp.get("/runs")

@@ -62,6 +62,35 @@ def test_runs_page_lists_runs_and_filters(browser, site, shots):
     _assert_console_clean(browser)
 
 
+def test_runs_page_shows_two_lora_runs_live_on_one_engine(browser, site, shots):
+    """The Engines table: both LoRA runs under the one engine address every seeded run uses, each
+    with its adapter, version and rollouts in flight of its fair share (share 3 gets more than
+    share 1); full fine-tunes and evals on the same engine say what they put there."""
+    from app.config import get_settings
+    from app.control.shares import allowance
+
+    _open(browser, site, "/")
+    url = get_settings().engine_urls[0]
+    shown = {r.get_attribute("data-run"): r for r in _rows(browser, "engines")}
+    assert {r.get_attribute("data-engine") for r in shown.values()} == {url}
+    ids = site["ids"]
+    with session_scope() as s:
+        allowed = {label: allowance(s, ids[label]) for label in ("lora_a", "lora_b")}
+    assert allowed["lora_b"] > allowed["lora_a"] >= 1
+    for label, digest, running in (("lora_a", "3f9a0c1d2e4b", 3), ("lora_b", "a41c77e09b25", 4)):
+        cells = [td.text for td in shown[str(ids[label])].find_elements(By.TAG_NAME, "td")]
+        cells = cells[-8:]  # the engine cell spans the rows: only the first row has it
+        assert cells[2:] == ["train", "LoRA adapter", f"run-{ids[label]}@{digest}", "1",
+                             f"{running} of {allowed[label]}", "3.0" if label == "lora_b" else "1.0"], cells
+    full = [td.text for td in shown[str(ids["live_train"])].find_elements(By.TAG_NAME, "td")][-8:]
+    assert full[3:5] == ["full weights", "-"]
+    queued = [td.text for td in shown[str(ids["queued_train"])].find_elements(By.TAG_NAME, "td")][-8:]
+    assert queued[1] == "queued" and queued[6] == "0"  # not running: no share asked of it yet
+    assert str(ids["train"]) not in shown  # a finished run is on no engine
+    _shot(browser, shots / "runs-engines.png", "engines")
+    _assert_console_clean(browser)
+
+
 def test_run_page_shows_config_curves_and_episodes(browser, site, shots):
     run_id = site["ids"]["train"]
     _open(browser, site, f"/runs/{run_id}")
