@@ -489,30 +489,39 @@ class ChatStream:
     # --- the body ------------------------------------------------------------------------------
 
     def _take(self, data: bytes) -> None:
-        """Bytes of the body -> pending items."""
+        """Bytes of the body -> its payload (framing undone) -> pending items (``_payload``)."""
         try:
             payload = self._body.feed(data)
         except ValueError as exc:
             return self._end_with(EngineConnectionError(f"engine {self.base_url} sent malformed HTTP: {exc}"))
         if payload and not self._ended:
-            items = stream_items(self._sse.feed(payload))
-            if items:
-                self._pending += items
-                last = items[-1]
-                if last is DONE or isinstance(last, Exception):
-                    self._ended = True
+            self._payload(payload)
         if self._body.broken is not None:
             return self._end_with(EngineConnectionError(f"engine {self.base_url} sent malformed HTTP: "
                                                         f"{self._body.broken}"))
         if self._body.complete:
             self._at_eof()
 
+    def _payload(self, payload: bytes) -> None:
+        """Payload bytes -> pending items: the SSE events' chunks, ``DONE`` or an error ending them."""
+        items = stream_items(self._sse.feed(payload))
+        if items:
+            self._pending += items
+            last = items[-1]
+            if last is DONE or isinstance(last, Exception):
+                self._ended = True
+
+    def _last_items(self) -> list:
+        """The items the end of the body adds: what the SSE decoder still held, then ``EOF``
+        unless ``[DONE]`` came."""
+        items = stream_items(self._sse.close())
+        if not items or items[-1] is not DONE:
+            items.append(EOF)
+        return items
+
     def _at_eof(self) -> None:
         if not self._ended:
-            items = stream_items(self._sse.close())
-            if not items or items[-1] is not DONE:
-                items.append(EOF)
-            self._pending += items
+            self._pending += self._last_items()
             self._ended = True
         reuse = self._body.complete and self._body.clean and self._keep
         self._phase = "done"
@@ -650,34 +659,19 @@ class ChatAnswer(ChatStream):
         self._parts: list[bytes] = []
         super().__init__(target, body, headers)
 
-    def _take(self, data: bytes) -> None:
-        try:
-            payload = self._body.feed(data)
-        except ValueError as exc:
-            return self._end_with(EngineConnectionError(f"engine {self.base_url} sent malformed HTTP: {exc}"))
-        if payload:
-            self._parts.append(payload)
-        if self._body.broken is not None:
-            return self._end_with(EngineConnectionError(f"engine {self.base_url} sent malformed HTTP: "
-                                                        f"{self._body.broken}"))
-        if self._body.complete:
-            self._at_eof()
+    def _payload(self, payload: bytes) -> None:
+        self._parts.append(payload)
 
-    def _at_eof(self) -> None:
-        if not self._ended:
-            if self._body.mode != "close" and not self._body.complete:
-                self._pending.append(EngineConnectionError(f"engine {self.base_url} closed the connection before "
-                                                           f"the whole answer"))
-            else:
-                text = b"".join(self._parts).decode("utf-8", "replace")
-                try:
-                    self._pending.append(_loads(text))
-                except ValueError:
-                    self._pending.append(text)
-            self._ended = True
-        reuse = self._body.complete and self._body.clean and self._keep
-        self._phase = "done"
-        self._release(reuse=reuse)
+    def _last_items(self) -> list:
+        """The whole answer parsed (its text when it is not JSON), or an error when a sized or
+        chunked body ended before its end."""
+        if self._body.mode != "close" and not self._body.complete:
+            return [EngineConnectionError(f"engine {self.base_url} closed the connection before the whole answer")]
+        text = b"".join(self._parts).decode("utf-8", "replace")
+        try:
+            return [_loads(text)]
+        except ValueError:
+            return [text]
 
     def result(self, idle: Callable[[], None] | None = None, idle_s: float = 0.25):
         """The whole answer.  ``idle()``, when given, runs every ``idle_s`` seconds while the engine
