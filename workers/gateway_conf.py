@@ -4,8 +4,9 @@ Worker class (TURNSTILE_GATEWAY_WORKER_CLASS): gevent by default, gthread on req
 streamed answer reads the engine's socket and writes the client's on one thread (gthread) or
 greenlet (gevent); writes are unbuffered, so every SSE event is flushed as it is yielded.  With
 gevent the worker is one OS thread switching greenlets at socket waits: no GIL hand-off between
-threads per read and write: 43-55 against 47-83 µs of CPU per streamed token from 16 to 256
-sessions, though more at one session (bench/gateway.py --token-rate; docs/benchmarks.md).  Its patching makes
+threads per read and write: 22-41 against 47-76 µs of CPU per streamed token from 16 to 256
+sessions on a quiet 2-core box, though more at one session (69-96 against 55-64; bench/gateway.py
+--token-rate, docs/benchmarks.md).  Its patching makes
 select.poll, sockets, locks and time.sleep cooperative; psycopg 3 (>= 3.1.14) and redis-py
 cooperate as they are.  A long CPU burst in one request (a big body's JSON) holds the worker's
 other streams for its length, where gthread would interleave them every 5 ms (the GIL's switch

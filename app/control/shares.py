@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from sqlalchemy import func, select
 
 from app.config import get_settings
+from app.runconfig import Scheduling
 from app.tables import Episode, Run
 
 # Episodes a run still has to roll out (or is rolling out): what its demand counts.
@@ -73,26 +74,38 @@ def water_fill(capacity: int, demands: dict[int, int], weights: dict[int, float]
     return out
 
 
-def allowance(s, run_id: int) -> int | None:
-    """Run `run_id`'s rollouts-in-flight cap on the shared rollout workers, or None when no other
-    running run wants rollouts now (the run then keeps its `rollout_slots`).
-
-    One grouped count over the running runs' unfinished episodes; each run's
-    `scheduling.rollout_slots` and `scheduling.share` come from its config."""
-    runs = {}
-    for run in s.scalars(select(Run).where(Run.status == "running")):
+def _wants(s) -> tuple[dict[int, int], dict[int, float]]:
+    """(demands, weights) of the running runs: one query for their scheduling sections, one grouped
+    count of their unfinished episodes.  Only `scheduling` is validated (it fills the defaults), not
+    the whole config: the scheduler asks on every tick."""
+    runs: dict[int, Scheduling] = {}
+    for run_id, config in s.execute(select(Run.id, Run.config).where(Run.status == "running")):
         try:
-            runs[run.id] = run.run_config().scheduling
+            runs[run_id] = Scheduling.model_validate((config or {}).get("scheduling") or {})
         except ValidationError:  # a stored config that no longer validates fails its own run, not the others
             continue
-    if run_id not in runs:
-        return None
     left = dict(s.execute(select(Episode.run_id, func.count()).where(Episode.run_id.in_(list(runs)),
                                                                      Episode.status.in_(WANTING))
-                          .group_by(Episode.run_id)).all())
+                          .group_by(Episode.run_id)).all()) if runs else {}
     demands = {rid: min(sched.rollout_slots, int(left.get(rid, 0))) for rid, sched in runs.items()}
-    weights = {rid: sched.share for rid, sched in runs.items()}
-    if sum(1 for rid, d in demands.items() if d > 0 and rid != run_id) == 0:
+    return demands, {rid: sched.share for rid, sched in runs.items()}
+
+
+def allowance(s, run_id: int) -> int | None:
+    """Run `run_id`'s rollouts-in-flight cap on the shared rollout workers (asked from its own
+    tick), or None when no other running run wants rollouts now (the run then keeps its
+    `rollout_slots`)."""
+    demands, weights = _wants(s)
+    if run_id not in demands or not any(d > 0 for rid, d in demands.items() if rid != run_id):
         return None
-    demands[run_id] = max(1, demands[run_id])  # asked from its own tick: it may be about to draw groups
+    demands[run_id] = max(1, demands[run_id])  # its tick may be about to draw groups
     return water_fill(get_settings().rollout_capacity, demands, weights)[run_id]
+
+
+def allowances(s) -> dict[int, int | None]:
+    """Every running run's cap as it stands (what the dashboard shows): run id -> slots, or None for
+    all of them when fewer than two runs want rollouts now."""
+    demands, weights = _wants(s)
+    if sum(1 for d in demands.values() if d > 0) < 2:
+        return dict.fromkeys(demands)
+    return water_fill(get_settings().rollout_capacity, demands, weights)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app import config
-from app.control.shares import allowance, water_fill
+from app.control.shares import allowance, allowances, water_fill
 from app.db import session_scope
 from app.tables import Episode, Run, TaskInstance
 
@@ -76,6 +76,7 @@ def test_allowance_shares_the_capacity_among_running_runs_only(capacity_8):
     with session_scope() as s:
         assert (allowance(s, a), allowance(s, b)) == (6, 2)
         assert allowance(s, alone) == 1  # asked from its own tick: it may be about to draw groups
+        assert allowances(s) == {a: 6, b: 2, alone: 0}  # as they stand, for the dashboard
 
 
 def test_a_run_alone_keeps_its_slots_and_a_run_near_its_end_frees_the_rest(capacity_8):
@@ -83,6 +84,7 @@ def test_a_run_alone_keeps_its_slots_and_a_run_near_its_end_frees_the_rest(capac
         a = _seed(s, "running", _train(8), {"queued": 10, "running": 4})
     with session_scope() as s:
         assert allowance(s, a) is None  # nobody else wants the rollout workers: rollout_slots holds
+        assert allowances(s) == {a: None}
     with session_scope() as s:
         b = _seed(s, "running", _train(8), {"running": 1})  # one episode left
     with session_scope() as s:

@@ -34,6 +34,7 @@ def engine_sharing(s: Session) -> list[dict]:
                                                                          Episode.status == "running")
                              .group_by(Episode.run_id)).all())
     default_urls = get_settings().engine_urls
+    allowed = shares.allowances(s)
     by_url: dict[str, list[dict]] = {}
     for run in runs:
         try:
@@ -49,7 +50,7 @@ def engine_sharing(s: Session) -> list[dict]:
         row = {"id": run.id, "kind": run.kind, "status": run.status, "weights": weights,
                "adapter": current_adapter(run.id, run.config), "policy_version": run.policy_version,
                "running": int(running.get(run.id, 0)), "share": cfg.scheduling.share,
-               "allowance": shares.allowance(s, run.id) if run.status == "running" else None}
+               "allowance": allowed.get(run.id)}
         for url in cfg.model.engine_urls or default_urls:
             by_url.setdefault(url, []).append(row)
     return [{"url": url, "runs": rows} for url, rows in sorted(by_url.items())]

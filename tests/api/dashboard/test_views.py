@@ -67,7 +67,7 @@ def test_runs_page_shows_two_lora_runs_live_on_one_engine(browser, site, shots):
     with its adapter, version and rollouts in flight of its fair share (share 3 gets more than
     share 1); full fine-tunes and evals on the same engine say what they put there."""
     from app.config import get_settings
-    from app.control.shares import allowance
+    from app.control.shares import allowances
 
     _open(browser, site, "/")
     url = get_settings().engine_urls[0]
@@ -75,7 +75,8 @@ def test_runs_page_shows_two_lora_runs_live_on_one_engine(browser, site, shots):
     assert {r.get_attribute("data-engine") for r in shown.values()} == {url}
     ids = site["ids"]
     with session_scope() as s:
-        allowed = {label: allowance(s, ids[label]) for label in ("lora_a", "lora_b")}
+        every = allowances(s)
+    allowed = {label: every[ids[label]] for label in ("lora_a", "lora_b")}
     assert allowed["lora_b"] > allowed["lora_a"] >= 1
     for label, digest, running in (("lora_a", "3f9a0c1d2e4b", 3), ("lora_b", "a41c77e09b25", 4)):
         cells = [td.text for td in shown[str(ids[label])].find_elements(By.TAG_NAME, "td")]
