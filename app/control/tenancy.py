@@ -44,7 +44,8 @@ def engine_problems(cfg: RunConfig, exclude_run: int | None = None) -> list[tupl
     """`(field, message)` for each reason a new run `cfg` cannot share the deployment with the runs
     already using its engines; [] when it can (or `cfg` is simulated, or an eval run that loads
     no checkpoint).
-    Sharing needs the embedded engine (vLLM engines get one run's merged weights).
+    Sharing needs one engine kind for all (embedded, or vLLM with `--enable-lora`: both serve each
+    run's adapter per request) and, for embedded engines, the trainer's disk.
     `exclude_run`: a run id left out (the run itself, when re-checked)."""
     if cfg.simulate is not None or cfg.kind not in ("train", "eval"):
         return []
@@ -71,15 +72,14 @@ def engine_problems(cfg: RunConfig, exclude_run: int | None = None) -> list[tupl
         return [("training.lora", f"true: train run {full[0]} is a full fine-tune and holds the engines for itself; "
                                   "LoRA runs share them only with other LoRA runs. Wait until it ends")]
     holder_id, holder = others[0]
-    if cfg.model.engine != "embedded" or holder.model.engine != "embedded":
-        # The trainer pushes each run's adapter by name to embedded engines; vLLM engines get merged
-        # full weights, which would overwrite the other run's.
-        return [("model.engine", f"{cfg.model.engine!r}: LoRA runs share engines only on the embedded engine, which "
-                                 f"serves each run's adapter per request; train run {holder_id} uses these engines "
-                                 "now. Wait until it ends")]
+    if cfg.model.engine != holder.model.engine:
+        return [("model.engine", f"{cfg.model.engine!r}: train run {holder_id} serves its LoRA adapter on these "
+                                 f"engines as {holder.model.engine!r} engines; use the same engine kind, or wait until "
+                                 "it ends")]
     from app.training.weight_sync import pushes_to  # no torch
 
-    if any(pushes_to(u) for u in mine | _engines(holder)):
+    # vLLM reads every adapter by path; an embedded engine on another machine gets full weights.
+    if cfg.model.engine == "embedded" and any(pushes_to(u) for u in mine | _engines(holder)):
         return [("model.engine_urls", "LoRA runs share engines only on this machine's disk (the trainer's adapter "
                                       f"folders are read by path); train run {holder_id} uses these engines, which "
                                       "get checkpoints over HTTP. Wait until it ends")]

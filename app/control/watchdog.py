@@ -109,7 +109,7 @@ def resync_engines() -> dict[str, str]:
     for run_id, (urls, kind, version, checkpoint, adapter) in newest.items():
         for url in urls:
             if adapter:  # a LoRA tenant: the engine must serve its adapter; its base weights stay shared
-                results.update(_resync_adapter(url, run_id, adapter, Path(checkpoint), version))
+                results.update(_resync_adapter(url, run_id, adapter, Path(checkpoint), version, kind))
                 continue
             try:
                 with EngineClient(url, timeout=10) as client:
@@ -124,21 +124,29 @@ def resync_engines() -> dict[str, str]:
     return results
 
 
-def _resync_adapter(url: str, run_id: int, adapter: str, checkpoint: Path, version: int) -> dict[str, str]:
+def _resync_adapter(url: str, run_id: int, adapter: str, checkpoint: Path, version: int,
+                    kind: str = "embedded") -> dict[str, str]:
     """Load LoRA adapter `adapter` (from `checkpoint`/adapter) on engine `url` unless it serves it
-    (`GET /v1/lora_adapters`); `{}` when nothing was needed, else `{url: "ok" | "error: …"}`."""
+    (`GET /v1/lora_adapters` of an embedded engine, `GET /v1/models` of vLLM); `{}` when nothing
+    was needed, else `{url: "ok" | "error: …"}`."""
     import httpx
 
+    from app.engines.client import EngineCallError, EngineClient
+    from app.engines.vllm.lora import served_adapters
     from app.training.weight_sync import push_adapter
 
     try:
-        served = {a.get("id") for a in httpx.get(f"{url.rstrip('/')}/v1/lora_adapters", timeout=10).json()["data"]}
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        if kind == "vllm":
+            with EngineClient(url, timeout=10) as client:
+                served = set(served_adapters(client))
+        else:
+            served = {a.get("id") for a in httpx.get(f"{url.rstrip('/')}/v1/lora_adapters", timeout=10).json()["data"]}
+    except (EngineCallError, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
         return {url: f"error: {exc}"}
     if adapter in served:
         return {}
     log.warning("run=%s engine=%s event=resync_adapter adapter=%s policy_version=%s", run_id, url, adapter, version)
-    return push_adapter([url], checkpoint / "adapter", adapter, version)
+    return push_adapter([url], checkpoint / "adapter", adapter, version, engine_kind=kind)
 
 
 def watchdog(in_workers: set[tuple[int, int]], queue_depth: int) -> Plan:

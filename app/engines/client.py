@@ -220,6 +220,26 @@ class EngineClient:
         return int(self.request("POST", "/v1/load_weights", body, timeout=timeout,
                                 headers=self._admin_headers())["policy_version"])
 
+    def load_lora_adapter(self, name: str, folder: str, policy_version: int | None = None, *,
+                          timeout: float | None = None) -> None:
+        """Serve the LoRA adapter in ``folder`` as ``name`` (``POST /v1/load_lora_adapter``: vLLM's
+        runtime LoRA route, which the embedded engine serves too; the embedded engine also reads
+        ``policy_version``, vLLM ignores it).  Loading a name already served is not an error (a
+        name is its content: ``app.engines.lora_format``).
+
+        Raises:
+            EngineHTTPError: the engine refused the adapter.
+            EngineConnectionError: transport failure or timeout.
+        """
+        body: dict[str, Any] = {"lora_name": name, "lora_path": str(folder)}
+        if policy_version is not None:
+            body["policy_version"] = int(policy_version)
+        try:
+            self.request("POST", "/v1/load_lora_adapter", body, timeout=timeout, headers=self._admin_headers())
+        except EngineHTTPError as exc:
+            if not (exc.status == 400 and "already been loaded" in exc.message):  # vLLM's answer to a second load
+                raise
+
     def _admin_headers(self) -> dict[str, str]:
         """The bearer token of the engines' admin routes: ``admin_token``, else the deployment's API token."""
         if self._admin_token is not None:

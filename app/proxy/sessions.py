@@ -8,11 +8,13 @@ SQL; a finished episode's token therefore stops working within that delay.
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -115,6 +117,23 @@ def current_adapter(run_id: int, config: dict | None) -> str | None:
         metrics = s.scalar(select(TrainingStep.metrics).where(
             TrainingStep.run_id == run_id, TrainingStep.status == "completed").order_by(TrainingStep.step.desc()).limit(1))
     return (metrics or {}).get("adapter")
+
+
+def adapter_folder(name: str) -> Path | None:
+    """The folder adapter `name` (`run-<id>@<hash>`) was loaded from: the `adapter/` folder of the
+    checkpoint of the run's completed step that made it; None when no kept checkpoint made it
+    (pruned, or not a run's adapter name)."""
+    m = re.match(r"^run-(\d+)@", name or "")
+    if m is None:
+        return None
+    with session_scope() as s:
+        rows = s.execute(select(TrainingStep.metrics, TrainingStep.checkpoint_path).where(
+            TrainingStep.run_id == int(m.group(1)), TrainingStep.status == "completed",
+            TrainingStep.checkpoint_path.is_not(None)).order_by(TrainingStep.step.desc())).all()
+    for metrics, checkpoint in rows:
+        if (metrics or {}).get("adapter") == name and (Path(checkpoint) / "adapter").is_dir():
+            return Path(checkpoint) / "adapter"
+    return None
 
 
 def resolve_session(token: str | None) -> int | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from app.config import get_settings
 from app.engines.client import (DONE, EOF, ChatStream, EngineCallError, EngineClient, EngineConnectionError,
                                 EngineHTTPError)
+from app.engines.lora_format import NAME as ADAPTER_NAME
 from app.proxy.common import gateway_settings
 from app.proxy.errors import GatewayError, context_error, parse_context_overflow
 
@@ -121,6 +122,7 @@ class Upstream:
         self.engines = [EngineTarget(u.rstrip("/")) for u in urls]
         self.timeout = gateway_settings().upstream_timeout_s
         self.clients = {e.url: EngineClient(e.url, timeout=self.timeout, max_keepalive=256) for e in self.engines}
+        self._adapter_locks: dict[tuple[str, str], threading.Lock] = {}
 
     def pick(self, episode_id: int) -> EngineTarget:
         """Rendezvous (highest-random-weight) hashing: same episode -> same engine."""
@@ -180,11 +182,36 @@ class Upstream:
         if engine.max_model_len and body.get("max_tokens") and body["max_tokens"] > engine.max_model_len:
             body["max_tokens"] = engine.max_model_len
 
+    def _restore_adapter(self, engine: EngineTarget, body: dict, exc: BaseException | None) -> bool:
+        """After the engine answered 404 for the LoRA adapter the body names (an engine restarted,
+        or one that unloaded the version a session still samples), load it again from its
+        checkpoint folder (`sessions.adapter_folder`); whether it is served now, so the call can be
+        sent again.  Concurrent calls for one adapter load it once."""
+        name = body.get("model")
+        if not (isinstance(exc, EngineHTTPError) and exc.status == 404 and isinstance(name, str)
+                and ADAPTER_NAME.match(name)):
+            return False
+        from app.proxy.sessions import adapter_folder
+
+        with self._adapter_locks.setdefault((engine.url, name), threading.Lock()):
+            folder = adapter_folder(name)
+            if folder is None:
+                log.warning("engine %s lost adapter %s and no kept checkpoint made it", engine.url, name)
+                return False
+            try:
+                self.clients[engine.url].load_lora_adapter(name, str(folder), timeout=120.0)
+            except EngineCallError as load_error:
+                log.error("engine %s lost adapter %s and did not load it again: %s", engine.url, name, load_error)
+                return False
+        log.warning("engine %s lost adapter %s; loaded it again from %s", engine.url, name, folder)
+        return True
+
     def complete(self, engine: EngineTarget, body: dict, episode_id: int | None, idle=None, idle_s: float = 0.25) -> dict:
         """Non-stream chat completion -> the engine's JSON body.  ``idle()`` runs every ``idle_s``
         seconds while the engine is silent; what it raises ends the call, closing the engine
         request (`EngineClient.complete`).  An overflow caused by max_tokens alone is retried once
-        with the room left.
+        with the room left; a LoRA adapter the engine no longer serves is loaded again and the call
+        sent again once (`_restore_adapter`).
 
         Raises:
             GatewayError: the engine refused the request, could not be reached, or did not
@@ -196,6 +223,8 @@ class Upstream:
             try:
                 answer = client.complete(body, headers=self._headers(episode_id), idle=idle, idle_s=idle_s)
             except EngineCallError as exc:
+                if attempt == 1 and self._restore_adapter(engine, body, exc):
+                    continue
                 err = gateway_error(exc, engine.url)
                 room = self._room(engine, body, err) if attempt == 1 else None
                 if room is None:
@@ -211,10 +240,14 @@ class Upstream:
         return PendingStream(self.clients[engine.url].open_stream(body, headers=self._headers(episode_id)))
 
     def open_stream(self, engine: EngineTarget, body: dict, episode_id: int | None, wait_s: float) -> PendingStream:
-        """Send a streamed chat completion; waits up to `wait_s` for the engine to accept it."""
+        """Send a streamed chat completion; waits up to `wait_s` for the engine to accept it.  A
+        LoRA adapter the engine no longer serves is loaded again and the request sent again once."""
         self._clamp_to_context(engine, body)
         pending = self._start(engine, body, episode_id)
         out = pending.wait(wait_s)
+        if isinstance(out, GatewayError) and self._restore_adapter(engine, body, pending.stream.error):
+            pending = self._start(engine, body, episode_id)
+            out = pending.wait(wait_s)
         room = self._room(engine, body, out if isinstance(out, GatewayError) else None)
         if room is not None:
             body["max_tokens"] = room

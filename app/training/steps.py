@@ -225,13 +225,15 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
 
     metrics["trainer_resident"] = resident  # model + optimizer were already in this process's memory
     synced = time.perf_counter()
-    if _RESIDENT.pool is not None and engine_kind == "embedded" and not any(pushes_to(u) for u in engine_urls):
+    if _RESIDENT.pool is not None and (engine_kind == "vllm" or not any(pushes_to(u) for u in engine_urls)):
         # A LoRA tenant: the engines keep the shared base and serve this run's adapter by name (read
-        # from the shared disk; an engine on another machine still gets the merged full weights).
-        from app.engines.embedded.adapters import adapter_name
+        # from the shared disk, as vLLM reads every checkpoint; an embedded engine on another
+        # machine still gets the merged full weights).
+        from app.engines.lora_format import adapter_name
 
         metrics["adapter"] = adapter_name(f"run-{run_id}", path / ADAPTER_DIR)
-        metrics["engine_sync"] = push_adapter(engine_urls, path / ADAPTER_DIR, metrics["adapter"], policy_version)
+        metrics["engine_sync"] = push_adapter(engine_urls, path / ADAPTER_DIR, metrics["adapter"], policy_version,
+                                              engine_kind=engine_kind)
     else:
         metrics["engine_sync"] = push_weights(engine_urls, path / "model", policy_version, engine_kind=engine_kind)
     metrics["engine_sync_time_s"] = time.perf_counter() - synced

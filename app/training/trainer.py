@@ -45,7 +45,7 @@ from app.training.opd import apply_token_advantages
 
 OPTIMIZER_FILE = "optimizer.pt"
 ADAPTER_FILE = "adapter.pt"
-ENGINE_ADAPTER_DIR = "adapter"  # adapter.safetensors + adapter.json, what engines serve per request
+ENGINE_ADAPTER_DIR = "adapter"  # what engines serve per request (the embedded and the PEFT layout, for vLLM)
 MODEL_DIR = "model"
 
 

@@ -195,32 +195,55 @@ def reset_to_base(engine_urls: list[str], timeout_s: float = 300.0) -> dict[str,
 
 
 def push_adapter(engine_urls: list[str], folder: Path, name: str, policy_version: int, *, timeout_s: float = 120.0,
-                 attempts: int = 3) -> dict[str, str]:
-    """Ask every embedded engine to serve the LoRA adapter in `folder` as `name`
-    (`<label>@<content hash>`, `app.engines.embedded.adapters`) for `policy_version`; return
-    `{url: "ok" | "error: …"}`.  The base weights and the other runs' adapters stay as they are.
-    By path only: the engine reads `folder` from a disk it shares with the trainer.  A refusal
-    (4xx: a corrupted file, a bad token) is not retried; connection errors and 5xx are."""
-    from app.auth import auth_header
-
+                 attempts: int = 3, engine_kind: str = "embedded") -> dict[str, str]:
+    """Ask every engine to serve the LoRA adapter in `folder` as `name` (`<label>@<content hash>`,
+    `app.engines.embedded.adapters`) for `policy_version`; return `{url: "ok" | "error: …"}`.
+    The base weights and the other runs' adapters stay as they are.  By path only: the engine
+    reads `folder` from a disk it shares with the trainer.  `engine_kind` "vllm" loads the
+    folder's PEFT files through vLLM's runtime LoRA route (`app.engines.vllm.lora`), which also
+    unloads the run's versions older than the one before.  A refusal (4xx: a corrupted file, a
+    bad token, a rank above the server's `--max-lora-rank`) is not retried; connection errors and
+    5xx are."""
     results: dict[str, str] = {}
     for url in engine_urls:
+        load = _load_vllm_adapter if engine_kind == "vllm" else _load_embedded_adapter
         error = "not tried"
         for attempt in range(attempts):
-            try:
-                answer = httpx.post(f"{url.rstrip('/')}/v1/load_lora_adapter", headers=auth_header(), timeout=timeout_s,
-                                    json={"lora_name": name, "lora_path": str(folder), "policy_version": policy_version})
-            except httpx.HTTPError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            else:
-                if answer.status_code == 200:
-                    error = ""
-                    break
-                error = f"engine answered {answer.status_code}: {answer.text[:500]}"
-                if 400 <= answer.status_code < 500:
-                    break
+            error, retry = load(url, folder, name, policy_version, timeout_s)
+            if not error or not retry:
+                break
             time.sleep(0.5 * (attempt + 1))
         results[url] = "ok" if not error else f"error: {error}"
         if error:
             log.error("engine %s did not load adapter %s (policy_version=%s): %s", url, name, policy_version, error)
     return results
+
+
+def _load_embedded_adapter(url: str, folder: Path, name: str, policy_version: int, timeout_s: float) -> tuple[str, bool]:
+    """`("", False)` once the embedded engine serves the adapter, else `(error, worth retrying)`."""
+    from app.auth import auth_header
+
+    try:
+        answer = httpx.post(f"{url.rstrip('/')}/v1/load_lora_adapter", headers=auth_header(), timeout=timeout_s,
+                            json={"lora_name": name, "lora_path": str(folder), "policy_version": policy_version})
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}", True
+    if answer.status_code == 200:
+        return "", False
+    return f"engine answered {answer.status_code}: {answer.text[:500]}", not 400 <= answer.status_code < 500
+
+
+def _load_vllm_adapter(url: str, folder: Path, name: str, policy_version: int, timeout_s: float) -> tuple[str, bool]:
+    """The same for a vLLM server (`app.engines.vllm.lora.load_adapter`; vLLM has no policy versions:
+    the gateway stamps the run's)."""
+    from app.engines.vllm.lora import VLLMAdapterError, load_adapter
+
+    try:
+        with EngineClient(url, timeout=timeout_s) as client:
+            load_adapter(client, name, folder)
+    except VLLMAdapterError as exc:
+        cause = exc.__cause__
+        return str(exc), isinstance(cause, EngineHTTPError) and cause.status >= 500
+    except EngineCallError as exc:
+        return f"{type(exc).__name__}: {exc}", True
+    return "", False

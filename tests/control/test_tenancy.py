@@ -45,7 +45,16 @@ def test_lora_runs_of_one_shape_share_and_other_shapes_are_refused_naming_the_fi
     with session_scope() as s:
         s.get(Run, first).config = {**s.get(Run, first).config, "model": {"engine": "vllm", "engine_urls": ["http://x"],
                                                                           "name": "smollm2"}}
-    assert fields(engine_problems(vllm)) == ["model.engine"]
+    # vLLM engines serve each run's adapter per request too (--enable-lora): LoRA runs share them
+    assert engine_problems(vllm) == []
+    assert fields(engine_problems(RunConfig.model_validate(
+        {"kind": "train", "model": {"engine": "vllm", "engine_urls": ["http://x"]},
+         "training": {"lora": True, "lora_r": 8}}))) == ["training.lora_r"]
+    with session_scope() as s:  # the same URLs named as another engine kind cannot share one pool
+        s.get(Run, first).config = {**s.get(Run, first).config, "model": {"engine": "embedded",
+                                                                          "engine_urls": ["http://x"], "name": "smollm2"}}
+    problems = engine_problems(vllm)
+    assert fields(problems) == ["model.engine"] and "'embedded' engines" in problems[0][1]
 
 
 def test_a_full_fine_tune_and_lora_runs_do_not_share_engines(database):

@@ -7,6 +7,8 @@ three servers), and stopped when the session ends.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -28,14 +30,14 @@ _server: "VLLMServer | None" = None
 class VLLMServer:
     """The vLLM subprocess: ``url`` (no ``/v1``), ``model_dir`` (what it serves), ``client``."""
 
-    def __init__(self) -> None:
+    def __init__(self, lora: bool = False) -> None:
         self.error: str | None = None
         self.proc: subprocess.Popen | None = None
         self.ready_s: float | None = None
-        self.external = os.environ.get("TURNSTILE_TEST_VLLM_URL")
+        self.external = os.environ.get("TURNSTILE_TEST_VLLM_LORA_URL" if lora else "TURNSTILE_TEST_VLLM_URL")
         self.tmp = Path(tempfile.mkdtemp(prefix="turnstile-vllm-"))
         # Under xdist the controller's server writes this log (tests/conftest.py says where).
-        self.log_path = Path(os.environ.get("TURNSTILE_TEST_VLLM_LOG") or self.tmp / "vllm.log")
+        self.log_path = Path((not lora and os.environ.get("TURNSTILE_TEST_VLLM_LOG")) or self.tmp / "vllm.log")
         self.started = time.monotonic()
         self.argv: list[str] = []
         self.url = (self.external or "http://127.0.0.1:9").rstrip("/")
@@ -51,8 +53,13 @@ class VLLMServer:
             self.argv, env = cpu_serve_command(
                 # --enforce-eager: no torch.compile graph capture and inductor compilation at start
                 # (start time is what CI pays for; not measured without it here); the model code
-                # runs unfused, as the trainer's does.
-                VLLMServeConfig(model=str(self.model_dir), port=port, extra_args=["--enforce-eager"]),
+                # runs unfused, as the trainer's does.  `lora`: --enable-lora (max rank 16) for LoRA
+                # train runs' adapters per request (tests/vllm/test_vllm_lora.py), a server of its
+                # own: with LoRA on, vLLM 0.32's CPU build fails a batch in which one request asks
+                # for prompt_logprobs (its LoRA logits path maps one row per request, not per
+                # prompt token: vllm-project/vllm#16668), which the other tests do.
+                VLLMServeConfig(model=str(self.model_dir), port=port, enable_lora=lora, max_loras=2,
+                                max_lora_rank=16, extra_args=["--enforce-eager"]),
                 python=str(VENV / "bin" / "python"))
             self.env = {**os.environ, **env, "PYTHONPATH": str(ROOT),   # the worker extension
                         "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -97,6 +104,22 @@ class VLLMServer:
                 time.sleep(1)
         self.error = f"vLLM did not answer /health within {START_TIMEOUT_S} s:\n{self.log_tail()}"
         pytest.fail(self.error)
+
+    @contextlib.contextmanager
+    def weights(self, exclusive: bool):
+        """Hold the server: shared by tests that compare answers with the base model, exclusive
+        for a test that loads other weights into it (and puts the base back before it lets go)
+        or whose numbers other requests would move (a batch's composition changes vLLM's fp32
+        results in the last digits).  One server serves every xdist worker, so without this a
+        reload in one worker's test would change the model under another worker's comparison.
+        A file lock (flock) per server address, which every worker process of the session sees."""
+        name = "".join(ch if ch.isalnum() else "-" for ch in self.url)
+        with open(Path(tempfile.gettempdir()) / f"turnstile-vllm-weights-{name}.lock", "a+") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def stop(self) -> None:
         self.client.close()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from app.db import session_scope
-from app.engines.embedded.adapters import content_hash
+from app.engines.lora_format import content_hash
 from app.proxy.sessions import current_adapter
 from app.tables import Run
 from app.training import steps

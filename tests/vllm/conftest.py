@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from support.training import data, var_dir  # noqa: F401 (fixtures pytest finds by name: test_vllm_lora)
 from support.vllm_server import VLLMServer
 
 _server: "VLLMServer | None" = None
@@ -48,3 +49,15 @@ def vllm_server() -> VLLMServer:
     server = _get_server()
     server.wait()
     return server
+
+
+@pytest.fixture(autouse=True)
+def _vllm_weights(request):
+    """Every test of this folder holds the shared server (`VLLMServer.weights`): shared, or
+    exclusive when marked `vllm_alone`."""
+    if "vllm_server" not in request.fixturenames:
+        yield
+        return
+    server = request.getfixturevalue("vllm_server")
+    with server.weights(exclusive=request.node.get_closest_marker("vllm_alone") is not None):
+        yield

@@ -145,6 +145,7 @@ def _perturbed(model, seed: int, scale: float = 0.02):
     return new
 
 
+@pytest.mark.vllm_alone
 def test_weight_update_through_the_reloader_is_followed_and_holds_requests(vllm_server, trainer_model, tmp_path):
     """``VLLMReloader``: pause (wait) → load on every worker → reset prefix cache → resume.
     A stream running when the reload starts finishes on the old weights; a request sent while

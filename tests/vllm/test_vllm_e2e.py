@@ -95,6 +95,7 @@ def _finish(api, logs, run_id: int, timeout: float) -> dict:
     return wait_for(done, timeout, interval=1, what=f"run {run_id} to finish\n{logs()}")
 
 
+@pytest.mark.vllm_alone
 def test_mini_swe_agent_train_step_reloads_vllm_then_eval_of_the_checkpoint(vllm_stack, vllm_server):
     api, logs = vllm_stack
     if not get_preset("mini-swe-agent").is_installed():

@@ -1,16 +1,8 @@
 """LoRA adapters served per request by the embedded engine (several runs on one base model).
 
-An adapter folder (written by the trainer for a LoRA run, `save_adapter`):
-
-    adapter.safetensors   per adapted Linear `<path>` of the causal LM (e.g.
-                          `model.layers.0.self_attn.q_proj`): `<path>.lora_A` fp32 [r, in] and
-                          `<path>.lora_B` fp32 [out, r]
-    adapter.json          {"r", "alpha", "policy_version"}
-
-The served name of an adapter version carries the content hash: `<label>@<sha256[:12]>` of
-`adapter.safetensors` (`adapter_name`), so a name never stands for two contents and a
-same-name reload never happens; the engine recomputes the hash on load and refuses a name
-whose hash differs (a corrupted or rewritten file), naming the cause.
+The adapter folder, its files and its served name `<label>@<sha256[:12]>` are
+`app.engines.lora_format`'s; the engine recomputes the hash on load and refuses a name whose hash
+differs (a corrupted or rewritten file), naming the cause.
 
 Mixed batches: requests naming different adapters (or none) share one decode batch.  A
 forward hook on every adaptable projection adds, for each adapter present in the batch, its
@@ -30,7 +22,6 @@ lists the base model only (its route is unchanged), `GET /v1/lora_adapters` the 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import re
 import threading
@@ -42,12 +33,10 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-WEIGHTS = "adapter.safetensors"
-META = "adapter.json"
-HASH_CHARS = 12
-KEEP_VERSIONS = 2  # adapter versions of one label (one run) served at once: the newest and the one before
+from app.engines.lora_format import (HASH_CHARS, KEEP_VERSIONS, META, NAME, PEFT_CONFIG, PEFT_WEIGHTS, WEIGHTS,
+                                     content_hash, label_of)
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_NAME = re.compile(r"^(?P<label>[A-Za-z0-9][A-Za-z0-9._-]{0,127})@(?P<hash>[0-9a-f]{%d})$" % HASH_CHARS)
 _local = threading.local()
 
 
@@ -74,20 +63,6 @@ class Adapter:
         return (self.name, self.policy_version)
 
 
-def content_hash(folder: str | Path) -> str:
-    """SHA-256 (hex) of `folder`'s adapter.safetensors."""
-    digest = hashlib.sha256()
-    with open(Path(folder) / WEIGHTS, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def adapter_name(label: str, folder: str | Path) -> str:
-    """The served name of the adapter in `folder`: `<label>@<first 12 hex of its SHA-256>`."""
-    return f"{label}@{content_hash(folder)[:HASH_CHARS]}"
-
-
 def save_adapter(folder: str | Path, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], r: int, alpha: int,
                  policy_version: int | None) -> None:
     """Write an adapter folder from `weights[path] = (A, B)` (module paths of the causal LM)."""
@@ -99,6 +74,21 @@ def save_adapter(folder: str | Path, weights: dict[str, tuple[torch.Tensor, torc
         tensors[f"{path}.lora_B"] = b.detach().to("cpu", torch.float32).contiguous()
     save_file(tensors, str(folder / WEIGHTS))
     (folder / META).write_text(json.dumps({"r": r, "alpha": alpha, "policy_version": policy_version}))
+    _save_peft(folder, tensors, r, alpha)
+
+
+def _save_peft(folder: Path, tensors: dict[str, torch.Tensor], r: int, alpha: int) -> None:
+    """The adapter in PEFT's saved layout (what `PeftModel.save_pretrained` writes and vLLM's
+    `--enable-lora` loader reads: https://docs.vllm.ai/en/latest/features/lora.html): tensors
+    `base_model.model.<path>.lora_A.weight` [r, in] / `.lora_B.weight` [out, r] and a LoRA config
+    with scale alpha / r, no bias, no dropout (the engines sample without it)."""
+    peft = {f"base_model.model.{key}.weight": tensor for key, tensor in tensors.items()}
+    targets = sorted({key.rsplit(".", 1)[0].rsplit(".", 1)[-1] for key in tensors})
+    save_file(peft, str(folder / PEFT_WEIGHTS))
+    (folder / PEFT_CONFIG).write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "target_modules": targets,
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None}))
 
 
 def peft_weights(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -145,7 +135,7 @@ class AdapterSet:
         file's (corrupted or rewritten), an unreadable file, a module path or shape that does
         not fit the model, or a name already serving other content.
         """
-        m = _NAME.match(name or "")
+        m = NAME.match(name or "")
         if m is None:
             raise AdapterError(f"lora_name {name!r}: an adapter name is <label>@<first {HASH_CHARS} hex digits of the "
                                f"SHA-256 of {WEIGHTS}>")
@@ -184,7 +174,7 @@ class AdapterSet:
         self.adapters[name] = adapter
         # Older versions of the same label beyond KEEP_VERSIONS are dropped (requests holding one
         # finish with it); the previous version stays for sessions that have not seen the new name.
-        same = [n for n in self.adapters if n.rsplit("@", 1)[0] == m["label"]]
+        same = [n for n in self.adapters if label_of(n) == m["label"]]
         for old in same[:-KEEP_VERSIONS]:
             dropped = self.adapters.pop(old)
             self.evicted[old] = (self.folders.pop(old), dropped.policy_version)
@@ -205,7 +195,7 @@ class AdapterSet:
         adapter evicted for newer versions is loaded again from its folder (not a 404).
         Raises AdapterError: 404 for a name in adapter form never loaded (or unloaded), or what
         `load` raises when an evicted adapter's folder is gone or changed."""
-        if model and _NAME.match(model):
+        if model and NAME.match(model):
             adapter = self.adapters.get(model)
             if adapter is None and model in self.evicted:
                 folder, version = self.evicted[model]  # evicted for a newer version: load it again

@@ -6,14 +6,20 @@ command line to vLLM's CPU build, which the test suite serves SmolLM2 with)::
     VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port 8200 --served-model-name policy \\
         --enable-auto-tool-choice --tool-call-parser hermes [--reasoning-parser qwen3] \\
         --max-model-len 8192 --enable-sleep-mode \\
-        --logprobs-mode processed_logprobs --generation-config vllm \\
-        --worker-extension-cls app.engines.vllm.worker.TurnstileWorkerExtension
+        --logprobs-mode processed_logprobs --generation-config vllm --enable-prompt-tokens-details \\
+        --worker-extension-cls app.engines.vllm.worker.TurnstileWorkerExtension \\
+        [--enable-lora --max-loras 4 --max-lora-rank 16 --max-cpu-loras 8]   # LoRA train runs
 
 Why each flag (https://docs.vllm.ai/en/latest/serving/openai_compatible_server/):
 ``--enable-auto-tool-choice --tool-call-parser hermes`` parses Qwen/Hermes ``<tool_call>`` output
 into OpenAI ``tool_calls`` (without them ``tool_choice: auto`` is a 400); ``--reasoning-parser``
 splits ``<think>`` into ``reasoning``; token ids come per request (``return_token_ids: true``,
-vLLM ≥ 0.10.2); ``VLLM_SERVER_DEV_MODE=1`` exposes ``/collective_rpc``, ``/reset_prefix_cache``,
+vLLM ≥ 0.10.2); ``--enable-lora --max-loras --max-lora-rank --max-cpu-loras`` with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` serve LoRA train runs' adapters per request, loaded at
+runtime (``app.engines.vllm.lora``; vLLM needs ``--max-cpu-loras`` ≥ ``--max-loras``); not on a
+teacher's engine: with LoRA on, a batch in which one request asks for ``prompt_logprobs`` fails
+(https://github.com/vllm-project/vllm/issues/16668, seen on the 0.32 CPU build);
+``VLLM_SERVER_DEV_MODE=1`` exposes ``/collective_rpc``, ``/reset_prefix_cache``,
 ``/sleep``, ``/wake_up``; ``--enable-sleep-mode`` lets a colocated trainer free GPU memory.
 ``--logprobs-mode processed_logprobs``: each sampled token's logprob is taken after temperature,
 top-k and top-p, i.e. under the distribution it was drawn from, which the trainer scores the
@@ -23,6 +29,9 @@ top-p < 1; https://docs.vllm.ai/en/latest/api/vllm/config/model/#vllm.config.mod
 Its ``top_logprobs`` come from the same processed distribution, so those of tokens outside the
 kept support read -9999.0, from which the gateway records the support (``app.proxy.sampling``).
 Greedy requests get the untransformed logprobs, as before.
+``--enable-prompt-tokens-details``: each answer's ``usage.prompt_tokens_details.cached_tokens``
+(prompt tokens served from the prefix cache), which the gateway reports in every API's usage
+(OpenAI ``cached_tokens``, Anthropic ``cache_read_input_tokens``, Gemini ``cachedContentTokenCount``).
 ``--generation-config vllm``: a request's absent sampling fields mean vLLM's defaults
 (temperature 1, top-p 1, top-k off), which are the embedded engine's and what the gateway
 records; with the default ``auto`` a model's own ``generation_config.json`` (Qwen3: 0.6 / 0.95 /
@@ -53,7 +62,10 @@ class VLLMServeConfig:
     dtype: str = "auto"                   # "float32" for logprob-parity checks
     gpu_memory_utilization: float = 0.85
     enable_sleep_mode: bool = True
-    enable_lora: bool = False
+    enable_lora: bool = False             # run adapters per request (app.engines.vllm.lora)
+    max_loras: int = 4                    # adapters in one batch (runs sharing the engine at once)
+    max_lora_rank: int = 16               # the largest training.lora_r a run may use on it
+    max_cpu_loras: int = 8                # adapters kept in host memory (2 versions per run)
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
 
@@ -66,13 +78,15 @@ def serve_command(config: VLLMServeConfig) -> tuple[list[str], dict[str, str]]:
             "--max-model-len", str(config.max_model_len), "--dtype", config.dtype,
             "--gpu-memory-utilization", str(config.gpu_memory_utilization),
             "--seed", str(config.seed), "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+            "--enable-prompt-tokens-details",
             "--worker-extension-cls", WORKER_EXTENSION]
     if config.reasoning_parser:
         argv += ["--reasoning-parser", config.reasoning_parser]
     if config.enable_sleep_mode:
         argv.append("--enable-sleep-mode")
     if config.enable_lora:
-        argv.append("--enable-lora")
+        argv += ["--enable-lora", "--max-loras", str(config.max_loras), "--max-lora-rank", str(config.max_lora_rank),
+                 "--max-cpu-loras", str(max(config.max_cpu_loras, config.max_loras))]
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if config.enable_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from app.auth import auth_header
-from app.engines.embedded.adapters import (AdapterError, AdapterSet, adapter_name, peft_weights, rows,
-                                           save_adapter)
+from app.engines.embedded.adapters import AdapterError, AdapterSet, peft_weights, rows, save_adapter
+from app.engines.lora_format import adapter_name
 from app.engines.embedded.batching import BatchScheduler, GenerationRequest, Started, TokenEvent
 from app.engines.embedded.sampling import SamplingParams
 from app.engines.modeling import build_tiny_model
@@ -71,6 +71,24 @@ def test_an_adapter_adds_exactly_its_low_rank_update(tmp_path):
     assert (adapted - expected).abs().max() < 1e-4
     assert (adapted - base).abs().max() > 1e-2  # the adapter does change the model
     assert torch.equal(after, base)  # outside `rows` the hooks add nothing
+
+
+def test_the_folder_carries_the_same_adapter_in_peft_layout_for_vllm(tmp_path):
+    """vLLM's `--enable-lora` reads PEFT's saved layout: peft itself loading the folder's
+    adapter_model.safetensors + adapter_config.json must give the reference model's logits."""
+    import json
+
+    from peft import PeftModel
+
+    name, merged = trained_adapter(tmp_path / "a", seed=1, r=4, alpha=8)
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["bias"]) == ("LORA", 4, 8, "none")
+    assert sorted(config["target_modules"]) == sorted(policy.LORA_TARGETS)
+    loaded = PeftModel.from_pretrained(build_tiny_model(0), str(tmp_path / "a")).eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert (loaded(ids).logits - merged(ids).logits).abs().max() < 1e-4
+        assert (loaded(ids).logits - build_tiny_model(0)(ids).logits).abs().max() > 1e-2
 
 
 def test_mixed_batch_rows_get_their_own_adapter_and_version(tmp_path):
@@ -150,6 +168,40 @@ def test_http_routes_load_serve_and_unload_an_adapter(engine, tmp_path):
         assert http.post("/v1/unload_lora_adapter", headers=headers, json={"lora_name": name}).status_code == 200
         gone = http.post("/v1/completions", json={**body, "model": name})
         assert gone.status_code == 404 and "does not exist" in gone.json()["error"]["message"]
+
+
+def test_the_gateway_loads_an_adapter_the_engine_lost_again_and_answers(engine, tmp_path, database):
+    """An engine that no longer serves a session's adapter (restarted, or unloaded) answers 404; the
+    gateway's engine side loads it again from the step's checkpoint and sends the call again."""
+    from app.db import session_scope
+    from app.proxy.upstream import EngineTarget, Upstream
+    from app.tables import Run, TrainingStep
+
+    with session_scope() as s:
+        run = Run(kind="train", config={"kind": "train", "training": {"lora": True}}, status="running")
+        s.add(run)
+        s.flush()
+        run_id = run.id
+    folder = tmp_path / "checkpoint-0" / "adapter"
+    trained_adapter(folder, seed=1, version=1)
+    name = adapter_name(f"run-{run_id}", folder)
+    with session_scope() as s:
+        s.add(TrainingStep(run_id=run_id, step=0, status="completed", policy_version=1,
+                           checkpoint_path=str(folder.parent), metrics={"adapter": name}))
+    up, target = Upstream([engine.url]), EngineTarget(engine.url)
+    body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0.0,
+            "return_token_ids": True}
+    answer = up.complete(target, dict(body), None)  # never loaded here: loaded on the 404
+    assert answer["policy_version"] == 1 and len(answer["choices"][0]["token_ids"]) == 3
+    with httpx.Client(base_url=engine.url, timeout=60) as http:
+        assert http.post("/v1/unload_lora_adapter", headers=auth_header(), json={"lora_name": name}).status_code == 200
+    opening = up.open_stream(target, dict(body, stream=True), None, wait_s=60)
+    assert not hasattr(opening.result, "kind"), opening.result  # a StreamHandle, not a GatewayError
+    opening.result.close()
+    ghost = dict(body, model=f"run-{run_id}@{'0' * 12}")  # no kept checkpoint made it: the engine's 404 stays
+    with pytest.raises(Exception) as missing:
+        up.complete(target, ghost, None)
+    assert getattr(missing.value, "kind", None) == "upstream" and "does not exist" in str(missing.value)
 
 
 def test_a_run_keeps_its_two_newest_versions_loaded_and_reloads_an_evicted_one_on_demand(tmp_path):
