@@ -90,9 +90,12 @@ def resolve_session_info(token: str | None) -> SessionInfo | None:
         with _cache_lock:
             _cache.pop(digest, None)
         return None
-    info = SessionInfo(row.id, row.run_id, int(row.policy_version or 0),
+    # A LoRA run's adapter and the version its completions are stamped with come from one step
+    # row: read apart, a step completing in between would pair a new adapter with the old version.
+    served = served_adapter(row.run_id, row.config)
+    info = SessionInfo(row.id, row.run_id, served[1] if served else int(row.policy_version or 0),
                        (row.config or {}).get("splice_history", True) is not False,
-                       attempt=max(int(row.attempts or 0), 1), adapter=current_adapter(row.run_id, row.config))
+                       attempt=max(int(row.attempts or 0), 1), adapter=served[0] if served else None)
     with _cache_lock:
         _cache[digest] = (now + gateway_settings().session_cache_s, info)
         _cache.move_to_end(digest)
@@ -105,18 +108,27 @@ def current_adapter(run_id: int, config: dict | None) -> str | None:
     """The adapter name (`run-<id>@<hash>`) a LoRA train run's newest completed step loaded on the
     engines, or None (not a LoRA run, no step yet: the adapters start as the base model).  A
     held-out eval of a train run (`eval_of`) samples that run's adapter: the policy it measures."""
+    served = served_adapter(run_id, config)
+    return served[0] if served else None
+
+
+def served_adapter(run_id: int, config: dict | None) -> tuple[str, int] | None:
+    """`(adapter name, policy version)` of the newest completed step of a LoRA train run (or of the
+    train run an `eval_of` eval measures), read from that one step row; None as `current_adapter`."""
     config = config or {}
     if config.get("kind") == "eval" and (config.get("eval_of") or {}).get("run") is not None:
         train_id = int(config["eval_of"]["run"])
         with session_scope() as s:
             train_config = s.scalar(select(Run.config).where(Run.id == train_id))
-        return current_adapter(train_id, train_config) if (train_config or {}).get("kind") == "train" else None
+        return served_adapter(train_id, train_config) if (train_config or {}).get("kind") == "train" else None
     if not config.get("training", {}).get("lora") or config.get("kind") != "train":
         return None
     with session_scope() as s:
-        metrics = s.scalar(select(TrainingStep.metrics).where(
-            TrainingStep.run_id == run_id, TrainingStep.status == "completed").order_by(TrainingStep.step.desc()).limit(1))
-    return (metrics or {}).get("adapter")
+        row = s.execute(select(TrainingStep.metrics, TrainingStep.policy_version).where(
+            TrainingStep.run_id == run_id, TrainingStep.status == "completed")
+            .order_by(TrainingStep.step.desc()).limit(1)).first()
+    name = (row.metrics or {}).get("adapter") if row is not None else None
+    return (name, int(row.policy_version or 0)) if name else None
 
 
 def adapter_folder(name: str) -> Path | None:
