@@ -186,7 +186,8 @@ class Upstream:
         """After the engine answered 404 for the LoRA adapter the body names (an engine restarted,
         or one that unloaded the version a session still samples), load it again from its
         checkpoint folder (`sessions.adapter_folder`); whether it is served now, so the call can be
-        sent again.  Concurrent calls for one adapter load it once."""
+        sent again.  Concurrent calls for one adapter load it one at a time (loading a name already
+        served again is a no-op on both engines)."""
         name = body.get("model")
         if not (isinstance(exc, EngineHTTPError) and exc.status == 404 and isinstance(name, str)
                 and ADAPTER_NAME.match(name)):
