@@ -25,6 +25,7 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 HASH_CHARS = 12
 KEEP_VERSIONS = 2  # adapter versions of one label (one run) served at once: the newest and the one before
+_RUN = re.compile(r"^run-(\d+)@")
 NAME = re.compile(r"^(?P<label>[A-Za-z0-9][A-Za-z0-9._-]{0,127})@(?P<hash>[0-9a-f]{%d})$" % HASH_CHARS)
 
 
@@ -43,6 +44,17 @@ def content_hash(folder: str | Path) -> str:
 def adapter_name(label: str, folder: str | Path) -> str:
     """The served name of the adapter in `folder`: `<label>@<first 12 hex of its SHA-256>`."""
     return f"{label}@{content_hash(folder)[:HASH_CHARS]}"
+
+
+def run_label(run_id: int) -> str:
+    """The label of a LoRA train run's adapters: `run-<id>`."""
+    return f"run-{int(run_id)}"
+
+
+def run_of(name: str | None) -> int | None:
+    """The run id of an adapter name `run-<id>@…`, else None (the base model, another label)."""
+    m = _RUN.match(name or "")
+    return int(m.group(1)) if m else None
 
 
 def label_of(name: str) -> str:

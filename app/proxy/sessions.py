@@ -8,7 +8,6 @@ SQL; a finished episode's token therefore stops working within that delay.
 from __future__ import annotations
 
 import hashlib
-import re
 import secrets
 import threading
 import time
@@ -20,6 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.db import session_scope
+from app.engines.lora_format import run_of
 from app.tables import Episode, Run, TrainingStep
 from app.proxy.common import gateway_settings
 
@@ -135,12 +135,12 @@ def adapter_folder(name: str) -> Path | None:
     """The folder adapter `name` (`run-<id>@<hash>`) was loaded from: the `adapter/` folder of the
     checkpoint of the run's completed step that made it; None when no kept checkpoint made it
     (pruned, or not a run's adapter name)."""
-    m = re.match(r"^run-(\d+)@", name or "")
-    if m is None:
+    run_id = run_of(name)
+    if run_id is None:
         return None
     with session_scope() as s:
         rows = s.execute(select(TrainingStep.metrics, TrainingStep.checkpoint_path).where(
-            TrainingStep.run_id == int(m.group(1)), TrainingStep.status == "completed",
+            TrainingStep.run_id == run_id, TrainingStep.status == "completed",
             TrainingStep.checkpoint_path.is_not(None)).order_by(TrainingStep.step.desc())).all()
     for metrics, checkpoint in rows:
         if (metrics or {}).get("adapter") == name and (Path(checkpoint) / "adapter").is_dir():

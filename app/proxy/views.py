@@ -7,7 +7,6 @@ by `app.proxy.body`, the engine's answer relayed and recorded by `app.proxy.rela
 from __future__ import annotations
 
 import logging
-import re
 import time
 
 from flask import Flask, Response, request
@@ -15,6 +14,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from app import weight_gate
 from app.engines.disconnect import client_gone_probe
+from app.engines.lora_format import run_of
 from app.proxy import limits, record, relay, splice
 from app.proxy.apis import REGISTRY, ApiModule, api_module
 from app.proxy.body import read_body
@@ -167,9 +167,9 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     norm = _normalize(module, route, body, info)
     if len(norm.model or "") > MODEL_MAX_CHARS:  # checked before the engine is asked, never at record time
         raise GatewayError("invalid_request", f"model: at most {MODEL_MAX_CHARS} characters", param="model")
-    other = re.match(r"^run-(\d+)@", norm.model or "")
-    if other and int(other.group(1)) != info.run_id:  # a session samples from its own run's adapter only
-        raise GatewayError("invalid_request", f"model: {norm.model!r} is the LoRA adapter of run {other.group(1)}; this "
+    other = run_of(norm.model)
+    if other is not None and other != info.run_id:  # a session samples from its own run's adapter only
+        raise GatewayError("invalid_request", f"model: {norm.model!r} is the LoRA adapter of run {other}; this "
                                               f"session belongs to run {info.run_id}", param="model")
     up = get_upstream()
     engine = up.describe(up.pick(info.episode_id))

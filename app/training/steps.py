@@ -229,9 +229,9 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
         # A LoRA tenant: the engines keep the shared base and serve this run's adapter by name (read
         # from the shared disk, as vLLM reads every checkpoint; an embedded engine on another
         # machine still gets the merged full weights).
-        from app.engines.lora_format import adapter_name
+        from app.engines.lora_format import adapter_name, run_label
 
-        metrics["adapter"] = adapter_name(f"run-{run_id}", path / ADAPTER_DIR)
+        metrics["adapter"] = adapter_name(run_label(run_id), path / ADAPTER_DIR)
         metrics["engine_sync"] = push_adapter(engine_urls, path / ADAPTER_DIR, metrics["adapter"], policy_version,
                                               engine_kind=engine_kind)
     else:

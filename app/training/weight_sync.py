@@ -206,10 +206,9 @@ def push_adapter(engine_urls: list[str], folder: Path, name: str, policy_version
     5xx are."""
     results: dict[str, str] = {}
     for url in engine_urls:
-        load = _load_vllm_adapter if engine_kind == "vllm" else _load_embedded_adapter
         error = "not tried"
         for attempt in range(attempts):
-            error, retry = load(url, folder, name, policy_version, timeout_s)
+            error, retry = _load_adapter(url, folder, name, policy_version, timeout_s, engine_kind)
             if not error or not retry:
                 break
             time.sleep(0.5 * (attempt + 1))
@@ -219,31 +218,25 @@ def push_adapter(engine_urls: list[str], folder: Path, name: str, policy_version
     return results
 
 
-def _load_embedded_adapter(url: str, folder: Path, name: str, policy_version: int, timeout_s: float) -> tuple[str, bool]:
-    """`("", False)` once the embedded engine serves the adapter, else `(error, worth retrying)`."""
-    from app.auth import auth_header
-
-    try:
-        answer = httpx.post(f"{url.rstrip('/')}/v1/load_lora_adapter", headers=auth_header(), timeout=timeout_s,
-                            json={"lora_name": name, "lora_path": str(folder), "policy_version": policy_version})
-    except httpx.HTTPError as exc:
-        return f"{type(exc).__name__}: {exc}", True
-    if answer.status_code == 200:
-        return "", False
-    return f"engine answered {answer.status_code}: {answer.text[:500]}", not 400 <= answer.status_code < 500
-
-
-def _load_vllm_adapter(url: str, folder: Path, name: str, policy_version: int, timeout_s: float) -> tuple[str, bool]:
-    """The same for a vLLM server (`app.engines.vllm.lora.load_adapter`; vLLM has no policy versions:
-    the gateway stamps the run's)."""
+def _load_adapter(url: str, folder: Path, name: str, policy_version: int, timeout_s: float,
+                  engine_kind: str) -> tuple[str, bool]:
+    """`("", False)` once the engine serves the adapter, else `(error, worth retrying)`: both
+    engines take `POST /v1/load_lora_adapter` (`EngineClient.load_lora_adapter`); vLLM has no
+    policy versions (the gateway stamps the step's) and its older versions are unloaded
+    (`app.engines.vllm.lora.load_adapter`)."""
     from app.engines.vllm.lora import VLLMAdapterError, load_adapter
 
     try:
         with EngineClient(url, timeout=timeout_s) as client:
-            load_adapter(client, name, folder)
+            if engine_kind == "vllm":
+                load_adapter(client, name, folder)
+            else:
+                client.load_lora_adapter(name, str(folder), policy_version)
     except VLLMAdapterError as exc:
         cause = exc.__cause__
         return str(exc), isinstance(cause, EngineHTTPError) and cause.status >= 500
+    except EngineHTTPError as exc:
+        return f"engine answered {exc.status}: {exc.message[:500]}", exc.status >= 500
     except EngineCallError as exc:
         return f"{type(exc).__name__}: {exc}", True
     return "", False

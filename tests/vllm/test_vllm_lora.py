@@ -16,7 +16,8 @@ from app.engines.embedded.adapters import peft_weights, save_adapter
 from app.engines.lora_format import adapter_name
 from app.engines.modeling import load_model
 from app.engines.vllm.lora import VLLMAdapterError, load_adapter, served_adapters, unload_adapter
-from app.proxy.upstream import EngineTarget, Upstream
+from app.proxy.errors import GatewayError
+from app.proxy.upstream import EngineTarget, StreamHandle, Upstream
 from app.tables import Run, TrainingStep
 from app.training import policy
 from support.vllm_server import VLLMServer
@@ -90,7 +91,7 @@ def test_each_request_samples_from_the_adapter_it_names(lora_server, base_model,
     print(f"\nvLLM LoRA answers vs the trainer's merged adapters (max |Δ logprob|): {gaps}")
     assert gaps["a"] < 1e-3 and gaps["b"] < 1e-3  # the PEFT folder vLLM read is the trainer's adapter
     assert gaps["a under b"] > 1e-2 and gaps["a under base"] > 1e-2  # and the adapters do differ
-    assert out_base["choices"][0]["token_ids"] != out_a["choices"][0]["token_ids"] or gaps["a under base"] > 1e-2
+    assert logprob_gap(base_model, out_base) < 1e-3  # a request naming no adapter still samples the base
 
 
 def test_the_prefix_cache_is_keyed_by_adapter_and_version(lora_server, base_model, tmp_path):
@@ -144,14 +145,14 @@ def test_a_run_keeps_two_versions_and_a_lost_adapter_is_loaded_again_on_demand(
     assert len(answer["choices"][0]["token_ids"]) == 4 and names[0] in served_adapters(client)
     assert unload_adapter(client, names[0]) and not unload_adapter(client, names[0])
     opening = up.open_stream(engine, dict(body, stream=True), None, wait_s=60)
-    assert not hasattr(opening.result, "kind"), opening.result  # a StreamHandle, not a GatewayError
+    assert isinstance(opening.result, StreamHandle), opening.result
     opening.result.close()
     assert names[0] in served_adapters(client)
     # A name no kept checkpoint made stays the engine's 404, in the caller's shape.
     ghost = f"{label}@{'0' * 12}"
-    with pytest.raises(Exception) as missing:
+    with pytest.raises(GatewayError) as missing:
         up.complete(engine, dict(body, model=ghost), None)
-    assert getattr(missing.value, "kind", None) == "upstream" and "does not exist" in str(missing.value)
+    assert missing.value.kind == "upstream" and "does not exist" in str(missing.value)
 
 
 def test_an_adapter_vllm_cannot_serve_is_refused_with_its_cause(lora_server, base_model, tmp_path):

@@ -174,7 +174,8 @@ def test_the_gateway_loads_an_adapter_the_engine_lost_again_and_answers(engine, 
     """An engine that no longer serves a session's adapter (restarted, or unloaded) answers 404; the
     gateway's engine side loads it again from the step's checkpoint and sends the call again."""
     from app.db import session_scope
-    from app.proxy.upstream import EngineTarget, Upstream
+    from app.proxy.errors import GatewayError
+    from app.proxy.upstream import EngineTarget, StreamHandle, Upstream
     from app.tables import Run, TrainingStep
 
     with session_scope() as s:
@@ -196,12 +197,12 @@ def test_the_gateway_loads_an_adapter_the_engine_lost_again_and_answers(engine, 
     with httpx.Client(base_url=engine.url, timeout=60) as http:
         assert http.post("/v1/unload_lora_adapter", headers=auth_header(), json={"lora_name": name}).status_code == 200
     opening = up.open_stream(target, dict(body, stream=True), None, wait_s=60)
-    assert not hasattr(opening.result, "kind"), opening.result  # a StreamHandle, not a GatewayError
+    assert isinstance(opening.result, StreamHandle), opening.result
     opening.result.close()
     ghost = dict(body, model=f"run-{run_id}@{'0' * 12}")  # no kept checkpoint made it: the engine's 404 stays
-    with pytest.raises(Exception) as missing:
+    with pytest.raises(GatewayError) as missing:
         up.complete(target, ghost, None)
-    assert getattr(missing.value, "kind", None) == "upstream" and "does not exist" in str(missing.value)
+    assert missing.value.kind == "upstream" and "does not exist" in str(missing.value)
 
 
 def test_a_run_keeps_its_two_newest_versions_loaded_and_reloads_an_evicted_one_on_demand(tmp_path):
