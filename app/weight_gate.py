@@ -6,7 +6,8 @@ TTL so a dead trainer cannot close the gate forever).  The gateway checks the ke
 before sending a new request to that engine and holds the request (streams get
 keep-alives) until the key is gone; requests already running finish on the old
 weights and keep the old version stamp.  Held requests and held seconds are
-counted per engine, so runs can report how long harness calls waited.
+counted per engine, so runs can report how long harness calls waited, and so is the
+number of requests being held right now.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import redis as redis_lib
 from app.redis_client import get_redis
 
 GATE_TTL_S = 600
-_CACHE_S = 0.1  # a request in the first 100 ms of a reload reaches the engine, which holds it itself
+CACHE_S = 0.1  # a request in the first 100 ms of a reload reaches the engine, which holds it itself
 
 _cache: dict[str, tuple[float, bool]] = {}
 _lock = threading.Lock()
@@ -58,7 +59,7 @@ def is_reloading(engine_url: str) -> bool:
     """True while the engine's gate is closed (cached for 100 ms per process; False if Redis is down)."""
     now = time.monotonic()
     hit = _cache.get(engine_url)
-    if hit is not None and now - hit[0] < _CACHE_S:
+    if hit is not None and now - hit[0] < CACHE_S:
         return hit[1]
     try:
         closed = bool(_redis().exists(gate_key(engine_url)))
@@ -80,6 +81,29 @@ def wait_open(engine_url: str, timeout_s: float, poll_s: float = 0.05) -> bool:
     return not is_reloading(engine_url)
 
 
+@contextlib.contextmanager
+def holding(engine_url: str) -> Iterator[None]:
+    """Count one request as held at the gateway (`hold_stats(...)["holding"]`) while the body runs.
+
+    The count is a Redis counter: a gateway killed mid-hold leaves it one high until the
+    stats key is deleted, so it is a gauge for watching a reload, not an invariant.
+    Redis errors are swallowed: never fail a harness call because the count cannot be kept."""
+    counted = _bump(engine_url, 1)
+    try:
+        yield
+    finally:
+        if counted:
+            _bump(engine_url, -1)
+
+
+def _bump(engine_url: str, by: int) -> bool:
+    try:
+        _redis().hincrby(stats_key(engine_url), "holding", by)
+        return True
+    except redis_lib.RedisError:
+        return False
+
+
 def record_hold(engine_url: str, held_s: float) -> None:
     """Count one held request and its held seconds for the engine."""
     try:
@@ -92,6 +116,8 @@ def record_hold(engine_url: str, held_s: float) -> None:
 
 
 def hold_stats(engine_url: str) -> dict:
-    """{"requests": n, "seconds": s} held at the gateway for this engine so far."""
+    """{"requests": n, "seconds": s, "holding": k}: requests held at the gateway for this engine
+    so far, their held seconds, and how many are being held now."""
     raw = _redis().hgetall(stats_key(engine_url))
-    return {"requests": int(raw.get(b"requests", 0)), "seconds": float(raw.get(b"seconds", 0.0))}
+    return {"requests": int(raw.get(b"requests", 0)), "seconds": float(raw.get(b"seconds", 0.0)),
+            "holding": int(raw.get(b"holding", 0))}

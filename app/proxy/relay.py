@@ -95,7 +95,8 @@ def hold_while_reloading(engine, cap: record.Capture) -> None:
     if not weight_gate.is_reloading(engine.url):
         return
     t0 = time.perf_counter()
-    weight_gate.wait_open(engine.url, weight_gate.GATE_TTL_S)
+    with weight_gate.holding(engine.url):
+        weight_gate.wait_open(engine.url, weight_gate.GATE_TTL_S)
     held = time.perf_counter() - t0
     cap.raw_request["reload_held_ms"] = round(held * 1000, 1)
     weight_gate.record_hold(engine.url, held)
@@ -108,8 +109,9 @@ def held_stream(writer: StreamWriter, up, engine, body: dict, episode_id: int, c
     t0 = time.perf_counter()
     keepalive = gateway_settings().keepalive_s
     yield from writer.opening()
-    while not weight_gate.wait_open(engine.url, keepalive):
-        yield writer.keepalive()
+    with weight_gate.holding(engine.url):  # a client gone mid-hold closes this generator, and the count
+        while not weight_gate.wait_open(engine.url, keepalive):
+            yield writer.keepalive()
     held = time.perf_counter() - t0
     cap.raw_request["reload_held_ms"] = round(held * 1000, 1)
     weight_gate.record_hold(engine.url, held)

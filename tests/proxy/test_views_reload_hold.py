@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from support import wait_for
 from support.gateway import make_episode
 from sqlalchemy import select
 
@@ -70,14 +71,21 @@ def test_reload_during_live_streams_is_invisible_to_clients(gw, real, tmp_path):
     for name, event in started.items():  # the live streams are generating
         assert event.wait(60), f"{name} did not start"
     held = []
+    holding = weight_gate.hold_stats(engine_url)["holding"]
     with weight_gate.reloading(engine_url, 1):  # what push_weights does around the engine's reload
+        # A gateway process trusts its last read of the gate for CACHE_S: a call inside that window
+        # goes on to the engine, which holds it itself.  These calls must meet the closed gate.
+        time.sleep(weight_gate.CACHE_S + 0.1)
         for i, stream in enumerate((True, False, True)):
             t = threading.Thread(target=call, args=(f"held{i}", stream))
             t.start()
             held.append(t)
         for name, event in sending.items():
             assert event.wait(60), f"{name} was not sent"
-        time.sleep(1.5)  # a slow reload: the new calls must wait at the gateway, not fail
+        # A loaded box may deliver the calls late: keep the gate closed until the gateway holds all three.
+        wait_for(lambda: weight_gate.hold_stats(engine_url)["holding"] - holding == 3, timeout=60,
+                 interval=0.05, what=lambda: f"3 held calls; hold stats {weight_gate.hold_stats(engine_url)}")
+        time.sleep(1.0)  # a slow reload: the new calls must wait at the gateway, not fail
         sync = push_weights([engine_url], tmp_path / "ckpt", 1)  # the engine loads the new weights
     for t in live + held:
         t.join(timeout=180)
@@ -96,3 +104,4 @@ def test_reload_during_live_streams_is_invisible_to_clients(gw, real, tmp_path):
             assert "reload_held_ms" not in row.raw_request
     stats = weight_gate.hold_stats(engine_url)
     assert stats["requests"] >= 3 and stats["seconds"] >= 3.0
+    assert stats["holding"] == holding  # every held call was let go

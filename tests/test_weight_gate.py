@@ -1,0 +1,38 @@
+"""The weight-reload gate's counters on a real Redis: held requests, held seconds, held now."""
+from __future__ import annotations
+
+import pytest
+import redis as redis_lib
+
+from app import weight_gate
+
+URL = "http://127.0.0.1:1/"
+
+
+def test_holding_counts_a_request_while_it_waits_and_lets_it_go_on_any_exit(redis_db):
+    assert weight_gate.hold_stats(URL) == {"requests": 0, "seconds": 0.0, "holding": 0}
+    with weight_gate.holding(URL), weight_gate.holding(URL.rstrip("/")):  # one engine, however spelt
+        assert weight_gate.hold_stats(URL)["holding"] == 2
+    with pytest.raises(GeneratorExit), weight_gate.holding(URL):  # a stream's client went away mid-hold
+        raise GeneratorExit
+    weight_gate.record_hold(URL, 1.5)
+    assert weight_gate.hold_stats(URL) == {"requests": 1, "seconds": 1.5, "holding": 0}
+
+
+def test_the_gate_closes_for_a_reload_and_opens_after_it(redis_db):
+    weight_gate.reset()
+    with weight_gate.reloading(URL, 3):
+        assert redis_db.get(weight_gate.gate_key(URL)) == b"3"
+        weight_gate.reset()
+        assert weight_gate.is_reloading(URL)
+        assert not weight_gate.wait_open(URL, timeout_s=0.2, poll_s=0.05)
+    assert weight_gate.wait_open(URL, timeout_s=1.0)
+
+
+def test_a_redis_outage_never_fails_the_harness_call(monkeypatch):
+    dead = redis_lib.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+    monkeypatch.setattr(weight_gate, "_redis", lambda: dead)
+    weight_gate.reset()
+    assert not weight_gate.is_reloading(URL)  # an unreadable gate counts as open
+    with weight_gate.holding(URL):
+        weight_gate.record_hold(URL, 0.1)
