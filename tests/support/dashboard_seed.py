@@ -222,7 +222,20 @@ def seed() -> dict:
                           status="running", attempts=1, policy_version=0, started_at=live.started_at))
         seed_states(s, inst, tok, rng, ids)
     _write_log(ids["train"], ids["merged_episode"])
+    _seed_reload_holds()
     return ids
+
+
+def _seed_reload_holds() -> None:
+    """The gateway held three harness calls (4.5 s in all) while the engine loaded new weights,
+    and holds one more now: the counters `app.weight_gate` keeps in Redis."""
+    from app import weight_gate
+    from app.redis_client import get_redis
+
+    url = get_settings().engine_urls[0]
+    for held_s in (1.0, 1.5, 2.0):
+        weight_gate.record_hold(url, held_s)
+    get_redis().hincrby(weight_gate.stats_key(url), "holding", 1)
 
 
 def _episodes(s, run: Run, inst: TaskInstance, step: int, group: int, marks: str, start: dt.datetime) -> list[Episode]:

@@ -3,16 +3,19 @@
 One entry per engine address that a live run (queued, running or cancelling, with real stages)
 uses: the runs on it, each with what it puts there (a LoRA adapter on the shared base, or the
 engines' whole weights), the policy version it serves, its rollouts in flight and its fair share
-of the rollout workers (`app.control.shares`).  Two LoRA runs on one engine are two adapters
+of the rollout workers (`app.control.shares`), and the harness calls the gateway held while the
+engine loaded new weights (`app.weight_gate`).  Two LoRA runs on one engine are two adapters
 served side by side; a full fine-tune beside other runs replaces their weights (the API warned
 when it was created, `app.control.tenancy`).
 """
 from __future__ import annotations
 
+import redis as redis_lib
 from pydantic import ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from app import weight_gate
 from app.config import get_settings
 from app.control import shares
 from app.control.tenancy import ACTIVE_STATES
@@ -21,11 +24,13 @@ from app.tables import Episode, Run
 
 
 def engine_sharing(s: Session) -> list[dict]:
-    """`[{"url", "runs": [{"id", "kind", "status", "weights", "adapter", "policy_version", "running",
+    """`[{"url", "held", "runs": [{"id", "kind", "status", "weights", "adapter", "policy_version", "running",
     "share", "allowance"}]}]`, engines by address, runs by id.  `weights`: "LoRA adapter", "full
     weights" (a train run's full fine-tune, or an eval run that loaded a checkpoint) or "base model";
     `allowance`: rollouts in flight it may have now (None: its own `rollout_slots`, no other run
-    wants the rollout workers).  A run whose stored config no longer validates is left out."""
+    wants the rollout workers).  `held`: `weight_gate.hold_stats` of the engine (calls held at its
+    weight reloads so far, their held seconds, how many are held now), None when Redis cannot be
+    read.  A run whose stored config no longer validates is left out."""
     runs = s.scalars(select(Run).where(Run.status.in_(ACTIVE_STATES)).order_by(Run.id)).all()
     if not runs:
         return []
@@ -53,4 +58,11 @@ def engine_sharing(s: Session) -> list[dict]:
                "allowance": allowed.get(run.id)}
         for url in cfg.model.engine_urls or default_urls:
             by_url.setdefault(url, []).append(row)
-    return [{"url": url, "runs": rows} for url, rows in sorted(by_url.items())]
+    return [{"url": url, "held": _held(url), "runs": rows} for url, rows in sorted(by_url.items())]
+
+
+def _held(url: str) -> dict | None:
+    try:
+        return weight_gate.hold_stats(url)
+    except redis_lib.RedisError:
+        return None  # the page still shows who is on the engine

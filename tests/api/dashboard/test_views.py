@@ -65,7 +65,8 @@ def test_runs_page_lists_runs_and_filters(browser, site, shots):
 def test_runs_page_shows_two_lora_runs_live_on_one_engine(browser, site, shots):
     """The Engines table: both LoRA runs under the one engine address every seeded run uses, each
     with its adapter, version and rollouts in flight of its fair share (share 3 gets more than
-    share 1); full fine-tunes and evals on the same engine say what they put there."""
+    share 1); full fine-tunes and evals on the same engine say what they put there; the engine's
+    row says how many harness calls the gateway held during its weight reloads."""
     from app.config import get_settings
     from app.control.shares import allowances
 
@@ -88,6 +89,8 @@ def test_runs_page_shows_two_lora_runs_live_on_one_engine(browser, site, shots):
     queued = [td.text for td in shown[str(ids["queued_train"])].find_elements(By.TAG_NAME, "td")][-8:]
     assert queued[1] == "queued" and queued[6] == "0"  # not running: no share asked of it yet
     assert str(ids["train"]) not in shown  # a finished run is on no engine
+    held = browser.find_element(By.CSS_SELECTOR, "#engines td.held").text
+    assert held == "3 calls, 4.5 s; 1 now", held  # the gateway's reload-hold counters of that engine
     _shot(browser, shots / "runs-engines.png", "engines")
     _assert_console_clean(browser)
 
