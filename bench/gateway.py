@@ -279,7 +279,7 @@ def token_rate(args, env: dict, tmp: str) -> None:
             gw_pids = restart(1, wc)
             for n in sessions:
                 for api in apis:
-                    prof = f"{args.profile}-{wc}-{api}-{n}.raw" if args.profile and n == 64 else None
+                    prof = f"{args.profile}-{wc}-{api}-{n}.raw" if args.profile and n == args.profile_sessions else None
                     g, gcpu, ecpu, ccpu = measure(gateway, n, maker(api, False), gw_pids, prof)
                     row(wc, api, n, direct[n], g, gcpu, ecpu, ccpu)
         if args.scale_workers:
@@ -311,7 +311,10 @@ def main() -> None:
     ap.add_argument("--worker-class", default="gthread,gevent",
                     help="token-rate mode: gunicorn worker classes of the gateway, measured in turn")
     ap.add_argument("--profile", default=None,
-                    help="token-rate mode: py-spy stacks of the worker at 64 sessions to PREFIX-API-64.raw")
+                    help="token-rate mode: py-spy stacks of the worker at --profile-sessions sessions "
+                         "to PREFIX-CLASS-API-N.raw")
+    ap.add_argument("--profile-sessions", type=int, default=64,
+                    help="token-rate mode: the session count --profile samples at")
     ap.add_argument("--scale-workers", type=int, default=2,
                     help="token-rate mode: then 256 sessions over this many workers (0: skip)")
     args = ap.parse_args()
