@@ -109,12 +109,14 @@ def held_stream(writer: StreamWriter, up, engine, body: dict, episode_id: int, c
     t0 = time.perf_counter()
     keepalive = gateway_settings().keepalive_s
     yield from writer.opening()
-    with weight_gate.holding(engine.url):  # a client gone mid-hold closes this generator, and the count
-        while not weight_gate.wait_open(engine.url, keepalive):
-            yield writer.keepalive()
-    held = time.perf_counter() - t0
-    cap.raw_request["reload_held_ms"] = round(held * 1000, 1)
-    weight_gate.record_hold(engine.url, held)
+    try:
+        with weight_gate.holding(engine.url):
+            while not weight_gate.wait_open(engine.url, keepalive):
+                yield writer.keepalive()
+    finally:  # also when the client left mid-hold (the generator is closed): it was held that long
+        held = time.perf_counter() - t0
+        cap.raw_request["reload_held_ms"] = round(held * 1000, 1)
+        weight_gate.record_hold(engine.url, held)
     opening = up.open_stream(engine, body, episode_id, keepalive)
     yield from stream_answer(writer, opening, cap, resp_id, opened=True, taken=taken, max_calls=max_calls)
 

@@ -105,3 +105,30 @@ def test_reload_during_live_streams_is_invisible_to_clients(gw, real, tmp_path):
     stats = weight_gate.hold_stats(engine_url)
     assert stats["requests"] >= 3 and stats["seconds"] >= 3.0
     assert stats["holding"] == holding  # every held call was let go
+
+
+def test_a_client_that_leaves_a_held_stream_is_counted_held_and_then_let_go(gw, real):
+    """The gateway holds a stream while the gate is closed (keep-alives every 0.3 s here); the
+    client hangs up; the next keep-alive write fails, the stream is closed, and the hold counts
+    as one held request whose count of held-now is given back."""
+    import httpx
+
+    engine_url, gateway_url = real
+    weight_gate.reset()
+    before = weight_gate.hold_stats(engine_url)
+    _episode_id, token = make_episode()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+    with weight_gate.reloading(engine_url, 7):
+        time.sleep(weight_gate.CACHE_S + 0.1)  # past the gateway's cached read of the open gate
+        with httpx.Client(timeout=30) as client, client.stream(
+                "POST", f"{gateway_url}/v1/chat/completions", json=body,
+                headers={"Authorization": f"Bearer {token}"}) as resp:
+            assert resp.status_code == 200
+            next(resp.iter_raw())  # the opening frames came: the call waits at the gateway
+            wait_for(lambda: weight_gate.hold_stats(engine_url)["holding"] == before["holding"] + 1, timeout=30,
+                     interval=0.05, what=lambda: f"the call to be held; {weight_gate.hold_stats(engine_url)}")
+        # the client is gone while the gate is still closed
+        wait_for(lambda: weight_gate.hold_stats(engine_url)["holding"] == before["holding"], timeout=30,
+                 interval=0.05, what=lambda: f"the departed call to be let go; {weight_gate.hold_stats(engine_url)}")
+    after = weight_gate.hold_stats(engine_url)
+    assert after["requests"] == before["requests"] + 1 and after["seconds"] > before["seconds"]
