@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 import redis as redis_lib
@@ -81,38 +82,50 @@ def wait_open(engine_url: str, timeout_s: float, poll_s: float = 0.05) -> bool:
     return not is_reloading(engine_url)
 
 
+@dataclass
+class Hold:
+    """One request held at the gateway; `seconds` is set when the hold ends."""
+    seconds: float = 0.0
+
+
 @contextlib.contextmanager
-def holding(engine_url: str) -> Iterator[None]:
-    """Count one request as held at the gateway (`hold_stats(...)["holding"]`) while the body runs.
+def holding(engine_url: str) -> Iterator[Hold]:
+    """Hold one request at the gateway while the body runs (it waits for the gate to open).
 
-    The count is a Redis counter: a gateway killed mid-hold leaves it one high until the
-    stats key is deleted, so it is a gauge for watching a reload, not an invariant.
-    Redis errors are swallowed: never fail a harness call because the count cannot be kept."""
-    counted = _bump(engine_url, 1)
+    While it runs the request counts in `hold_stats(...)["holding"]`; when it ends, however it
+    ends (a stream's client may leave mid-hold, closing its generator), it counts as one held
+    request with its held seconds, and `Hold.seconds` says how long.  The held-now count is a
+    Redis counter: a gateway killed mid-hold leaves it one high until the stats key is deleted,
+    so it is a gauge for watching a reload, not an invariant.  Redis errors are swallowed:
+    never fail a harness call because the counts cannot be kept."""
+    hold, t0 = Hold(), time.perf_counter()
+    counted = _count(engine_url, holding=1)
     try:
-        yield
+        yield hold
     finally:
-        if counted:
-            _bump(engine_url, -1)
-
-
-def _bump(engine_url: str, by: int) -> bool:
-    try:
-        _redis().hincrby(stats_key(engine_url), "holding", by)
-        return True
-    except redis_lib.RedisError:
-        return False
+        hold.seconds = time.perf_counter() - t0
+        _count(engine_url, holding=-1 if counted else 0, requests=1, seconds=hold.seconds)
 
 
 def record_hold(engine_url: str, held_s: float) -> None:
-    """Count one held request and its held seconds for the engine."""
+    """Count one held request and its held seconds for the engine (what `holding` does at its end)."""
+    _count(engine_url, requests=1, seconds=held_s)
+
+
+def _count(engine_url: str, holding: int = 0, requests: int = 0, seconds: float = 0.0) -> bool:
+    """Add to the engine's hold counters in one round trip; False when Redis cannot be written."""
+    key = stats_key(engine_url)
     try:
-        pipe = _redis().pipeline()
-        pipe.hincrby(stats_key(engine_url), "requests", 1)
-        pipe.hincrbyfloat(stats_key(engine_url), "seconds", held_s)
+        pipe = _redis().pipeline(transaction=False)
+        if holding:
+            pipe.hincrby(key, "holding", holding)
+        if requests:
+            pipe.hincrby(key, "requests", requests)
+            pipe.hincrbyfloat(key, "seconds", seconds)
         pipe.execute()
+        return True
     except redis_lib.RedisError:
-        pass
+        return False
 
 
 def hold_stats(engine_url: str) -> dict:

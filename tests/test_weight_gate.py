@@ -1,6 +1,8 @@
 """The weight-reload gate's counters on a real Redis: held requests, held seconds, held now."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis as redis_lib
 
@@ -9,14 +11,19 @@ from app import weight_gate
 URL = "http://127.0.0.1:1/"
 
 
-def test_holding_counts_a_request_while_it_waits_and_lets_it_go_on_any_exit(redis_db):
+def test_holding_counts_a_request_while_it_waits_and_as_held_however_it_ends(redis_db):
     assert weight_gate.hold_stats(URL) == {"requests": 0, "seconds": 0.0, "holding": 0}
-    with weight_gate.holding(URL), weight_gate.holding(URL.rstrip("/")):  # one engine, however spelt
+    with weight_gate.holding(URL) as a, weight_gate.holding(URL.rstrip("/")) as b:  # one engine, however spelt
         assert weight_gate.hold_stats(URL)["holding"] == 2
-    with pytest.raises(GeneratorExit), weight_gate.holding(URL):  # a stream's client went away mid-hold
+        time.sleep(0.05)
+    assert a.seconds >= 0.05 and b.seconds >= 0.05
+    with pytest.raises(GeneratorExit), weight_gate.holding(URL) as gone:  # a stream's client left mid-hold
         raise GeneratorExit
+    stats = weight_gate.hold_stats(URL)
+    assert stats["requests"] == 3 and stats["holding"] == 0
+    assert stats["seconds"] == pytest.approx(a.seconds + b.seconds + gone.seconds)
     weight_gate.record_hold(URL, 1.5)
-    assert weight_gate.hold_stats(URL) == {"requests": 1, "seconds": 1.5, "holding": 0}
+    assert weight_gate.hold_stats(URL)["requests"] == 4
 
 
 def test_the_gate_closes_for_a_reload_and_opens_after_it(redis_db):
@@ -34,5 +41,5 @@ def test_a_redis_outage_never_fails_the_harness_call(monkeypatch):
     monkeypatch.setattr(weight_gate, "_redis", lambda: dead)
     weight_gate.reset()
     assert not weight_gate.is_reloading(URL)  # an unreadable gate counts as open
-    with weight_gate.holding(URL):
+    with weight_gate.holding(URL):  # neither entering nor leaving the hold raises
         weight_gate.record_hold(URL, 0.1)

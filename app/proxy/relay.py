@@ -94,29 +94,21 @@ def hold_while_reloading(engine, cap: record.Capture) -> None:
     """Non-stream: wait (bounded) for the engine's weight reload to finish before sending."""
     if not weight_gate.is_reloading(engine.url):
         return
-    t0 = time.perf_counter()
-    with weight_gate.holding(engine.url):
+    with weight_gate.holding(engine.url) as hold:
         weight_gate.wait_open(engine.url, weight_gate.GATE_TTL_S)
-    held = time.perf_counter() - t0
-    cap.raw_request["reload_held_ms"] = round(held * 1000, 1)
-    weight_gate.record_hold(engine.url, held)
+    cap.raw_request["reload_held_ms"] = round(hold.seconds * 1000, 1)
 
 
 def held_stream(writer: StreamWriter, up, engine, body: dict, episode_id: int, cap: record.Capture, resp_id: str,
                 taken: set[str] | frozenset = frozenset(), max_calls: int | None = None) -> Iterator[bytes]:
     """Stream whose request arrived during a weight reload: opening frames and keep-alives
     while the gate is closed, then the normal relay (errors after this point go in-stream)."""
-    t0 = time.perf_counter()
     keepalive = gateway_settings().keepalive_s
     yield from writer.opening()
-    try:
-        with weight_gate.holding(engine.url):
-            while not weight_gate.wait_open(engine.url, keepalive):
-                yield writer.keepalive()
-    finally:  # also when the client left mid-hold (the generator is closed): it was held that long
-        held = time.perf_counter() - t0
-        cap.raw_request["reload_held_ms"] = round(held * 1000, 1)
-        weight_gate.record_hold(engine.url, held)
+    with weight_gate.holding(engine.url) as hold:  # counted as held even if the client leaves mid-hold
+        while not weight_gate.wait_open(engine.url, keepalive):
+            yield writer.keepalive()
+    cap.raw_request["reload_held_ms"] = round(hold.seconds * 1000, 1)
     opening = up.open_stream(engine, body, episode_id, keepalive)
     yield from stream_answer(writer, opening, cap, resp_id, opened=True, taken=taken, max_calls=max_calls)
 
