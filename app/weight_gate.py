@@ -113,10 +113,11 @@ def record_hold(engine_url: str, held_s: float) -> None:
 
 
 def _count(engine_url: str, holding: int = 0, requests: int = 0, seconds: float = 0.0) -> bool:
-    """Add to the engine's hold counters in one round trip; False when Redis cannot be written."""
+    """Add to the engine's hold counters in one round trip, atomically (MULTI/EXEC: a reader never
+    sees a hold given back but not yet counted); False when Redis cannot be written."""
     key = stats_key(engine_url)
     try:
-        pipe = _redis().pipeline(transaction=False)
+        pipe = _redis().pipeline()
         if holding:
             pipe.hincrby(key, "holding", holding)
         if requests:
