@@ -224,8 +224,8 @@ def token_rate(args, env: dict, tmp: str) -> None:
         eng_pids = [procs[0].pid]
 
         def maker(api: str, direct: bool):
-            def make(k: int):
-                return ts.request_for(api, "tok-engine", args.tokens + 50, tokens[k], direct)
+            def make(k: int, call: int):
+                return ts.request_for(api, "tok-engine", args.tokens + 50, tokens[k], direct, call)
             make.marker = ts.MARKERS["chat" if direct else api]
             return make
 

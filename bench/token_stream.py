@@ -8,10 +8,11 @@ at R tokens/s per stream by one shared 0.5 ms ticker (so the engine's own CPU st
 gateway, not the engine, is what is measured).  Chunks are pre-rendered bytes.
 
 Client (`run_load`): S concurrent sessions on one asyncio loop, each sending one streamed call after
-another for a fixed time (`Connection: close`, so a call's end is the server's EOF).  Per call it
-timestamps every network read and counts the API's text-delta events in it (`MARKERS`), giving the
-tokens, the time to the first token and the gaps between tokens (a read carrying k tokens is one
-gap then k-1 gaps of 0).  Shapes of the four client APIs' requests are in `request_for`.
+another for a fixed time (`Connection: close`, so a call's end is the server's EOF), each call's
+body its own.  Per call it timestamps every network read and counts the API's text-delta events
+in it (`MARKERS`), giving the tokens, the time to the first token and the gaps between tokens (a
+read carrying k tokens is one gap then k-1 gaps of 0).  Shapes of the four client APIs' requests
+are in `request_for`.
 """
 from __future__ import annotations
 
@@ -152,10 +153,13 @@ async def _serve(port: int, rate: float, tokens: int) -> None:
 
 # --- the load client ------------------------------------------------------------------------
 
-def request_for(api: str, model: str, max_tokens: int, token: str | None, direct: bool) -> tuple[str, dict, dict]:
+def request_for(api: str, model: str, max_tokens: int, token: str | None, direct: bool,
+                call: int = 0) -> tuple[str, dict, dict]:
     """(path, headers, body) of one streamed call in `api`'s shape (`direct`: the engine's own
-    Chat request, as the gateway would send it)."""
-    msg = "count to a thousand"
+    Chat request, as the gateway would send it).  `call` numbers a session's calls: each call's
+    body differs, as a harness's do (its conversation grows), so the gateway's record never
+    finds earlier tries of the same request (a retry's lookup) that a real session would not have."""
+    msg = f"count to a thousand (call {call})"
     if direct:
         return "/v1/chat/completions", {}, {
             "model": model, "messages": [{"role": "user", "content": msg}], "max_tokens": max_tokens,
@@ -225,12 +229,14 @@ async def _load(url: str, sessions: int, seconds: float, make) -> Load:
     stop = time.perf_counter() + seconds
 
     async def session(k: int) -> None:
-        path, headers, body = make(k)
-        data = json.dumps(body).encode()
-        head = "".join(f"{a}: {b}\r\n" for a, b in headers.items())
-        raw = (f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\nconnection: close\r\n"
-               f"content-length: {len(data)}\r\n{head}\r\n").encode() + data
+        call = 0
         while time.perf_counter() < stop:
+            path, headers, body = make(k, call)
+            data = json.dumps(body).encode()
+            head = "".join(f"{a}: {b}\r\n" for a, b in headers.items())
+            raw = (f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                   f"content-length: {len(data)}\r\n{head}\r\n").encode() + data
+            call += 1
             try:
                 await _one_call(host, int(port), raw, make.marker, load)
             except OSError:
@@ -244,8 +250,8 @@ async def _load(url: str, sessions: int, seconds: float, make) -> Load:
 
 
 def run_load(url: str, sessions: int, seconds: float, make) -> Load:
-    """`sessions` concurrent streamed calls for `seconds`; `make(k)` -> (path, headers, body) of
-    session k's call and `make.marker` the bytes counted as one token."""
+    """`sessions` concurrent streamed calls for `seconds`; `make(k, i)` -> (path, headers, body) of
+    session k's i-th call and `make.marker` the bytes counted as one token."""
     return asyncio.run(_load(url, sessions, seconds, make))
 
 
