@@ -249,6 +249,12 @@ class Settings(BaseSettings):
     engine_threads: int = Field(1, ge=1, **_env("TURNSTILE_ENGINE_THREADS"),
                                 description="torch intra-op threads of the embedded engine (raise only where "
                                             "the engine owns its cores).")
+    trainer_threads: int | None = Field(
+        None, ge=1, **_env("TURNSTILE_TRAINER_THREADS"),
+        description="torch intra-op threads of the trainer on CPU (app.training.threads); default: the cores left "
+                    "after the embedded engine's threads and one core for the rollouts (harnesses, grading), at least "
+                    "1.  More threads than free cores slow each step down (every parallel region waits for its "
+                    "slowest thread).")
     engine_script: Path | None = Field(None, **_env("TURNSTILE_SCRIPT"),
                                        description="Reply script (JSON) of the scripted test engine "
                                                    "(`python -m app.conformance.scripted`).")

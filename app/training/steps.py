@@ -72,7 +72,10 @@ def reset_resident() -> None:
 
 
 def _trainer_for(run_id: int, spec: str, config: TrainingConfig):
+    from app.training.threads import apply_cpu_threads
     from app.training.trainer import Trainer  # torch: imported in the worker child only
+
+    apply_cpu_threads()  # before any torch work of this process: the cores the engine and rollouts leave
 
     key = (spec, tuple(sorted(config.to_dict().items())))
     if _RESIDENT.run_id == run_id and _RESIDENT.key == key and _RESIDENT.trainer is not None:

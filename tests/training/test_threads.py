@@ -1,0 +1,43 @@
+"""The trainer's CPU thread count (app.training.threads): the cores the engine and rollouts leave."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.config import Settings
+from app.training import threads
+
+
+def settings(**values) -> Settings:
+    return Settings(**values)
+
+
+@pytest.mark.parametrize("cores, engine, want", [(2, 1, 1), (1, 1, 1), (16, 1, 14), (16, 4, 11), (3, 1, 1)])
+def test_default_leaves_the_engine_threads_and_one_core_for_the_rollouts(cores, engine, want):
+    assert threads.trainer_threads(settings(engine_threads=engine), available=cores) == want
+
+
+def test_an_explicit_count_wins():
+    assert threads.trainer_threads(settings(trainer_threads=6, engine_threads=1), available=2) == 6
+
+
+def test_an_explicit_count_below_one_is_refused():
+    with pytest.raises(ValueError):
+        settings(trainer_threads=0)
+
+
+def test_cores_counts_this_process_affinity():
+    assert 1 <= threads.cores() <= (__import__("os").cpu_count() or 1)
+
+
+def test_apply_sets_torch_threads_on_cpu():
+    if torch.cuda.is_available():  # the rule is for CPU training only
+        assert threads.apply_cpu_threads(settings(trainer_threads=1)) is None
+        return
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert threads.apply_cpu_threads(settings(trainer_threads=1)) == 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
