@@ -251,7 +251,7 @@ class Settings(BaseSettings):
                                             "the engine owns its cores).")
     trainer_threads: int | None = Field(
         None, ge=1, **_env("TURNSTILE_TRAINER_THREADS"),
-        description="torch intra-op threads of the trainer on CPU (app.training.threads); default: the cores left "
+        description="torch intra-op threads of the trainer and of a local OPD teacher on CPU (app.training.threads); default: the cores left "
                     "after the embedded engine's threads and one core for the rollouts (harnesses, grading), at least "
                     "1.  More threads than free cores slow each step down (every parallel region waits for its "
                     "slowest thread).")

@@ -1,4 +1,4 @@
-"""How many torch intra-op threads the trainer uses on CPU.
+"""How many torch intra-op threads the trainer (and a local OPD teacher scorer) uses on CPU.
 
 On a CPU deployment the trainer shares the box with the embedded engine (`engine_threads` busy
 threads while rollouts run) and with the rollouts themselves (harness processes, test runs).

@@ -1,15 +1,16 @@
 """The trainer's CPU thread count (app.training.threads): the cores the engine and rollouts leave."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from app.config import Settings
 from app.training import threads
+from app.training.teacher import LocalScorer
 
-
-def settings(**values) -> Settings:
-    return Settings(**values)
+settings = Settings
 
 
 @pytest.mark.parametrize("cores, engine, want", [(2, 1, 1), (1, 1, 1), (16, 1, 14), (16, 4, 11), (3, 1, 1)])
@@ -27,7 +28,7 @@ def test_an_explicit_count_below_one_is_refused():
 
 
 def test_cores_counts_this_process_affinity():
-    assert 1 <= threads.cores() <= (__import__("os").cpu_count() or 1)
+    assert 1 <= threads.cores() <= (os.cpu_count() or 1)
 
 
 def test_apply_sets_torch_threads_on_cpu():
@@ -39,5 +40,17 @@ def test_apply_sets_torch_threads_on_cpu():
         torch.set_num_threads(2)
         assert threads.apply_cpu_threads(settings(trainer_threads=1)) == 1
         assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_local_teacher_on_cpu_takes_the_trainer_thread_count():
+    if torch.cuda.is_available():  # the rule is for CPU scoring only
+        return
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads.trainer_threads() + 1)
+        LocalScorer("tiny")
+        assert torch.get_num_threads() == threads.trainer_threads()
     finally:
         torch.set_num_threads(before)
