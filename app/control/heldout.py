@@ -2,8 +2,10 @@
 
 A train run with `eval_every: N` makes, from its control loop, one eval run of its own (config
 `eval_of: {run, step}`) when its policy has made 0, N, 2N, ... updates, and one more when it
-completes: `eval_samples` samples of each held-out instance, at the train run's priority and
-with half its rollout slots, on the same engines.  The trainer never waits for one: an eval is
+completes: `eval_samples` samples of each held-out instance, at the train run's priority, on the
+same engines, with half its rollout slots while it trains and all of them for the last eval (the
+train run, done by then, rolls out nothing: with half of 8 slots `make learn`'s last eval took 10.4 s
+an episode, against 9.2 s for its before-run at 8).  The trainer never waits for one: an eval is
 another run whose rollouts interleave with the train run's, so a failed eval (shown on the run
 page with its error) leaves the train run going.
 
@@ -93,7 +95,10 @@ def eval_config(cfg: RunConfig, run_id: int, step: int, instances: list[str], fi
     # (`app.proxy.sessions.current_adapter`); loading its merged checkpoint would replace the base
     # weights every LoRA run on these engines shares.
     model["checkpoint"] = f"run:{run_id}" if final and not cfg.training.lora else None
-    scheduling = {"rollout_slots": max(1, cfg.scheduling.rollout_slots // 2), "ready_depth": cfg.scheduling.ready_depth}
+    # A mid-run eval shares the engines with the train run's own rollouts; the last one starts once
+    # the train run has completed, so the slots it held are free.
+    slots = cfg.scheduling.rollout_slots if final else max(1, cfg.scheduling.rollout_slots // 2)
+    scheduling = {"rollout_slots": slots, "ready_depth": cfg.scheduling.ready_depth}
     out = {"kind": "eval", "task_set": cfg.task_set, "harness": cfg.harness, "runtime": cfg.runtime, "model": model,
            "instances": instances, "group_size": cfg.eval_samples, "tasks_per_step": len(instances), "steps": 1,
            "mode": cfg.mode, "timeouts": cfg.timeouts.model_dump(mode="json"),

@@ -80,6 +80,7 @@ def test_a_train_run_evaluates_held_out_every_n_steps_and_at_the_end_without_wai
         assert evals[3].config["model"]["checkpoint"] == f"run:{train_id}"  # the last one: exactly the final weights
         assert evals[0].config["model"]["checkpoint"] is None  # mid-run: the engines as the train run keeps them
         assert evals[0].config["scheduling"]["rollout_slots"] == 2  # half the train run's slots
+        assert evals[3].config["scheduling"]["rollout_slots"] == 4  # the last: the train run's, now free
         # the trainer did not wait: step 0 was trained before the step-0 eval finished
         step0 = s.scalar(select(TrainingStep).where(TrainingStep.run_id == train_id, TrainingStep.step == 0))
         assert step0.status == "completed"
