@@ -124,10 +124,10 @@ class LocalScorer:
         except (OSError, ValueError, RuntimeError) as exc:
             raise TeacherError(f"teacher {spec!r} cannot be loaded: {exc}") from exc
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cpu":  # beside the engine and the trainer: the cores they leave
-            from app.training.threads import apply_cpu_threads
+        # on the CPU it shares the box with the engine and the trainer: the cores they leave
+        from app.training.threads import apply_cpu_threads
 
-            apply_cpu_threads()
+        apply_cpu_threads(device=self.device)
         self.model = model.to(self.device).eval()
         self.spec = spec
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])

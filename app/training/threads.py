@@ -34,12 +34,14 @@ def trainer_threads(settings: Settings | None = None, available: int | None = No
     return max(1, (available if available is not None else cores()) - settings.engine_threads - 1)
 
 
-def apply_cpu_threads(settings: Settings | None = None) -> int | None:
-    """Set torch's intra-op threads to `trainer_threads()` when training runs on CPU (no CUDA
-    device); return the count set, or None on CUDA (left as torch chose)."""
+def apply_cpu_threads(settings: Settings | None = None, device=None) -> int | None:
+    """Set torch's intra-op threads to `trainer_threads()` when the work runs on the CPU: `device`
+    (a `torch.device` or its name; default CUDA where present, else CPU, as the trainer picks).
+    Returns the count set, or None for a CUDA device (the count is left as torch chose)."""
     import torch
 
-    if torch.cuda.is_available():
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cpu":
         return None
     n = trainer_threads(settings)
     if torch.get_num_threads() != n:
