@@ -18,6 +18,7 @@ LossAggregation = Literal["token", "sequence"]
 Builder = Literal["prefix_merging", "per_request"]
 KLEstimator = Literal["k3", "k2"]
 Algorithm = Literal["grpo", "opd", "grpo+opd"]
+OPDBaseline = Literal["none", "step_mean"]
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
 RuntimeKind = Literal["auto", "local", "oci", "docker", "podman"]
@@ -209,6 +210,11 @@ class TrainingConfig(BaseModel):
                             "\"grpo+opd\": their sum (app.training.opd).")
     teacher: TeacherChoice | None = Field(None, description="the distillation teacher (algorithm opd or grpo+opd)")
     opd_coef: float = Field(1.0, gt=0, le=100, description="weight of the per-token distillation advantage")
+    opd_baseline: OPDBaseline = Field(
+        "none", description="\"none\": A_t as written (the Thinking Machines recipe). \"step_mean\": the mean of "
+                            "opd_coef * (log pi_teacher - log pi_student,rollout) over the step's sampled tokens is "
+                            "subtracted from every sampled token's distillation advantage (a constant baseline: the "
+                            "expected gradient is unchanged, its variance falls; app.training.opd).")
     skip_zero_advantage: bool = Field(
         False, description="Leave chains whose every trainable token has advantage 0 out of the step's micro-batches, "
                            "so they never reach a forward pass (their loss and gradient are exactly 0; the step's "
@@ -246,6 +252,8 @@ class TrainingConfig(BaseModel):
             raise ValueError(f"teacher: algorithm {self.algorithm!r} needs a teacher (checkpoint or name)")
         if self.algorithm == "grpo" and self.teacher is not None:
             raise ValueError("teacher: a teacher is used only with algorithm 'opd' or 'grpo+opd'")
+        if self.algorithm == "grpo" and self.opd_baseline != "none":
+            raise ValueError("opd_baseline: a distillation baseline is used only with algorithm 'opd' or 'grpo+opd'")
         return self
 
     def to_dict(self) -> dict:

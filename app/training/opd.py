@@ -37,11 +37,23 @@ is then of KL(transformed student || teacher): at T < 1 a student whose sharpene
 the teacher is itself flatter than the teacher.  mini-swe-agent sends no temperature (T = 1, no
 truncation), where the two coincide.
 
+`opd_baseline: step_mean` subtracts b = opd_coef * mean_t(d_t), the mean over all the step's
+sampled tokens, from every sampled token's A_t.  A baseline that does not depend on the sampled
+token leaves the expected gradient unchanged, since E_{y~pi_S}[grad log pi_S(y)] = 0 (Williams
+1992, "Simple statistical gradient-following algorithms", Machine Learning 8, §4; the KL-penalty
+advantage of Thinking Machines' tinker-cookbook, `incorporate_kl_penalty`, is centred the same
+way), but not its variance.  Why it matters here: a student far from its teacher has d_t < 0 on
+nearly every token it samples, so without a baseline each step pushes down nearly every sampled
+token and Adam's normalised step moves the mass onto tokens nobody sampled.  With the baseline,
+tokens the teacher likes better than the step's average are pushed up, the rest down.  b is
+computed from the step's own tokens (a bias of order 1/tokens, as in a group mean).
+
 A chain without a stored teacher score is never trained: `StepDistillation.sequence` drops it
 and the share of such chains is a step metric (`opd.chains_unscored_fraction`, 0 in a healthy run).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -91,6 +103,21 @@ def token_advantages(
     if include_grpo:
         values = values + float(grpo_advantage)
     return torch.where(mask, values, torch.zeros_like(values))
+
+
+def subtract_baseline(sequences: Sequence[StepSequence], baseline: float) -> list[StepSequence]:
+    """`sequences` with `baseline` (nats) taken off every `OPDSequence`'s advantage at its
+    loss-mask-1 positions (mask-0 positions stay 0.0); other sequences are returned as they are.
+    See the module docstring for why a constant baseline keeps the expected gradient."""
+    if baseline == 0.0:
+        return list(sequences)
+    out: list[StepSequence] = []
+    for seq in sequences:
+        if isinstance(seq, OPDSequence):
+            adv = [a - baseline if m else 0.0 for a, m in zip(seq.token_advantages, seq.loss_mask)]
+            seq = dataclasses.replace(seq, token_advantages=adv)
+        out.append(seq)
+    return out
 
 
 def apply_token_advantages(batches: list[MicroBatch], sequences: Sequence[StepSequence]) -> list[MicroBatch]:
@@ -160,10 +187,24 @@ class StepDistillation:
                            base.episode_id, base.transform, policy_lag=base.policy_lag,
                            token_advantages=adv.tolist())
 
+    def baseline(self) -> float:
+        """b of the module docstring (nats, times opd_coef): 0.0 unless `opd_baseline` is `step_mean`."""
+        if self.config.opd_baseline != "step_mean" or not self.tokens:
+            return 0.0
+        return -self.config.opd_coef * self.gap_sum / self.tokens
+
+    def finish(self, sequences: list[StepSequence]) -> list[StepSequence]:
+        """`sequences` with the step's baseline taken off every `OPDSequence`'s sampled-token
+        advantages (unchanged when `opd_baseline` is `none`).  Call once, after every chain went
+        through `sequence`."""
+        return subtract_baseline(sequences, self.baseline())
+
     def metrics(self) -> dict:
         """`reverse_kl_per_token`, `reverse_kl_per_turn` (nats), `tokens_scored`,
-        `teacher_seconds_per_chain`, `chains_unscored_fraction`, `chains`, `teacher_version`."""
+        `teacher_seconds_per_chain`, `chains_unscored_fraction`, `chains`, `teacher_version`,
+        `baseline` (b, 0.0 without one)."""
         return {
+            "baseline": self.baseline(),
             "reverse_kl_per_token": self.gap_sum / self.tokens if self.tokens else 0.0,
             "reverse_kl_per_turn": sum(self.turn_kl) / len(self.turn_kl) if self.turn_kl else 0.0,
             "tokens_scored": self.tokens,

@@ -333,7 +333,10 @@ def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, 
         rewards = [e.reward for e in episodes if e.status == "completed" and e.reward is not None]
         resolved = [bool(e.resolved) for e in episodes if e.resolved is not None]
         advs = list(advantage.values())
-        distill_metrics = distill.metrics() if distill is not None else None
+        distill_metrics = None
+        if distill is not None:
+            sequences = distill.finish(sequences)  # the step's baseline, when the run asks for one
+            distill_metrics = distill.metrics()
     metrics = {
         "episodes": len(episodes),
         "groups": len(groups),

@@ -34,6 +34,8 @@ def _runs() -> int:
     ({"algorithm": "opd", "teacher": {}}, "checkpoint folder or a model name"),
     ({"algorithm": "opd", "teacher": {"name": "tiny"}, "opd_coef": 0}, "opd_coef"),
     ({"algorithm": "distill", "teacher": {"name": "tiny"}}, "algorithm"),
+    ({"opd_baseline": "step_mean"}, "distillation baseline is used only"),
+    ({"algorithm": "opd", "teacher": {"name": "tiny"}, "opd_baseline": "median"}, "opd_baseline"),
 ])
 def test_bad_distillation_settings_are_400(client, training, words):
     resp = client.post("/api/runs", json={"harness": "mini-swe-agent", "model": {"name": "tiny"}, "training": training})

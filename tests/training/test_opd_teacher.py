@@ -29,8 +29,8 @@ from app.training.teacher_check import check_teacher
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def opd_run(data, engine_urls, teacher_cfg, algorithm="opd") -> int:
-    return data.run(engine_urls, {"algorithm": algorithm, "teacher": teacher_cfg, "learning_rate": 1e-5})
+def opd_run(data, engine_urls, teacher_cfg, algorithm="opd", **training) -> int:
+    return data.run(engine_urls, {"algorithm": algorithm, "teacher": teacher_cfg, "learning_rate": 1e-5, **training})
 
 
 def two_turn_episode(run_id: int) -> tuple[int, dict]:
@@ -239,3 +239,42 @@ def test_the_embedded_engine_serves_prompt_logprobs_equal_to_the_local_scorer(va
     finally:
         server.shutdown()
         engine.scheduler.stop()
+
+
+def test_the_step_mean_baseline_centres_the_sampled_tokens_advantages_and_leaves_context_at_zero(var_dir, data,
+                                                                                                  teacher_dir):
+    plain_run = opd_run(data, [], {"checkpoint": teacher_dir})
+    centred_run = opd_run(data, [], {"checkpoint": teacher_dir}, opd_baseline="step_mean", opd_coef=0.5)
+    episodes = {r: data.group(r, 0, [1.0, 0.0], seed=1) for r in (plain_run, centred_run)}
+    out = {}
+    for run_id, episode_ids in episodes.items():
+        teacher.score_episodes(run_id, episode_ids)
+        with session_scope() as s:
+            config = s.get(Run, run_id).run_config().training
+        out[run_id] = steps.step_sequences(run_id, episode_ids, config, 49152)
+    (plain, plain_metrics), (centred, centred_metrics) = out[plain_run], out[centred_run]
+    assert plain_metrics["opd"]["baseline"] == 0.0
+    sampled = [a for seq in plain for a, m in zip(seq.token_advantages, seq.loss_mask) if m]
+    assert sum(sampled) / len(sampled) < -0.1  # a random teacher: d_t is negative on average (the test can fail)
+    b = centred_metrics["opd"]["baseline"]
+    # b = opd_coef * mean d_t over the step's sampled tokens = -opd_coef * reverse KL per token
+    assert b == pytest.approx(-0.5 * centred_metrics["opd"]["reverse_kl_per_token"], rel=1e-6)
+    assert b == pytest.approx(0.5 * sum(sampled) / len(sampled), rel=1e-5)  # same chains, same teacher
+    total, count = 0.0, 0
+    for p, c in zip(plain, centred):
+        assert c.token_ids == p.token_ids
+        for a_plain, a_centred, m in zip(p.token_advantages, c.token_advantages, c.loss_mask):
+            if m:
+                assert a_centred == pytest.approx(0.5 * a_plain - b, abs=1e-5)
+                total, count = total + a_centred, count + 1
+            else:
+                assert a_centred == 0.0  # prompt and tool tokens stay out of the loss
+    assert abs(total / count) < 1e-5  # centred over the step
+
+
+def test_a_distillation_baseline_without_distillation_is_refused():
+    with pytest.raises(ValueError, match="opd_baseline"):
+        RunConfig.model_validate({"kind": "train", "training": {"opd_baseline": "step_mean"}})
+    with pytest.raises(ValueError, match="opd_baseline"):
+        RunConfig.model_validate({"kind": "train", "training": {"algorithm": "opd", "teacher": {"name": "tiny"},
+                                                               "opd_baseline": "mean"}})
