@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
-import time
 import multiprocessing
+import random
+import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -172,8 +173,14 @@ def cache_key(base: str, harness, demos: Sequence[tuple[str, str, str]], config:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def to_stderr(line: str) -> None:
+    """Progress goes to stderr: stdout carries only the result, so `$(turnstile warm-start ...)`
+    captures the model folder and nothing else."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def warm_start(base: str, harness, records: Sequence, config: WarmStartConfig, out_root: Path,
-               progress: Callable[[str], None] = print) -> Path:
+               progress: Callable[[str], None] = to_stderr) -> Path:
     """Fine-tune `base` on demonstrations of `records` and return the merged model folder.
 
     Args:
@@ -182,7 +189,7 @@ def warm_start(base: str, harness, records: Sequence, config: WarmStartConfig, o
         records: task records with `instance_id`, `problem_statement` and a one-line-fix `patch`.
         config: the hyperparameters.
         out_root: the folder is `<out_root>/warmstart-<cache_key>/`; an existing one is reused.
-        progress: called with one line per epoch.
+        progress: called with one line per epoch (default: printed on stderr).
 
     Returns the folder (`config.json`, `model.safetensors`, `turnstile.json` with
     `policy_version` 0 and what produced it).  Raises ValueError for a record whose patch is

@@ -6,8 +6,10 @@ Real parts: the starter task set, the installed mini-swe-agent's own templates, 
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from app.config import ROOT
@@ -142,3 +144,24 @@ def test_a_train_run_refuses_a_moving_run_checkpoint_and_accepts_a_folder(tmp_pa
         RunConfig(kind="train", model={"name": "tiny", "checkpoint": "run:3"})
     assert RunConfig(kind="train", model={"name": "tiny", "checkpoint": str(tmp_path)}).model.checkpoint == str(tmp_path)
     assert RunConfig(kind="eval", model={"name": "tiny", "checkpoint": "run:3"}).model.checkpoint == "run:3"
+
+
+def test_the_cli_prints_only_the_model_folder_on_stdout(project_tools, tmp_path):
+    """`ln -sfn "$(turnstile warm-start --config ...)" ...` (docs/distill.md) needs stdout to be the
+    folder alone: the epoch lines go to stderr, from the spawned child that trains, and on reuse."""
+    config = tmp_path / "learn.json"
+    config.write_text(json.dumps({
+        "kind": "train", "task_set": "starter", "harness": "mini-swe-agent", "model": {"name": "tiny"},
+        "learn": {"train": [r.instance_id for r in load_task_set("starter").instances[:1]],
+                  "warm_start": {"epochs": 2, "lora_r": 4, "lora_alpha": 8}}}))
+    env = {**os.environ, "TURNSTILE_VAR_DIR": str(tmp_path / "var")}
+    runs = [subprocess.run([sys.executable, "-m", "app", "warm-start", "--config", str(config)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300) for _ in range(2)]
+    first, again = runs
+    assert first.returncode == 0, first.stderr[-2000:]
+    folder = Path(first.stdout.strip())
+    assert first.stdout == f"{folder}\n" and (folder / "config.json").is_file()
+    assert folder.parent == (tmp_path / "var" / "models").resolve()
+    assert "warm start: epoch 2/2" in first.stderr
+    assert again.returncode == 0 and again.stdout == first.stdout
+    assert f"warm start: reusing {folder}" in again.stderr
