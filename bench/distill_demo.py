@@ -22,6 +22,8 @@ Figures, each before and after with a 95% interval (`app.stats`):
   holds a tool call (`choices[0].message.tool_calls`, OpenAI Chat Completions shape, which is what
   mini-swe-agent speaks), pooled with a Wilson interval, and per instance with the same paired
   clustered bootstrap (calls of one instance are correlated);
+* the same for answers that hold the tool-call opening `<tool_call>` in their text, parsed or not
+  (the teacher's format, which a student copies before it writes a whole call);
 * per step of each train run: reward mean, loss and, for OPD, the reverse KL per token and per turn,
   tokens scored, teacher seconds per chain, teacher wait and the share of unscored chains.
 
@@ -138,9 +140,20 @@ def has_tool_call(response) -> bool:
     return bool(isinstance(message, dict) and message.get("tool_calls"))
 
 
-def tool_calls(run_id: int) -> dict[str, list[bool]]:
+def has_call_opening(response) -> bool:
+    """Whether a recorded Chat Completions answer holds the chat template's tool-call opening
+    `<tool_call>` in its text, parsed into a call or not: the format a student copies from the
+    teacher before it can write a call whole (an answer with a parsed call counts too)."""
+    choices = response.get("choices") if isinstance(response, dict) else None
+    message = (choices[0] or {}).get("message") if choices else None
+    if not isinstance(message, dict):
+        return False
+    return bool(message.get("tool_calls")) or "<tool_call>" in str(message.get("content") or "")
+
+
+def tool_calls(run_id: int, test=has_tool_call) -> dict[str, list[bool]]:
     """Instance id -> one flag per recorded model call of run `run_id` (the episodes' current
-    attempts, calls that sampled): whether its answer holds a tool call."""
+    attempts, calls that sampled): `test(answer)`, by default whether it holds a tool call."""
     out: dict[str, list[bool]] = {}
     with session_scope() as s:
         rows = s.execute(
@@ -150,7 +163,7 @@ def tool_calls(run_id: int) -> dict[str, list[bool]]:
                    Completion.sampled_ids.is_not(None), Completion.error.is_(None))
             .order_by(Completion.id))
         for instance, response in rows:
-            out.setdefault(instance, []).append(has_tool_call(response))
+            out.setdefault(instance, []).append(test(response))
     return out
 
 
@@ -184,10 +197,13 @@ def arm_figures(before: dict, after: dict, train: dict, cancelled: bool, seconds
                "cancelled_at_budget": cancelled, "steps_completed": len(steps_of(train)),
                "pass_at_1": pass1, "tool_call_rate": {"before": rate(calls[0]), "after": rate(calls[1])},
                "steps": steps_of(train)}
-    try:
-        figures["tool_call_rate"]["per_instance_bootstrap"] = compare_samples(*calls, seed=0).to_dict()
-    except ValueError as exc:  # no instance with calls in both runs
-        figures["tool_call_rate"]["per_instance_bootstrap"] = {"error": str(exc)}
+    openings = [tool_calls(r["id"], has_call_opening) for r in (before, after)]
+    figures["call_opening_rate"] = {"before": rate(openings[0]), "after": rate(openings[1])}
+    for key, flags in (("tool_call_rate", calls), ("call_opening_rate", openings)):
+        try:
+            figures[key]["per_instance_bootstrap"] = compare_samples(*flags, seed=0).to_dict()
+        except ValueError as exc:  # no instance with calls in both runs
+            figures[key]["per_instance_bootstrap"] = {"error": str(exc)}
     return figures
 
 
@@ -198,12 +214,16 @@ def markdown(result: dict) -> str:
     def tc(d: dict) -> str:
         return f"{d['tool_calls']}/{d['calls']} = {d['rate'] or 0:.3f} [{d['wilson_95'][0]:.3f}, {d['wilson_95'][1]:.3f}]"
 
-    lines = ["| arm | steps in budget | tool-call rate before | after | held-out pass@1 before | after | difference |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| arm | steps in budget | tool-call rate before | after | `<tool_call>` opening before | after "
+             "| held-out pass@1 before | after | difference |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, arm in result["arms"].items():
         p, t = arm["pass_at_1"], arm["tool_call_rate"]
+        o = arm.get("call_opening_rate") or {"before": None, "after": None}
+        opening = [tc(o[k]) if o[k] else "-" for k in ("before", "after")]
         lines.append(f"| {name} (run {arm['train_run']}) | {arm['steps_completed']} in {arm['train_wall_s'] / 60:.1f} min | "
-                     f"{tc(t['before'])} | {tc(t['after'])} | {iv(p['before'])} | {iv(p['after'])} | {iv(p['difference'])} |")
+                     f"{tc(t['before'])} | {tc(t['after'])} | {opening[0]} | {opening[1]} | "
+                     f"{iv(p['before'])} | {iv(p['after'])} | {iv(p['difference'])} |")
     for name, arm in result["arms"].items():
         lines.append(f"\n{name} per step: " + "; ".join(
             f"{st['step']}: " + ", ".join(f"{k} {v:.4g}" for k, v in st.items() if k != "step" and isinstance(v, (int, float)))
