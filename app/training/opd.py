@@ -46,7 +46,12 @@ way), but not its variance.  Why it matters here: a student far from its teacher
 nearly every token it samples, so without a baseline each step pushes down nearly every sampled
 token and Adam's normalised step moves the mass onto tokens nobody sampled.  With the baseline,
 tokens the teacher likes better than the step's average are pushed up, the rest down.  b is
-computed from the step's own tokens (a bias of order 1/tokens, as in a group mean).
+computed from the step's own tokens (a bias of order 1/tokens, as in a group mean).  What it
+does not do: give the student a token it never samples.  With b far below 0 the largest
+advantages go to tokens both models are already sure of (copied text, repetition); on the CPU
+demonstration (SmolLM2 student, warm-start teacher, docs/distill.md) the student collapsed onto
+newlines within five steps at learning rate 1e-3 with the baseline, as it collapsed onto the
+teacher's `<tool_call>` opening without it.
 
 A chain without a stored teacher score is never trained: `StepDistillation.sequence` drops it
 and the share of such chains is a step metric (`opd.chains_unscored_fraction`, 0 in a healthy run).
