@@ -148,3 +148,34 @@ def test_the_watchdog_reloads_a_restarted_engines_adapter_and_never_pushes_the_b
     assert watchdog.resync_engines() == {adapter_engine.url: "ok"}
     assert adapter_engine.calls[-1][0] == "/v1/load_lora_adapter" and adapter_engine.calls[-1][1]["lora_name"] == name
     assert all(path != "/v1/load_weights" for path, _body in adapter_engine.calls)
+
+
+def test_steps_that_leave_the_adapter_unchanged_still_move_the_served_version(var_dir, data):
+    """Every reward equal, so every advantage 0: the adapter's content, and so its name, is the same
+    after each step, and the real embedded engine must still stamp answers with the newest step's
+    version.  Stamped with the first one, every later group of the run read as served by an old
+    policy, was dropped as stale, and the run stalled with its rollouts going on."""
+    import httpx
+    from werkzeug.serving import make_server
+
+    from app.auth import auth_header
+    from app.engines.embedded.engine import build_engine
+    from app.engines.embedded.server import create_engine_app
+
+    engine = build_engine("tiny", threads=1)
+    server = make_server("127.0.0.1", 0, create_engine_app(engine=engine), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        run = data.run([url], LORA)
+        results = [steps.train_step(run, step, data.group(run, step, [0.0, 0.0], seed=step + 1)) for step in range(3)]
+        assert [r["policy_version"] for r in results] == [1, 2, 3]
+        assert len({r["adapter"] for r in results}) == 1  # nothing trained: one content, one name
+        assert all(r["engine_sync"] == {url: "ok"} for r in results)
+        body = {"prompt": [5, 17, 300, 42], "max_tokens": 2, "temperature": 0, "model": results[-1]["adapter"]}
+        with httpx.Client(base_url=url, timeout=60, headers=auth_header()) as http:
+            answer = http.post("/v1/completions", json=body).raise_for_status().json()
+        assert answer["policy_version"] == 3
+    finally:
+        server.shutdown()
+        engine.scheduler.stop()

@@ -22,6 +22,7 @@ lists the base model only (its route is unchanged), `GET /v1/lora_adapters` the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 import threading
@@ -146,8 +147,16 @@ class AdapterSet:
         if digest != m["hash"]:
             raise AdapterError(f"{folder / WEIGHTS}: content hash {digest} differs from the name's {m['hash']}: "
                                "the file is corrupted or was rewritten; refused")
-        if name in self.adapters:
-            return self.adapters[name]  # same name, same content: already served
+        held = self.adapters.get(name)
+        if held is not None:  # same name, same content: already served
+            # A step whose update left the adapter bit-identical (every advantage 0) pushes it
+            # again under the step's version: those weights are that version's, so requests from
+            # now on are stamped with it.  Kept at the first version, every later rollout of the
+            # run would look stale to the scheduler and be dropped, and the run would stall.
+            if policy_version is not None and int(policy_version) > held.policy_version:
+                held = dataclasses.replace(held, policy_version=int(policy_version))
+                self.adapters[name] = held
+            return held
         try:
             tensors = load_file(str(folder / WEIGHTS))
             meta = json.loads((folder / META).read_text())

@@ -108,6 +108,27 @@ def test_mixed_batch_rows_get_their_own_adapter_and_version(tmp_path):
     assert len({tuple(ids) for _v, ids in alone.values()}) == 3  # three different policies
 
 
+def test_the_same_adapter_pushed_by_a_later_step_is_served_as_that_steps_version(tmp_path):
+    """A step whose update left the adapter unchanged (every advantage 0) pushes the same name
+    again under its own version: answers are stamped with the newest version those weights were
+    pushed as, never with an older one (a stale stamp made the scheduler drop every later group
+    of such a run as stale and stall it)."""
+    name, _ = trained_adapter(tmp_path / "a", seed=1, version=1)
+    scheduler = BatchScheduler(build_tiny_model(0), max_batch=4, prefix_cache_tokens=0).start()
+    try:
+        first = scheduler.adapters.load(name, tmp_path / "a", 1)
+        held = generate(scheduler, first, tokens=20)  # a request under way while the next push arrives
+        again = scheduler.adapters.load(name, tmp_path / "a", 4)
+        assert again.policy_version == 4 and again.weights is first.weights  # the same tensors, not a copy
+        assert scheduler.adapters.load(name, tmp_path / "a", 2).policy_version == 4  # never back
+        assert scheduler.adapters.load(name, tmp_path / "a").policy_version == 4  # no version given: as served
+        assert held[1]()[0] == 1  # a request that started under version 1 keeps its stamp
+        assert generate(scheduler, scheduler.adapters.adapters[name])[1]()[0] == 4
+        assert list(scheduler.adapters.adapters) == [name]
+    finally:
+        scheduler.stop()
+
+
 def test_prefix_cache_misses_across_adapters_and_versions(tmp_path):
     name_a, _ = trained_adapter(tmp_path / "a", seed=1, version=1)
     name_b, _ = trained_adapter(tmp_path / "b", seed=2, version=1)
