@@ -10,8 +10,11 @@ The trainer writes one folder per LoRA run and step (`app.engines.embedded.adapt
     adapter_config.json        (`app.engines.vllm.lora`)
 
 The served name of an adapter version carries the content hash: `<label>@<sha256[:12]>` of
-`adapter.safetensors` (`adapter_name`), so a name never stands for two contents and a same-name
-reload never happens.  Each label (a run) keeps its `KEEP_VERSIONS` newest versions served.
+`adapter.safetensors` (`adapter_name`), so a name never stands for two contents.  A step whose
+update left the adapter unchanged (every advantage 0) pushes the same name again: the embedded
+engine then serves it as that step's policy version (the weights are that version's), and vLLM,
+which keeps no versions, accepts the second load (the gateway stamps the step row's version).
+Each label (a run) keeps its `KEEP_VERSIONS` newest versions served.
 """
 from __future__ import annotations
 
