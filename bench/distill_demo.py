@@ -133,22 +133,23 @@ def wait_for_teacher(config: dict, timeout_s: float = 3600.0) -> None:
         time.sleep(30)
 
 
-def has_tool_call(response) -> bool:
-    """Whether a recorded Chat Completions answer holds a tool call."""
+def first_message(response) -> dict:
+    """`choices[0].message` of a recorded Chat Completions answer ({} when it has none)."""
     choices = response.get("choices") if isinstance(response, dict) else None
     message = (choices[0] or {}).get("message") if choices else None
-    return bool(isinstance(message, dict) and message.get("tool_calls"))
+    return message if isinstance(message, dict) else {}
+
+
+def has_tool_call(response) -> bool:
+    """Whether a recorded Chat Completions answer holds a tool call."""
+    return bool(first_message(response).get("tool_calls"))
 
 
 def has_call_opening(response) -> bool:
     """Whether a recorded Chat Completions answer holds the chat template's tool-call opening
     `<tool_call>` in its text, parsed into a call or not: the format a student copies from the
     teacher before it can write a call whole (an answer with a parsed call counts too)."""
-    choices = response.get("choices") if isinstance(response, dict) else None
-    message = (choices[0] or {}).get("message") if choices else None
-    if not isinstance(message, dict):
-        return False
-    return bool(message.get("tool_calls")) or "<tool_call>" in str(message.get("content") or "")
+    return has_tool_call(response) or "<tool_call>" in str(first_message(response).get("content") or "")
 
 
 def tool_calls(run_id: int, test=has_tool_call) -> dict[str, list[bool]]:

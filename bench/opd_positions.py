@@ -7,7 +7,7 @@ Usage (after a distillation train run, e.g. the OPD arm of `bench/distill_demo.p
 
 For each policy version asked, the first `--calls` recorded model calls of run RUN_ID sampled by
 that version: per answer position, the sampled token, log pi_T (the run's teacher, scored here
-by one fp32 prefill, as the `teacher` worker scores it), log pi_S (the logprob the gateway
+by the `teacher` worker's own `score_with_model`, one fp32 prefill), log pi_S (the logprob the gateway
 recorded when the student sampled it) and d = log pi_T - log pi_S, the distillation advantage
 of `app.training.opd` before any baseline; then the teacher's three likeliest tokens.  Then, per
 version over all its calls: mean d, d at the answer's first token, and the share of sampled
@@ -31,7 +31,7 @@ from app.db import session_scope  # noqa: E402
 from app.engines.modeling import load_model  # noqa: E402
 from app.runconfig import RunConfig  # noqa: E402
 from app.tables import Completion, Episode, Run  # noqa: E402
-from app.training.teacher import teacher_spec  # noqa: E402
+from app.training.teacher import score_with_model, teacher_spec  # noqa: E402
 
 
 def main() -> int:
@@ -67,17 +67,17 @@ def main() -> int:
     for version in versions:
         d_all, d_first, sure, n = [], [], 0, 0
         for k, (prompt, sampled, student) in enumerate(by_version[version]):
-            ids = torch.tensor([prompt + sampled])
-            with torch.no_grad():
-                logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-            at = logp[len(prompt) - 1:len(prompt) - 1 + len(sampled)]  # position t predicts token t + 1
-            teacher = at.gather(1, torch.tensor(sampled)[:, None])[:, 0].tolist()
+            # The teacher worker's own scorer: log pi_T of each sampled token, one fp32 prefill.
+            teacher = score_with_model(model, prompt + sampled, [0] * len(prompt) + [1] * len(sampled))[len(prompt):]
             d = [t - s for t, s in zip(teacher, student)]
             d_all += d
             d_first.append(d[0])
             sure += sum(1 for t, s in zip(teacher, student) if min(t, s) > -0.105)  # both p > 0.9
             n += len(d)
             if version in shown and k < args.calls:
+                with torch.no_grad():  # the whole distribution, for the teacher's top tokens
+                    logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + sampled])).logits[0].float(), -1)
+                at = logp[len(prompt) - 1:len(prompt) - 1 + len(sampled)]  # position t predicts token t + 1
                 print(f"\nversion {version}, call {k}: {tokenizer.decode(sampled)[:160]!r}")
                 for i in range(min(args.positions, len(sampled))):
                     top = torch.topk(at[i], 3)
