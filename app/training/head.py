@@ -9,7 +9,9 @@ once and turns them in place into the logit gradient
 
     d logp_i / d logits_i = onehot(t_i) - softmax(logits_i)
 
-then into the gradients of h (grad_logits @ W) and of W (grad_logits^T @ h).  At most one
+then into the gradients of h (grad_logits @ W) and of W (grad_logits^T @ h).  With k targets
+per position (a teacher's top-k tokens) the k gathers share one lse and the logit gradient is
+sum_j g_ij (onehot(t_ij) - softmax(logits_i)), still one [chunk, V] buffer.  At most one
 [chunk, V] fp32 buffer (plus its cast to the compute dtype under autocast) exists at a time,
 in the forward and in the backward pass, whatever N is.  This is the technique of Liger
 Kernel's fused linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989, section 3.2) and of
@@ -53,21 +55,21 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         transformed = temperature is not None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
-            out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-            lse = torch.empty_like(out)
-            thr = torch.empty_like(out) if transformed else None
+            out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+            lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+            thr = torch.empty_like(lse) if transformed else None
             for start in range(0, hidden.shape[0], chunk):
                 stop = start + chunk
-                t = targets[start:stop]
+                t = targets[start:stop]  # [n, k]: several targets per position share one lse
                 logits = (hidden[start:stop].to(dtype) @ w.T).float()
                 if transformed:  # scores s = logits / T over the kept support (module docstring)
                     logits.div_(temperature[start:stop].unsqueeze(-1))
-                    thr[start:stop] = kept_threshold(logits, t, support[start:stop],
+                    thr[start:stop] = kept_threshold(logits, t[:, 0], support[start:stop],
                                                      None if top_k is None else top_k[start:stop],
                                                      None if top_p is None else top_p[start:stop])
-                    logits.masked_fill_(_outside(logits, t, thr[start:stop]), float("-inf"))
+                    logits.masked_fill_(_outside(logits, t[:, 0], thr[start:stop]), float("-inf"))
                 lse[start:stop] = torch.logsumexp(logits, dim=-1)
-                out[start:stop] = logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse[start:stop]
+                out[start:stop] = logits.gather(-1, t) - lse[start:stop].unsqueeze(-1)
                 del logits
         ctx.save_for_backward(hidden, weight, targets, lse, temperature if transformed else None, thr)
         ctx.chunk, ctx.dtype = chunk, dtype
@@ -82,21 +84,23 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
-            g = grad_out.float()
+            g = grad_out.float()  # [N, k]
             if temperature is not None:  # d logq / d logits = (onehot - q on the support) / T
-                g = g / temperature.float()
+                g = g / temperature.float().unsqueeze(-1)
+            g_total = g.sum(-1)  # each of a row's targets takes its g times softmax off the row
             for start in range(0, hidden.shape[0], chunk):
                 stop = start + chunk
                 h = hidden[start:stop].to(dtype)
                 logits = (h @ w.T).float()
                 if temperature is not None:
                     logits.div_(temperature[start:stop].unsqueeze(-1))
-                    outside = _outside(logits, targets[start:stop], thr[start:stop])
-                # logits -> -g * softmax (in place), then + g at the target: g * (onehot - softmax)
-                grad_logits = logits.sub_(lse[start:stop].unsqueeze(-1)).exp_().mul_(-g[start:stop].unsqueeze(-1))
+                    outside = _outside(logits, targets[start:stop, 0], thr[start:stop])
+                # logits -> -sum_j g_j * softmax (in place), then + g_j at target j:
+                # sum_j g_j * (onehot(t_j) - softmax)
+                grad_logits = logits.sub_(lse[start:stop].unsqueeze(-1)).exp_().mul_(-g_total[start:stop].unsqueeze(-1))
                 if temperature is not None:
                     grad_logits.masked_fill_(outside, 0.0)
-                grad_logits.scatter_add_(-1, targets[start:stop].unsqueeze(-1), g[start:stop].unsqueeze(-1))
+                grad_logits.scatter_add_(-1, targets[start:stop], g[start:stop])
                 grad_logits = grad_logits.to(dtype)
                 if want_h:
                     grad_h[start:stop] = (grad_logits @ w).to(hidden.dtype)
@@ -120,27 +124,36 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
     `hidden`: float [N, d] (the model's final hidden states at the sampled positions);
     `weight`: float [V, d] (the LM head, bias-free as in Llama/Qwen); `targets`: int64 [N] in
-    [0, V).  `chunk`: positions per chunk (default `chunk_positions(V)`).  Under autocast the
-    matmuls run in the autocast dtype and the softmax in fp32.  Differentiable in `hidden` and
+    [0, V), or int64 [N, k] for k tokens per position scored against one normaliser (the result
+    is then float32 [N, k]; a distillation teacher's top-k tokens, `app.training.opd`).
+    `chunk`: positions per chunk (default `chunk_positions(V)`).  Under autocast the matmuls
+    run in the autocast dtype and the softmax in fp32.  Differentiable in `hidden` and
     `weight`.  Raises ValueError on mismatched shapes.
 
     With `temperature` (float [N]) the targets are scored under the sampling transform
     (`app.engines.transform.processed_logprobs`, `support`/`top_k`/`top_p` [N] as there):
     logits / T renormalised over the kept support, found per row as a threshold
     (`kept_threshold`), so the backward pass rebuilds the support from the recomputed logits
-    without storing an [N, V] mask; its gradient is (onehot - q on the support) / T.
+    without storing an [N, V] mask; its gradient is (onehot - q on the support) / T.  The
+    transform takes [N] targets only (ValueError for [N, k]).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and head weight {tuple(weight.shape)} do not fit ([N, d], [V, d])")
-    if targets.shape != (hidden.shape[0],):
-        raise ValueError(f"targets {tuple(targets.shape)} must be [N] = [{hidden.shape[0]}]")
+    if targets.dim() not in (1, 2) or targets.shape[0] != hidden.shape[0]:
+        raise ValueError(f"targets {tuple(targets.shape)} must be [N] or [N, k] with N = {hidden.shape[0]}")
+    if targets.dim() == 2 and (temperature is not None or support is not None):
+        raise ValueError("several targets per position are scored without a sampling transform")
     if hidden.shape[0] == 0:
-        return hidden.new_zeros(0, dtype=torch.float32)
+        return hidden.new_zeros(targets.shape, dtype=torch.float32)
+    single = targets.dim() == 1
+    if single:
+        targets = targets.unsqueeze(-1)
     if temperature is None and support is not None:
         temperature = torch.ones(hidden.shape[0], device=hidden.device)
     if temperature is not None:
         temperature = temperature.to(hidden.device, torch.float32)
         support = (torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device) if support is None
                    else support.to(hidden.device))
-    return _FusedHeadLogprobs.apply(hidden, weight, targets, chunk or chunk_positions(weight.shape[0]),
-                                    temperature, support, top_k, top_p)
+    out = _FusedHeadLogprobs.apply(hidden, weight, targets, chunk or chunk_positions(weight.shape[0]),
+                                   temperature, support, top_k, top_p)
+    return out.squeeze(-1) if single else out

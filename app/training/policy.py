@@ -128,8 +128,8 @@ def autocast(device: torch.device):
 
 def token_logprobs(
     model, input_ids, attention_mask, rows, cols, targets, head_chunk: int | None = None, position_ids=None,
-    head: str = "fused", temperature=None, support=None, top_k=None, top_p=None,
-) -> torch.Tensor:
+    head: str = "fused", temperature=None, support=None, top_k=None, top_p=None, extra_targets=None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities (nats, float32 [N]) of `targets` under `model`.
 
     `input_ids`: int64 [B, T]; `attention_mask`: int64 [B, T] (right-padded rows, 1 on real
@@ -155,6 +155,12 @@ def token_logprobs(
     engine drew it from, `app.engines.transform.processed_logprobs`:
     logq = logit[target] / T - logsumexp over the |K| highest logits / T, with every head (the
     fused head finds the support per row as a threshold, `app.training.head`).
+
+    `extra_targets` (int64 [N, k], optional): k more tokens per position, scored by the plain
+    log softmax (no transform) from the same hidden states; the result is then the pair
+    (float32 [N], float32 [N, k]).  The distillation teacher's top-k tokens (`app.training.opd`).
+    Without a transform the fused head scores all 1 + k in one pass.  Raises ValueError for the
+    "checkpointed" head with `extra_targets`.
     """
     lm = causal_lm(model)
     hidden = lm.model(
@@ -164,6 +170,8 @@ def token_logprobs(
     transform = None
     if temperature is not None or support is not None:
         transform = (temperature, support, top_k, top_p)
+    if extra_targets is not None:
+        return _with_extra_targets(lm, selected, targets, extra_targets, head, head_chunk, transform)
     if head == "fused" and lm.lm_head.bias is None:
         from app.training.head import fused_token_logprobs
 
@@ -186,6 +194,26 @@ def token_logprobs(
     return torch.cat(parts) if parts else selected.new_zeros(0, dtype=torch.float32)
 
 
+def _with_extra_targets(lm, selected, targets, extra, head: str, head_chunk, transform):
+    """(logp of `targets` [N], plain logp of `extra` [N, k]) from the selected hidden states."""
+    if head == "fused" and lm.lm_head.bias is None:
+        from app.training.head import fused_token_logprobs
+
+        if transform is None:  # one pass: the sampled token and the k extra share a normaliser
+            both = fused_token_logprobs(selected, lm.lm_head.weight, torch.cat([targets.unsqueeze(-1), extra], -1),
+                                        head_chunk)
+            return both[:, 0], both[:, 1:]
+        return (fused_token_logprobs(selected, lm.lm_head.weight, targets, head_chunk, *transform),
+                fused_token_logprobs(selected, lm.lm_head.weight, extra, head_chunk))
+    if head not in ("fused", "plain"):
+        raise ValueError(f"the {head!r} loss head does not score extra targets; use the fused or plain head")
+    logits = lm.lm_head(selected).float()
+    plain = torch.log_softmax(logits, dim=-1)
+    sampled = _head_logprobs(lm.lm_head, selected, targets, *transform) if transform else plain.gather(
+        -1, targets.unsqueeze(-1)).squeeze(-1)
+    return sampled, plain.gather(-1, extra)
+
+
 class TokenLogprobs(torch.nn.Module):
     """`token_logprobs` of the wrapped `policy` as a module: the unit whose forward the trainer
     calls, so that FSDP2 can shard it as its root (its pre-forward hook gathers the embedding,
@@ -198,9 +226,10 @@ class TokenLogprobs(torch.nn.Module):
         self.head = head
 
     def forward(self, input_ids, attention_mask, position_ids, rows, cols, targets, temperature=None, support=None,
-                top_k=None, top_p=None) -> torch.Tensor:
+                top_k=None, top_p=None, extra_targets=None):
         return token_logprobs(self.policy, input_ids, attention_mask, rows, cols, targets, position_ids=position_ids,
-                              head=self.head, temperature=temperature, support=support, top_k=top_k, top_p=top_p)
+                              head=self.head, temperature=temperature, support=support, top_k=top_k, top_p=top_p,
+                              extra_targets=extra_targets)
 
 
 def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature=None, support=None, top_k=None,
