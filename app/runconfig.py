@@ -19,6 +19,9 @@ Builder = Literal["prefix_merging", "per_request"]
 KLEstimator = Literal["k3", "k2"]
 Algorithm = Literal["grpo", "opd", "grpo+opd"]
 OPDBaseline = Literal["none", "step_mean"]
+OPDDivergence = Literal["sampled_reverse_kl", "topk_forward_kl"]
+# vLLM's default `max_logprobs` (the most `prompt_logprobs` it returns per token) and the embedded engine's
+MAX_OPD_TOPK = 20
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
 RuntimeKind = Literal["auto", "local", "oci", "docker", "podman"]
@@ -215,6 +218,15 @@ class TrainingConfig(BaseModel):
                             "opd_coef * (log pi_teacher - log pi_student,rollout) over the step's sampled tokens is "
                             "subtracted from every sampled token's distillation advantage (a constant baseline: the "
                             "expected gradient is unchanged, its variance falls; app.training.opd).")
+    opd_divergence: OPDDivergence = Field(
+        "sampled_reverse_kl", description="\"sampled_reverse_kl\": the teacher scores each sampled token and "
+                                          "opd_coef * (log pi_teacher - log pi_student,rollout) is its advantage. "
+                                          "\"topk_forward_kl\": the teacher also returns its opd_topk likeliest "
+                                          "tokens at each sampled position and the loss adds opd_coef * KL(teacher || "
+                                          "student) over those tokens and one bucket for the rest of the vocabulary, "
+                                          "which raises tokens the student never samples (app.training.opd).")
+    opd_topk: int = Field(8, ge=1, le=MAX_OPD_TOPK, description="teacher tokens per position for opd_divergence "
+                                                                "topk_forward_kl (at most vLLM's default max_logprobs)")
     skip_zero_advantage: bool = Field(
         False, description="Leave chains whose every trainable token has advantage 0 out of the step's micro-batches, "
                            "so they never reach a forward pass (their loss and gradient are exactly 0; the step's "
@@ -254,7 +266,17 @@ class TrainingConfig(BaseModel):
             raise ValueError("teacher: a teacher is used only with algorithm 'opd' or 'grpo+opd'")
         if self.algorithm == "grpo" and self.opd_baseline != "none":
             raise ValueError("opd_baseline: a distillation baseline is used only with algorithm 'opd' or 'grpo+opd'")
+        if self.algorithm == "grpo" and self.opd_divergence != "sampled_reverse_kl":
+            raise ValueError("opd_divergence: a distillation divergence is used only with algorithm 'opd' or 'grpo+opd'")
+        if self.opd_divergence == "topk_forward_kl" and self.opd_baseline != "none":
+            raise ValueError("opd_baseline: the step-mean baseline is one of the sampled-token advantage; "
+                             "opd_divergence topk_forward_kl has no advantage to centre")
         return self
+
+    @property
+    def opd_top(self) -> int:
+        """Teacher tokens to store per sampled position: `opd_topk` under topk_forward_kl, else 0."""
+        return self.opd_topk if self.opd_divergence == "topk_forward_kl" else 0
 
     def to_dict(self) -> dict:
         """The settings as a JSON-ready dict (every field, defaults included)."""

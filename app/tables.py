@@ -291,7 +291,11 @@ class TeacherScore(Base):
     token ids and loss mask (`teacher.chain_hash`), so every trajectory with those exact ids
     shares one score.  `logprobs` float32 [T], beside `Trajectory.logprobs`: the teacher's
     log-probability (nats) of each sampled token (loss mask 1), 0.0 elsewhere.  `seconds`:
-    the teacher's wall time for the chain.
+    the teacher's wall time for the chain.  With `top_k` k > 0 (`training.opd_divergence`
+    topk_forward_kl) the teacher's k likeliest tokens at each position are kept too, flattened
+    row-major: `top_ids` int32 [T * k] and `top_logprobs` float32 [T * k] (nats, descending per
+    position; 0 and 0.0 at loss-mask-0 positions); the key's `teacher_version` then carries
+    the k (`teacher.score_key`), so scores with and without them never mix.
     """
 
     __tablename__ = "teacher_scores"
@@ -304,6 +308,9 @@ class TeacherScore(Base):
     tokens: Mapped[int] = mapped_column(Integer)  # sampled tokens scored
     seconds: Mapped[float] = mapped_column(Float)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    top_k: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    top_ids: Mapped[list[int] | None] = mapped_column(Int32Array, nullable=True)
+    top_logprobs: Mapped[list[float] | None] = mapped_column(Float32Array, nullable=True)
 
 
 STEP_STATES = ("pending", "training", "completed", "failed")

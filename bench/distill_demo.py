@@ -185,7 +185,7 @@ def steps_of(run: dict) -> list[dict]:
         m = st.get("metrics") or {}
         opd = m.get("opd") or {}
         out.append({"step": st["step"], "reward_mean": m.get("reward_mean"), "loss": m.get("loss"),
-                    **{k: opd.get(k) for k in OPD_METRICS if k in opd}})
+                    "topk_forward_kl": m.get("topk_forward_kl"), **{k: opd.get(k) for k in OPD_METRICS if k in opd}})
     return out
 
 

@@ -67,6 +67,9 @@ class MicroBatch:
     transform on any of its sequences (else all four None): `temperature` float32 [N],
     `support` int64 [N], `top_k` int64 [N], `top_p` float32 [N] (`SequenceTransform`; identity
     values for tokens of sequences without one), what `app.engines.transform.processed_logprobs` takes.
+    With a distillation teacher's top-k (`app.training.opd.apply_token_advantages`):
+    `teacher_top_ids` int64 [N, k], `teacher_top_logprobs` float32 [N, k], `teacher_top_rows`
+    bool [N] (which tokens have them).
     """
 
     input_ids: torch.Tensor
@@ -86,6 +89,10 @@ class MicroBatch:
     support: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
+    # on-policy distillation by forward KL to the teacher's top-k (`app.training.opd`), else None
+    teacher_top_ids: torch.Tensor | None = None
+    teacher_top_logprobs: torch.Tensor | None = None
+    teacher_top_rows: torch.Tensor | None = None
 
     def transform(self) -> dict:
         """The sampling-transform keyword arguments of `app.training.policy.token_logprobs`."""
@@ -98,10 +105,13 @@ class MicroBatch:
 
 def zero_advantage_indices(sequences: Sequence[StepSequence]) -> set[int]:
     """Indices of the sequences whose every trainable token has advantage 0 (an episode advantage
-    of 0, and for per-token advantages, `token_advantages`, all 0 at trainable positions)."""
+    of 0, and for per-token advantages, `token_advantages`, all 0 at trainable positions) and
+    no teacher top-k tokens (`app.training.opd.OPDSequence.top_ids`)."""
     out = set()
     for i, seq in enumerate(sequences):
         per_token = getattr(seq, "token_advantages", None)
+        if getattr(seq, "top_ids", None):
+            continue  # the teacher's top-k term trains it whatever its advantages
         if per_token:
             if all(a == 0.0 for a, m in zip(per_token, seq.loss_mask) if m):
                 out.add(i)

@@ -53,6 +53,33 @@ demonstration (SmolLM2 student, warm-start teacher, docs/distill.md) the student
 newlines within five steps at learning rate 1e-3 with the baseline, as it collapsed onto the
 teacher's `<tool_call>` opening without it.
 
+`opd_divergence: topk_forward_kl` (k = `opd_topk`) gives the student the teacher's distribution
+at each sampled position instead of one number.  The teacher stores its k likeliest tokens
+K_t with their logprobs; with p_T, p_S the teacher's and the student's full-vocabulary
+probabilities and r = 1 - sum_{v in K_t} p(v) the mass each puts outside K_t, the loss adds,
+per sampled position (loss mask 1, the student's own states),
+
+    L_t = opd_coef * [ sum_{v in K_t} p_T(v) (log p_T(v) - log p_S(v))  +  r_T (log r_T - log r_S) ]
+
+the forward KL(teacher || student) between the two distributions coarse-grained to the k
+tokens and one bucket for the rest.  It is 0 exactly when the student matches the teacher on
+K_t (then on the rest's total too), and never more than the full forward KL (the
+data-processing inequality; Cover & Thomas, "Elements of Information Theory", §2.8), so a
+teacher equal to the student gives no gradient, where a KL to the teacher renormalised over
+K_t would sharpen the student onto K_t.  log p_S is the full log softmax of the student's
+logits (`app.training.policy.token_logprobs`' `extra_targets`).  L_t is weighted by the
+step's aggregation weights like the policy-gradient term, without PPO clipping or TIS (a
+supervised term on states the student itself visited).  Its gradient raises every token of
+K_t the student gives less than the teacher does, whether or not the student ever sampled
+it, which the sampled-token estimator cannot: at a position where the teacher puts all its
+mass on one token the student never samples, that estimator only pushes down what was
+sampled.  A_t is then the GRPO part alone (0 for `opd`).  Sources: GKD (Agarwal et al. 2024,
+arXiv:2306.13649, §3: on-policy data with a token-level divergence between the full
+distributions, the forward KL among them); Hinton et al. 2015, "Distilling the Knowledge in
+a Neural Network" (arXiv:1503.02531) for the teacher's distribution as the target.  The
+stored score keeps k ids and logprobs per token (vLLM's `prompt_logprobs: k`).  The metric
+`topk_forward_kl` (trainer) is the mean of L_t / opd_coef over the step's scored tokens.
+
 A chain without a stored teacher score is never trained: `StepDistillation.sequence` drops it
 and the share of such chains is a step metric (`opd.chains_unscored_fraction`, 0 in a healthy run).
 """
@@ -60,6 +87,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -70,7 +98,7 @@ from app.runconfig import TrainingConfig
 from app.tables import Run, Trajectory
 from app.training.batching import MicroBatch, StepSequence
 from app.training.store import build_episode_trajectories
-from app.training.teacher import chain_hash, stored_scores, teacher_version
+from app.training.teacher import chain_hash, score_key, stored_scores
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +107,42 @@ log = logging.getLogger(__name__)
 class OPDSequence(StepSequence):
     """A `StepSequence` whose advantage varies per token: `token_advantages` float [T], the
     A_t of the module docstring at loss-mask-1 positions and 0.0 elsewhere.  `advantage` holds
-    the part that came from GRPO (for reports)."""
+    the part that came from GRPO (for reports).  Under topk_forward_kl also `top_ids` int [T][k]
+    and `top_logprobs` float [T][k], the teacher's k likeliest tokens at each position (empty
+    otherwise)."""
 
     token_advantages: Sequence[float] = ()
+    top_ids: Sequence[Sequence[int]] = ()
+    top_logprobs: Sequence[Sequence[float]] = ()
+
+
+# log r is taken of at most 1 - 1e-6 of the mass inside K: log r >= -13.8 nats, finite in both branches
+_INSIDE_MAX_LOG = -1e-6
+
+
+def _log_outside(inside_logprobs: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum_k exp(x_k)) over the last dim of `inside_logprobs` [N, k]: float [N].  The
+    stable log(1 - exp(a)) of Maechler 2012, "Accurately computing log(1 - exp(-|a|))" (CRAN
+    Rmpfr vignette): log(-expm1(a)) for a > -ln 2, log1p(-exp(a)) below."""
+    a = torch.logsumexp(inside_logprobs, dim=-1).clamp(max=_INSIDE_MAX_LOG)
+    return torch.where(a > -math.log(2.0), torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
+
+
+def topk_forward_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                    rows: torch.Tensor) -> torch.Tensor:
+    """L_t / opd_coef of the module docstring per position: float32 [N] (nats, >= 0 up to rounding).
+
+    `student_logprobs`: the student's full-vocabulary logprobs of the teacher's k tokens, float
+    [N, k] (with grad); `teacher_logprobs`: the teacher's logprobs of the same tokens, float
+    [N, k] (detached here); `rows`: bool [N], False for positions without teacher tokens (they
+    give 0).
+    """
+    teacher = teacher_logprobs.detach().float()
+    student = student_logprobs.float()
+    inside = (teacher.exp() * (teacher - student)).sum(-1)
+    outside_teacher = (1.0 - teacher.exp().sum(-1)).clamp(min=0.0)
+    outside = torch.special.xlogy(outside_teacher, outside_teacher) - outside_teacher * _log_outside(student)
+    return torch.where(rows, inside + outside, torch.zeros_like(inside))
 
 
 def token_advantages(
@@ -130,10 +191,15 @@ def apply_token_advantages(batches: list[MicroBatch], sequences: Sequence[StepSe
 
     A micro-batch holds, per sequence, its trainable tokens in position order (`sequence_index`
     says whose); those entries of `advantages` become the sequence's `token_advantages` at its
-    loss-mask-1 positions.  Other sequences keep their episode advantage.  Raises ValueError
-    when a micro-batch's targets are not the sequence's sampled ids in that order.
+    loss-mask-1 positions.  Other sequences keep their episode advantage.  When a sequence has
+    the teacher's top-k tokens, the micro-batch gets `teacher_top_ids` int64 [N, k],
+    `teacher_top_logprobs` float32 [N, k] and `teacher_top_rows` bool [N] (False, with zero
+    rows, for other sequences' tokens).  Raises ValueError when a
+    micro-batch's targets are not the sequence's sampled ids in that order, or when its
+    sequences carry different k.
     """
     for mb in batches:
+        top_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for i in mb.sequence_index.unique().tolist():
             seq = sequences[i]
             if not isinstance(seq, OPDSequence):
@@ -145,6 +211,22 @@ def apply_token_advantages(batches: list[MicroBatch], sequences: Sequence[StepSe
                 raise ValueError(f"micro-batch targets of sequence {i} are not its sampled ids in order")
             mb.advantages[where] = torch.as_tensor(list(seq.token_advantages), dtype=torch.float32)[mask].to(
                 mb.advantages.device)
+            if seq.top_ids:
+                top_parts.append((where.cpu(), torch.as_tensor([list(r) for r in seq.top_ids], dtype=torch.long)[mask],
+                                  torch.as_tensor([list(r) for r in seq.top_logprobs], dtype=torch.float32)[mask]))
+        if top_parts:
+            ks = {part[1].shape[1] for part in top_parts}
+            if len(ks) != 1:
+                raise ValueError(f"sequences of one micro-batch carry different teacher top-k: {sorted(ks)}")
+            n, k = mb.targets.numel(), ks.pop()
+            top_ids = torch.zeros(n, k, dtype=torch.long)
+            top_values = torch.zeros(n, k, dtype=torch.float32)
+            rows = torch.zeros(n, dtype=torch.bool)
+            for where, part_ids, part_values in top_parts:
+                top_ids[where], top_values[where], rows[where] = part_ids, part_values, True
+            device = mb.targets.device
+            mb.teacher_top_ids = top_ids.to(device)
+            mb.teacher_top_logprobs, mb.teacher_top_rows = top_values.to(device), rows.to(device)
     return batches
 
 
@@ -159,7 +241,8 @@ class StepDistillation:
     def __init__(self, session, config: TrainingConfig):
         self.session = session
         self.config = config
-        self.version = teacher_version(config.teacher)
+        self.top = config.opd_top
+        self.version = score_key(config.teacher, self.top)
         self.chains = 0
         self.unscored = 0
         self.tokens = 0
@@ -177,11 +260,22 @@ class StepDistillation:
             self.unscored += 1
             return None
         include = self.config.algorithm == "grpo+opd"
-        adv = token_advantages(base.advantage, score.logprobs, row.logprobs, row.loss_mask,
-                               self.config.opd_coef, include)
         teacher = torch.as_tensor(score.logprobs, dtype=torch.float32)
         rollout = torch.as_tensor(row.logprobs, dtype=torch.float32)
         mask = torch.as_tensor(row.loss_mask).bool()
+        top_ids: list = []
+        top_logprobs: list = []
+        if self.top:  # forward KL to the teacher's top-k: A_t is the GRPO part alone
+            if score.top_k != self.top or score.top_ids is None or score.top_logprobs is None:
+                self.unscored += 1
+                return None
+            grpo = base.advantage if include else 0.0
+            adv = torch.where(mask, torch.full_like(teacher, grpo), torch.zeros_like(teacher))
+            top_ids = torch.as_tensor(list(score.top_ids), dtype=torch.long).view(-1, self.top).tolist()
+            top_logprobs = torch.as_tensor(list(score.top_logprobs), dtype=torch.float32).view(-1, self.top).tolist()
+        else:
+            adv = token_advantages(base.advantage, score.logprobs, row.logprobs, row.loss_mask,
+                                   self.config.opd_coef, include)
         gap = torch.where(mask, rollout - teacher, torch.zeros_like(rollout))
         self.tokens += int(mask.sum())
         self.gap_sum += float(gap.sum())
@@ -190,7 +284,7 @@ class StepDistillation:
         self.seconds.append(float(score.seconds))
         return OPDSequence(base.token_ids, base.loss_mask, base.logprobs, base.advantage if include else 0.0,
                            base.episode_id, base.transform, policy_lag=base.policy_lag,
-                           token_advantages=adv.tolist())
+                           token_advantages=adv.tolist(), top_ids=top_ids, top_logprobs=top_logprobs)
 
     def baseline(self) -> float:
         """b of the module docstring (nats, times opd_coef): 0.0 unless `opd_baseline` is `step_mean`."""
@@ -234,7 +328,7 @@ def wait_for_scores(run_id: int, step: int, episode_ids: list[int], config: Trai
     run's error as soon as the run is no longer running.
     """
     started = time.monotonic()
-    version = teacher_version(config.teacher)
+    version = score_key(config.teacher, config.opd_top)
     while True:
         with session_scope() as s:
             missing, total = 0, 0

@@ -7,6 +7,11 @@
                     every sampled token (loss mask 1), 0.0 elsewhere: float32 [T], stored as
                     `TeacherScore.logprobs`, the same packed array type as `Trajectory.logprobs`
 
+With `training.opd_divergence` topk_forward_kl (k = `opd_topk`) each score also keeps the
+teacher's k likeliest tokens and their logprobs at every sampled position (`ChainScore`,
+stored as `TeacherScore.top_ids` / `top_logprobs`), under the key `score_key` (the teacher
+version with the k), so a run with another k never reads them.
+
 Two scorers.  `LocalScorer` loads the teacher's weights in this process with the embedded
 engine's model code (`app.engines.modeling.load_model`) and runs one fp32 forward per chain:
 deterministic on CPU, so re-scoring an old episode from SQL (`rescore_episode`) reproduces the
@@ -18,6 +23,7 @@ loaded, an engine without prompt logprobs, a NaN or positive logprob, a length m
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -37,6 +43,7 @@ from app.training.teacher_check import (  # noqa: F401 (TeacherError re-exported
     TeacherError,
     check_local_tokenizer,
     parse_prompt_logprobs,
+    parse_prompt_top,
     student_source,
 )
 
@@ -98,6 +105,54 @@ def teacher_version(teacher: TeacherChoice) -> str:
     return _VERSIONS[(spec, key)]
 
 
+def score_key(teacher: TeacherChoice, top: int = 0) -> str:
+    """`TeacherScore.teacher_version` of scores by `teacher` with `top` (k) tokens per position
+    (at most 128 chars): `teacher_version` alone for k = 0, else with `|top{k}` (hashed when
+    the two would pass 128 chars).  Raises `TeacherError` as `teacher_version`."""
+    version = teacher_version(teacher)
+    if not top:
+        return version
+    key = f"{version}|top{top}"
+    return key if len(key) <= 128 else "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass
+class ChainScore:
+    """A teacher's scores of one chain of T tokens: `logprobs` floats [T] (the sampled tokens',
+    0.0 at loss-mask-0 positions); with k > 0 also `top_ids` ints [T][k] and `top_logprobs`
+    floats [T][k] (nats, descending; zeros at loss-mask-0 positions), else both empty."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[float]] = dataclasses.field(default_factory=list)
+
+    @property
+    def top(self) -> int:
+        return len(self.top_ids[0]) if self.top_ids else 0
+
+
+def check_top(ids, values, token_ids, loss_mask, top: int, where: str) -> tuple[list[list[int]], list[list[float]]]:
+    """`ids` [T][k] and `values` [T][k] checked: k per position, values finite logprobs <= 0
+    (float32-rounded), zeros at loss-mask-0 positions.  Raises `TeacherError` otherwise."""
+    if len(ids) != len(token_ids) or len(values) != len(token_ids):
+        raise TeacherError(f"{where}: top-{top} teacher tokens for {len(ids)} positions, the chain has {len(token_ids)}")
+    out_ids: list[list[int]] = []
+    out_values: list[list[float]] = []
+    for t, (row_ids, row_values, mask) in enumerate(zip(ids, values, loss_mask)):
+        if not mask or t == 0:
+            out_ids.append([0] * top)
+            out_values.append([0.0] * top)
+            continue
+        if len(row_ids) != top or len(row_values) != top:
+            raise TeacherError(f"{where}: {len(row_ids)} teacher tokens at position {t}, not the {top} asked for")
+        row = np.asarray(row_values, dtype=np.float32).tolist()
+        if not all(math.isfinite(v) and v <= 1e-4 for v in row):
+            raise TeacherError(f"{where}: a top-{top} teacher logprob at position {t} is not a finite value <= 0: {row}")
+        out_ids.append([int(i) for i in row_ids])
+        out_values.append(row)
+    return out_ids, out_values
+
+
 def check_scores(values, token_ids, loss_mask, where: str) -> list[float]:
     """`values` as float32-rounded floats [T]; raises `TeacherError` when the length differs
     from `token_ids` or a scored value is not a finite logprob <= 0 (NaN included)."""
@@ -139,6 +194,17 @@ class LocalScorer:
         return check_scores(score_with_model(self.model, token_ids, loss_mask, self.device), token_ids, loss_mask,
                             f"teacher {self.spec}")
 
+    def score_top(self, token_ids, loss_mask, top: int) -> ChainScore:
+        """`score` and the teacher's `top` likeliest tokens at each mask-1 position (`ChainScore`).
+
+        Raises `TeacherError` as `score`."""
+        where = f"teacher {self.spec}"
+        if any(not 0 <= int(i) < self.vocab_size for i in token_ids):
+            raise TeacherError(f"{where}: a token id is outside the teacher's vocabulary of {self.vocab_size}")
+        values, ids, top_values = top_with_model(self.model, token_ids, loss_mask, top, self.device)
+        top_ids, top_values = check_top(ids, top_values, token_ids, loss_mask, top, where)
+        return ChainScore(check_scores(values, token_ids, loss_mask, where), top_ids, top_values)
+
 
 def score_with_model(model, token_ids, loss_mask, device=None) -> list[float]:
     """One fp32 prefill pass of a causal LM over `token_ids` (int [T]): log p(token_t | tokens_<t)
@@ -159,6 +225,36 @@ def score_with_model(model, token_ids, loss_mask, device=None) -> list[float]:
     for p, v in zip(positions.tolist(), values):
         out[p] = v
     return out
+
+
+def top_with_model(model, token_ids, loss_mask, top: int, device=None, chunk: int = 256):
+    """One fp32 prefill pass of a causal LM over `token_ids` (int [T]) giving, at every position
+    with `loss_mask` 1 (but 0), log p(token_t | tokens_<t) and the `top` likeliest tokens there
+    with their logprobs: (floats [T], ints [T][top], floats [T][top]), zeros elsewhere.  The LM
+    head runs `chunk` positions at a time, so no [T, vocab] tensor exists."""
+    import torch
+
+    from app.training.policy import causal_lm
+
+    device = device or next(model.parameters()).device
+    lm = causal_lm(model)
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+    positions = [i for i, m in enumerate(loss_mask) if m and i > 0]
+    values = [0.0] * len(token_ids)
+    top_ids = [[0] * top for _ in token_ids]
+    top_values = [[0.0] * top for _ in token_ids]
+    if not positions:
+        return values, top_ids, top_values
+    with torch.no_grad():
+        hidden = lm.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+        for start in range(0, len(positions), chunk):
+            where = torch.tensor(positions[start:start + chunk], dtype=torch.long, device=device)
+            logp = torch.log_softmax(lm.lm_head(hidden[where - 1]).float(), dim=-1)
+            chosen = logp.gather(1, ids[0, where].unsqueeze(-1))[:, 0].cpu().tolist()
+            best = logp.topk(top, dim=-1)
+            for p, v, i, b in zip(where.tolist(), chosen, best.indices.cpu().tolist(), best.values.cpu().tolist()):
+                values[p], top_ids[p], top_values[p] = v, i, b
+    return values, top_ids, top_values
 
 
 class RemoteScorer:
@@ -185,6 +281,25 @@ class RemoteScorer:
             raise TeacherError(f"teacher engine {client.base_url} cannot score: {exc}") from exc
         return check_scores(parse_prompt_logprobs(answer, token_ids, client.base_url), token_ids, loss_mask,
                             f"teacher engine {client.base_url}")
+
+    def score_top(self, token_ids, loss_mask, top: int) -> ChainScore:
+        """`score` with `prompt_logprobs: top`, keeping the `top` likeliest tokens per position
+        (`ChainScore`).  Raises `TeacherError` as `score`, and when an engine returns fewer."""
+        from app.engines.errors import EngineCallError
+
+        client = self.clients[self.next % len(self.clients)]
+        self.next += 1
+        where = f"teacher engine {client.base_url}"
+        body = {"model": self.name, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": top}
+        try:
+            answer = client.request("POST", "/v1/completions", body)
+        except EngineCallError as exc:
+            raise TeacherError(f"teacher engine {client.base_url} cannot score: {exc}") from exc
+        values = parse_prompt_logprobs(answer, token_ids, client.base_url)
+        ids, top_values = parse_prompt_top(answer, token_ids, loss_mask, top, client.base_url)
+        ids, top_values = check_top(ids, top_values, token_ids, loss_mask, top, where)
+        return ChainScore(check_scores(values, token_ids, loss_mask, where), ids, top_values)
 
 
 _SCORERS: dict[tuple, object] = {}
@@ -227,7 +342,8 @@ def score_episodes(run_id: int, episode_ids: list[int], scorer=None) -> ScoreRep
         cfg = run_cfg.training
     if cfg.teacher is None:
         raise ValueError(f"run {run_id} has no teacher (training.algorithm is {cfg.algorithm!r})")
-    version = teacher_version(cfg.teacher)
+    top = cfg.opd_top
+    version = score_key(cfg.teacher, top)
     report = ScoreReport()
     if scorer is None:
         scorer = scorer_for(cfg.teacher)
@@ -247,14 +363,16 @@ def score_episodes(run_id: int, episode_ids: list[int], scorer=None) -> ScoreRep
                 report.cached += 1
                 continue
             started = time.perf_counter()
-            values = scorer.score(ids, mask)
+            score = scorer.score_top(ids, mask, top) if top else ChainScore(scorer.score(ids, mask))
             seconds = time.perf_counter() - started
             report.scored += 1
             report.seconds += seconds
+            flat = ({"top_k": top, "top_ids": [i for row in score.top_ids for i in row],
+                     "top_logprobs": [v for row in score.top_logprobs for v in row]} if top else {})
             try:
                 with session_scope() as s:
-                    s.add(TeacherScore(chain_hash=digest, teacher_version=version, logprobs=values,
-                                       tokens=int(sum(mask)), seconds=seconds))
+                    s.add(TeacherScore(chain_hash=digest, teacher_version=version, logprobs=score.logprobs,
+                                       tokens=int(sum(mask)), seconds=seconds, **flat))
             except IntegrityError:
                 log.info("run=%s chain %s was scored by another process", run_id, digest[:12])
     return report
@@ -273,7 +391,8 @@ def stored_scores(session, rows: list[Trajectory], version: str) -> dict[str, Te
 def rescore_episode(episode_id: int, teacher: TeacherChoice | None = None, scorer=None) -> list[dict]:
     """Score an old episode's stored chains again from SQL and compare with the stored scores.
 
-    `teacher` defaults to the episode's run's teacher.  Returns one dict per trainable chain:
+    `teacher` defaults to the episode's run's teacher; with the run's `opd_topk` scores, the
+    top-k logprobs and ids are compared too.  Returns one dict per trainable chain:
     `{"chain_index", "chain_hash", "stored": bool, "bit_exact": bool | None, "max_abs_diff"}`
     (bit_exact None when nothing was stored).  Writes nothing.
     """
@@ -288,14 +407,21 @@ def rescore_episode(episode_id: int, teacher: TeacherChoice | None = None, score
         rows = list(s.scalars(select(Trajectory).where(Trajectory.episode_id == episode_id,
                                                        Trajectory.builder == cfg.builder)
                               .order_by(Trajectory.chain_index)))
-        version = teacher_version(teacher)
-        stored = {h: list(r.logprobs) for h, r in stored_scores(s, rows, version).items()}
+        top = cfg.opd_top
+        version = score_key(teacher, top)
+        stored = {h: list(r.logprobs) + list(r.top_logprobs or []) + list(r.top_ids or [])
+                  for h, r in stored_scores(s, rows, version).items()}
         chains = [(r.chain_index, list(r.token_ids), list(r.loss_mask)) for r in rows if any(r.loss_mask)]
     scorer = scorer or scorer_for(teacher)
     out = []
     for index, ids, mask in chains:
         digest = chain_hash(ids, mask)
-        fresh = np.asarray(scorer.score(ids, mask), dtype=np.float32)
+        if top:  # the sampled tokens' logprobs, the top-k logprobs and ids (exact in float32), as one array
+            score = scorer.score_top(ids, mask, top)
+            fresh = np.asarray(score.logprobs + [v for row in score.top_logprobs for v in row]
+                               + [i for row in score.top_ids for i in row], dtype=np.float32)
+        else:
+            fresh = np.asarray(scorer.score(ids, mask), dtype=np.float32)
         old = stored.get(digest)
         entry = {"chain_index": index, "chain_hash": digest, "stored": old is not None, "bit_exact": None,
                  "max_abs_diff": None}

@@ -45,16 +45,47 @@ def parse_prompt_logprobs(answer, token_ids, where: str) -> list[float]:
     return out
 
 
-def probe_engine(url: str, name: str, timeout: float = 30.0) -> str | None:
-    """Ask the engine at `url` for the prompt logprobs of a 4-id prompt; the problem, or None."""
+def parse_prompt_top(answer, token_ids, loss_mask, top: int, where: str) -> tuple[list[list[int]], list[list[float]]]:
+    """The `top` likeliest tokens at each loss-mask-1 prompt position of a `/v1/completions`
+    answer asked with `prompt_logprobs: top`: (ids [T][top], logprobs [T][top]), descending,
+    empty rows at position 0 and mask-0 positions.  An entry holds the prompt token and the
+    `top` likeliest (vLLM's shape; the prompt token is among them or one more), so the `top`
+    highest logprobs of an entry are the teacher's top.  Raises `TeacherError` when an entry
+    has fewer than `top` tokens or a malformed one."""
+    entries = answer["choices"][0]["prompt_logprobs"]  # parse_prompt_logprobs checked the shape
+    ids: list[list[int]] = [[]]
+    values: list[list[float]] = [[]]
+    for t, entry in enumerate(entries[1:], start=1):
+        if not loss_mask[t]:
+            ids.append([])
+            values.append([])
+            continue
+        try:
+            items = sorted(((float(item["logprob"]), int(key)) for key, item in entry.items()), reverse=True)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise TeacherError(f"teacher engine {where}: a malformed prompt logprob entry at position {t}") from exc
+        if len(items) < top:
+            raise TeacherError(f"teacher engine {where} returned {len(items)} tokens at position {t}, fewer than "
+                               f"prompt_logprobs {top} asks for (vLLM caps them at its --max-logprobs)")
+        ids.append([i for _v, i in items[:top]])
+        values.append([v for v, _i in items[:top]])
+    return ids, values
+
+
+def probe_engine(url: str, name: str, timeout: float = 30.0, top: int = 0) -> str | None:
+    """Ask the engine at `url` for the prompt logprobs of a 4-id prompt, with `top` alternatives
+    per token (a top-k distillation teacher's k); the problem, or None."""
     from app.engines.client import EngineClient
     from app.engines.errors import EngineCallError
 
     ids = [1, 2, 3, 4]  # small ids exist in every vocabulary
-    body = {"model": name, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+    body = {"model": name, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": top}
     try:
         with EngineClient(url, timeout=timeout) as client:
-            parse_prompt_logprobs(client.request("POST", "/v1/completions", body), ids, url)
+            answer = client.request("POST", "/v1/completions", body)
+            parse_prompt_logprobs(answer, ids, url)
+            if top:
+                parse_prompt_top(answer, ids, [1] * len(ids), top, url)
     except EngineCallError as exc:
         return f"teacher engine {url} cannot score a probe prompt: {exc}"
     except TeacherError as exc:
@@ -103,7 +134,8 @@ def check_teacher(cfg: RunConfig) -> tuple[str, str] | None:
         return "training.teacher", f"the teacher cannot be loaded: {exc}"
     if source is None:
         for url in teacher.engine_urls:
-            problem = probe_engine(url, teacher.name or "") or remote_tokenizer_problem(cfg, url)
+            problem = (probe_engine(url, teacher.name or "", top=cfg.training.opd_top)
+                       or remote_tokenizer_problem(cfg, url))
             if problem:
                 return "training.teacher.engine_urls", problem
         return None

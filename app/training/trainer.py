@@ -41,7 +41,7 @@ from app.training.batching import (MicroBatch, StepSequence, make_micro_batches,
                                    zero_advantage_indices)
 from app.runconfig import TrainingConfig
 from app.training.grpo import policy_loss
-from app.training.opd import apply_token_advantages
+from app.training.opd import apply_token_advantages, topk_forward_kl
 
 OPTIMIZER_FILE = "optimizer.pt"
 ADAPTER_FILE = "adapter.pt"
@@ -196,11 +196,14 @@ class Trainer:
             self._mask_cache = (key, packing.document_mask(mb.segment_lengths, self.attention, mb.input_ids.device))
         return self._mask_cache[1]
 
-    def _logprobs(self, mb: MicroBatch, grad: bool) -> torch.Tensor:
+    def _logprobs(self, mb: MicroBatch, grad: bool, top: bool = False):
+        """The sampled tokens' logprobs [N]; with `top` and the teacher's top-k in `mb`, the pair
+        (that, the student's logprobs of the teacher's k tokens [N, k])."""
+        extra = mb.teacher_top_ids if top else None
         with torch.set_grad_enabled(grad), policy.autocast(self.device):
             # under the sampling transform each token was drawn with (identity: all None)
             return self.forward(mb.input_ids, self._mask(mb), mb.position_ids, mb.rows, mb.cols, mb.targets,
-                                **mb.transform())
+                                **mb.transform(), **({"extra_targets": extra} if extra is not None else {}))
 
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
         if self.config.kl_coef <= 0:
@@ -234,7 +237,8 @@ class Trainer:
         """Run one GRPO step over `sequences`; return its metrics (JSON-able floats and ints).
 
         Metrics: loss, clip_fraction, kl (mean k3 value, an estimate of KL(policy || ref), whichever estimator is in the loss; 0 when off), tis_weight_mean,
-        tis_truncated_fraction, ratio_mean, logprob_gap_max_abs / logprob_gap_mean_abs
+        tis_truncated_fraction, ratio_mean, topk_forward_kl (distillation to a teacher's top-k:
+        mean KL(q || student) per scored token, None without), logprob_gap_max_abs / logprob_gap_mean_abs
         (|trainer - rollout| before the update over the sampled tokens of on-policy sequences,
         `policy_lag` 0: the sampling-vs-training mismatch alone), logprob_gap_stale_max_abs /
         logprob_gap_stale_mean_abs and tokens_stale (the same over sequences sampled by older
@@ -281,7 +285,8 @@ class Trainer:
         lags = torch.tensor([seq.policy_lag for seq in sequences], dtype=torch.int64)
         gaps = ([_gap(o, mb, lags) for olds, share in zip(old, shares)
                  for o, (mb, real) in zip(olds, share) if real] if old else [])
-        totals = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "tis": 0.0, "tis_truncated": 0.0, "ratio": 0.0}
+        totals = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "tis": 0.0, "tis_truncated": 0.0, "ratio": 0.0,
+                  "topk_kl": 0.0, "topk_tokens": 0.0}
         grad_norm = 0.0
         skipped = nonfinite = 0
         for u, (chunk, share) in enumerate(zip(chunks, shares)):
@@ -299,7 +304,12 @@ class Trainer:
                             gaps.append(_gap(values, mb, lags))
                     skipped += int(real)
                     continue
-                logprobs = self._logprobs(mb, grad=True).float()
+                top_logprobs = None
+                if mb.teacher_top_ids is not None:  # distillation to the teacher's top-k (app.training.opd)
+                    logprobs, top_logprobs = self._logprobs(mb, grad=True, top=True)
+                    logprobs = logprobs.float()
+                else:
+                    logprobs = self._logprobs(mb, grad=True).float()
                 if old is None and real:
                     gaps.append(_gap(logprobs.detach(), mb, lags))
                 loss, stats = policy_loss(
@@ -315,10 +325,16 @@ class Trainer:
                     kl_coef=cfg.kl_coef,
                     kl_estimator=cfg.kl_estimator,
                 )
+                if top_logprobs is not None:
+                    topk_kl = topk_forward_kl(top_logprobs, mb.teacher_top_logprobs, mb.teacher_top_rows)
+                    loss = loss + cfg.opd_coef * (topk_kl * mb.weights * (scale if real else 0.0)).sum()
+                    if real:
+                        totals["topk_kl"] += float(topk_kl.detach().sum())
+                        totals["topk_tokens"] += float(mb.teacher_top_rows.sum())
                 # FSDP averages gradients over the ranks, but each rank's loss is its share of
                 # the step's sum: scale by the world size so the gradient is the sum's.
                 (loss * self.world).backward()
-                if not (real and (cfg.kl_coef > 0 or bool(mb.advantages.any()))):
+                if not (real and (cfg.kl_coef > 0 or bool(mb.advantages.any()) or top_logprobs is not None)):
                     continue  # a filler, or one only run for the other ranks: stats as if skipped
                 totals["loss"] += loss.item() / len(chunks)
                 totals["clipped"] += stats.clipped
@@ -360,6 +376,8 @@ class Trainer:
             "tis_weight_mean": totals["tis"] / n,
             "tis_truncated_fraction": totals["tis_truncated"] / n,
             "ratio_mean": totals["ratio"] / n,
+            # on-policy distillation to the teacher's top-k: mean KL(q || student) per scored token
+            "topk_forward_kl": totals["topk_kl"] / totals["topk_tokens"] if totals["topk_tokens"] else None,
             # None where the step had no such token: a 0 would read as a perfect match
             "logprob_gap_max_abs": gap_max if gap_count else None,
             "logprob_gap_mean_abs": gap_sum / gap_count if gap_count else None,
@@ -429,7 +447,8 @@ class Trainer:
         """Whether each position of this rank's share needs a backward pass: a real micro-batch
         with a nonzero advantage or a KL term.  Under FSDP, position j runs a backward on
         every rank as soon as one rank needs it (the same collectives on every rank)."""
-        needed = [real and (self.config.kl_coef > 0 or bool(mb.advantages.any())) for mb, real in share]
+        needed = [real and (self.config.kl_coef > 0 or bool(mb.advantages.any()) or mb.teacher_top_ids is not None)
+                  for mb, real in share]
         if self.group is not None:
             needed = [v > 0 for v in self.group.all_reduce(torch.tensor(needed, dtype=torch.float64), op="max").tolist()]
         return needed

@@ -36,6 +36,11 @@ def _runs() -> int:
     ({"algorithm": "distill", "teacher": {"name": "tiny"}}, "algorithm"),
     ({"opd_baseline": "step_mean"}, "distillation baseline is used only"),
     ({"algorithm": "opd", "teacher": {"name": "tiny"}, "opd_baseline": "median"}, "opd_baseline"),
+    ({"opd_divergence": "topk_forward_kl"}, "distillation divergence is used only"),
+    ({"algorithm": "opd", "teacher": {"name": "tiny"}, "opd_divergence": "topk_forward_kl", "opd_topk": 21},
+     "opd_topk"),
+    ({"algorithm": "opd", "teacher": {"name": "tiny"}, "opd_divergence": "topk_forward_kl",
+      "opd_baseline": "step_mean"}, "no advantage to centre"),
 ])
 def test_bad_distillation_settings_are_400(client, training, words):
     resp = client.post("/api/runs", json={"harness": "mini-swe-agent", "model": {"name": "tiny"}, "training": training})

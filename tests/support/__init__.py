@@ -1,6 +1,8 @@
 """Helpers for tests: wait_for, subprocess handling, celery worker command lines."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -95,3 +97,34 @@ def read_http_request(sock) -> tuple[bytes, bytes] | None:
     while len(body) < length:
         body += sock.recv(65536)
     return head, body
+
+
+def reply_json(handler, payload, status: int = 200) -> None:
+    """Answer a `http.server.BaseHTTPRequestHandler` request with `payload` as JSON."""
+    out = json.dumps(payload).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(out)))
+    handler.end_headers()
+    handler.wfile.write(out)
+
+
+@contextlib.contextmanager
+def served_embedded_engine(spec: str = "tiny"):
+    """A real embedded engine for `spec` behind its own Flask app on a free port, served from a
+    thread for the `with` block: yields its URL."""
+    import threading
+
+    from werkzeug.serving import make_server
+
+    from app.engines.embedded.engine import build_engine
+    from app.engines.embedded.server import create_engine_app
+
+    engine = build_engine(spec, threads=1)
+    server = make_server("127.0.0.1", 0, create_engine_app(engine=engine, admin_token="t"), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        engine.scheduler.stop()

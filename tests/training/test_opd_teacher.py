@@ -12,7 +12,6 @@ import pytest
 import torch
 from sqlalchemy import select
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from werkzeug.serving import make_server
 
 from app.api.dashboard.charts import step_charts
 
@@ -24,6 +23,7 @@ from app.tables import Completion, Episode, Group, Run, TaskInstance, TeacherSco
 from app.training import steps, teacher
 from app.training.opd import OPDSequence, TeacherScoresMissing
 from app.training.teacher_check import check_teacher
+from support import reply_json, served_embedded_engine
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -176,12 +176,7 @@ class NoPromptLogprobs(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802
         self.rfile.read(int(self.headers["Content-Length"]))
-        out = json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(out)))
-        self.end_headers()
-        self.wfile.write(out.encode())
+        reply_json(self, {"object": "text_completion", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
 
     def log_message(self, *args):
         pass
@@ -220,14 +215,7 @@ def test_bad_teachers_are_refused_at_creation_or_fail_the_run_naming_the_cause(v
 
 
 def test_the_embedded_engine_serves_prompt_logprobs_equal_to_the_local_scorer(var_dir):
-    from app.engines.embedded.engine import build_engine
-    from app.engines.embedded.server import create_engine_app
-
-    engine = build_engine("tiny", threads=1)
-    server = make_server("127.0.0.1", 0, create_engine_app(engine=engine, admin_token="t"), threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_port}"
+    with served_embedded_engine("tiny") as url:
         choice = TeacherChoice(name="tiny", engine_urls=[url])
         assert check_teacher(opd_config(choice.model_dump())) is None
         ids = [1, 100, 200, 2, 1, 300, 301, 302, 2, 1, 400, 2, 303, 304]
@@ -236,9 +224,6 @@ def test_the_embedded_engine_serves_prompt_logprobs_equal_to_the_local_scorer(va
         local = teacher.LocalScorer("tiny").score(ids, mask)
         assert [v == 0.0 for v in remote] == [m == 0 for m in mask]
         assert remote == pytest.approx(local, abs=1e-4)
-    finally:
-        server.shutdown()
-        engine.scheduler.stop()
 
 
 def test_the_step_mean_baseline_centres_the_sampled_tokens_advantages_and_leaves_context_at_zero(var_dir, data,

@@ -97,6 +97,8 @@ CHARTS: list[tuple[str, Series, dict]] = [
     # On-policy distillation (training.algorithm opd / grpo+opd; app.training.opd).
     ("reverse KL to the teacher (nats)", [("per token", "opd.reverse_kl_per_token"),
                                           ("per turn", "opd.reverse_kl_per_turn")], {}),
+    ("forward KL to the teacher's top-k (nats; opd_divergence topk_forward_kl)",
+     [("per token", "topk_forward_kl")], {}),
     ("teacher: tokens scored", [("scored", "opd.tokens_scored")], {}),
     ("teacher: seconds per chain", [("scoring", "opd.teacher_seconds_per_chain"), ("step wait", "opd.teacher_wait_s")],
      {}),
