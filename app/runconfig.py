@@ -268,6 +268,9 @@ class TrainingConfig(BaseModel):
             raise ValueError("opd_baseline: a distillation baseline is used only with algorithm 'opd' or 'grpo+opd'")
         if self.algorithm == "grpo" and self.opd_divergence != "sampled_reverse_kl":
             raise ValueError("opd_divergence: a distillation divergence is used only with algorithm 'opd' or 'grpo+opd'")
+        # (a stored config holds every field, so the default must pass; another value is an intent)
+        if self.opd_topk != type(self).model_fields["opd_topk"].default and self.opd_divergence != "topk_forward_kl":
+            raise ValueError("opd_topk: the teacher's top-k is used only with opd_divergence 'topk_forward_kl'")
         if self.opd_divergence == "topk_forward_kl" and self.opd_baseline != "none":
             raise ValueError("opd_baseline: the step-mean baseline is one of the sampled-token advantage; "
                              "opd_divergence topk_forward_kl has no advantage to centre")

@@ -50,13 +50,15 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     """Autograd function behind `fused_token_logprobs` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int, temperature=None, support=None, top_k=None, top_p=None):
+    def forward(ctx, hidden, weight, targets, chunk: int, temperature=None, support=None, top_k=None, top_p=None,
+                rest_from: int | None = None):
         dtype = _compute_dtype(hidden)
         transformed = temperature is not None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
             lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+            rest = torch.zeros_like(lse)  # log of the mass outside targets[:, rest_from:] (rest_from given)
             thr = torch.empty_like(lse) if transformed else None
             for start in range(0, hidden.shape[0], chunk):
                 stop = start + chunk
@@ -70,15 +72,20 @@ class _FusedHeadLogprobs(torch.autograd.Function):
                     logits.masked_fill_(_outside(logits, t[:, 0], thr[start:stop]), float("-inf"))
                 lse[start:stop] = torch.logsumexp(logits, dim=-1)
                 out[start:stop] = logits.gather(-1, t) - lse[start:stop].unsqueeze(-1)
+                if rest_from is not None:  # logsumexp over the columns outside the set, minus lse
+                    logits.scatter_(-1, t[:, rest_from:], float("-inf"))
+                    rest[start:stop] = torch.logsumexp(logits, dim=-1) - lse[start:stop]
                 del logits
-        ctx.save_for_backward(hidden, weight, targets, lse, temperature if transformed else None, thr)
-        ctx.chunk, ctx.dtype = chunk, dtype
-        return out
+        ctx.save_for_backward(hidden, weight, targets, lse, temperature if transformed else None, thr, rest)
+        ctx.chunk, ctx.dtype, ctx.rest_from = chunk, dtype, rest_from
+        if rest_from is None:
+            ctx.mark_non_differentiable(rest)
+        return out, rest
 
     @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, targets, lse, temperature, thr = ctx.saved_tensors
-        chunk, dtype = ctx.chunk, ctx.dtype
+    def backward(ctx, grad_out, grad_rest):
+        hidden, weight, targets, lse, temperature, thr, rest = ctx.saved_tensors
+        chunk, dtype, rest_from = ctx.chunk, ctx.dtype, ctx.rest_from
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
@@ -88,6 +95,13 @@ class _FusedHeadLogprobs(torch.autograd.Function):
             if temperature is not None:  # d logq / d logits = (onehot - q on the support) / T
                 g = g / temperature.float().unsqueeze(-1)
             g_total = g.sum(-1)  # each of a row's targets takes its g times softmax off the row
+            if rest_from is not None:
+                # d log r / d logits = 1[v outside K] softmax / r - softmax: the row loses g_rest times
+                # softmax too, and the columns outside K gain g_rest * softmax / r (<= g_rest each;
+                # 1/r is capped at 1e30 so a vanishing r never makes inf * 0)
+                g_rest = grad_rest.float()
+                g_total = g_total + g_rest
+                outside_gain = g_rest * torch.exp(-rest).clamp(max=1e30)
             for start in range(0, hidden.shape[0], chunk):
                 stop = start + chunk
                 h = hidden[start:stop].to(dtype)
@@ -97,7 +111,15 @@ class _FusedHeadLogprobs(torch.autograd.Function):
                     outside = _outside(logits, targets[start:stop, 0], thr[start:stop])
                 # logits -> -sum_j g_j * softmax (in place), then + g_j at target j:
                 # sum_j g_j * (onehot(t_j) - softmax)
-                grad_logits = logits.sub_(lse[start:stop].unsqueeze(-1)).exp_().mul_(-g_total[start:stop].unsqueeze(-1))
+                if rest_from is None:
+                    grad_logits = logits.sub_(lse[start:stop].unsqueeze(-1)).exp_().mul_(
+                        -g_total[start:stop].unsqueeze(-1))
+                else:  # every column as if outside K, then K's columns set to -g_total * softmax
+                    soft = logits.sub_(lse[start:stop].unsqueeze(-1)).exp_()
+                    inside = targets[start:stop, rest_from:]
+                    at_inside = soft.gather(-1, inside) * -g_total[start:stop].unsqueeze(-1)
+                    grad_logits = soft.mul_((outside_gain[start:stop] - g_total[start:stop]).unsqueeze(-1))
+                    grad_logits.scatter_(-1, inside, at_inside)
                 if temperature is not None:
                     grad_logits.masked_fill_(outside, 0.0)
                 grad_logits.scatter_add_(-1, targets[start:stop], g[start:stop])
@@ -107,7 +129,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
                 if want_w:
                     grad_w += grad_logits.T @ h  # in the compute dtype, summed over chunks in fp32
                 del logits, grad_logits
-        return grad_h, (grad_w.to(weight.dtype) if want_w else None), None, None, None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if want_w else None), None, None, None, None, None, None, None
 
 
 def _outside(scores: torch.Tensor, targets: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
@@ -119,7 +141,7 @@ def _outside(scores: torch.Tensor, targets: torch.Tensor, thr: torch.Tensor) -> 
 def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          chunk: int | None = None, temperature: torch.Tensor | None = None,
                          support: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
-                         top_p: torch.Tensor | None = None) -> torch.Tensor:
+                         top_p: torch.Tensor | None = None, rest_from: int | None = None):
     """log softmax(hidden @ weight.T)[targets], float32 [N], without materialising [N, V] logits.
 
     `hidden`: float [N, d] (the model's final hidden states at the sampled positions);
@@ -136,6 +158,12 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     (`kept_threshold`), so the backward pass rebuilds the support from the recomputed logits
     without storing an [N, V] mask; its gradient is (onehot - q on the support) / T.  The
     transform takes [N] targets only (ValueError for [N, k]).
+
+    With `rest_from` j ([N, k] targets, no transform) the result is the pair (float32 [N, k],
+    float32 [N]): the second is log r_i, r_i = the softmax mass outside targets[i, j:] (a
+    distillation teacher's top-k, whose KL's "rest" bucket needs it), computed from the logits
+    as logsumexp over the other columns minus lse, so it stays exact when r is far below
+    fp32's resolution of 1 - sum p.  Needs V larger than the set.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and head weight {tuple(weight.shape)} do not fit ([N, d], [V, d])")
@@ -143,8 +171,11 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         raise ValueError(f"targets {tuple(targets.shape)} must be [N] or [N, k] with N = {hidden.shape[0]}")
     if targets.dim() == 2 and (temperature is not None or support is not None):
         raise ValueError("several targets per position are scored without a sampling transform")
+    if rest_from is not None and (targets.dim() != 2 or not 0 <= rest_from < targets.shape[1]):
+        raise ValueError(f"rest_from {rest_from} needs [N, k] targets with k > rest_from")
     if hidden.shape[0] == 0:
-        return hidden.new_zeros(targets.shape, dtype=torch.float32)
+        empty = hidden.new_zeros(targets.shape, dtype=torch.float32)
+        return (empty, hidden.new_zeros(0, dtype=torch.float32)) if rest_from is not None else empty
     single = targets.dim() == 1
     if single:
         targets = targets.unsqueeze(-1)
@@ -154,6 +185,8 @@ def fused_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         temperature = temperature.to(hidden.device, torch.float32)
         support = (torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device) if support is None
                    else support.to(hidden.device))
-    out = _FusedHeadLogprobs.apply(hidden, weight, targets, chunk or chunk_positions(weight.shape[0]),
-                                   temperature, support, top_k, top_p)
+    out, rest = _FusedHeadLogprobs.apply(hidden, weight, targets, chunk or chunk_positions(weight.shape[0]),
+                                         temperature, support, top_k, top_p, rest_from)
+    if rest_from is not None:
+        return out, rest
     return out.squeeze(-1) if single else out

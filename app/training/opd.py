@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -116,33 +115,23 @@ class OPDSequence(StepSequence):
     top_logprobs: Sequence[Sequence[float]] = ()
 
 
-# log r is taken of at most 1 - 1e-6 of the mass inside K: log r >= -13.8 nats, finite in both branches
-_INSIDE_MAX_LOG = -1e-6
-
-
-def _log_outside(inside_logprobs: torch.Tensor) -> torch.Tensor:
-    """log(1 - sum_k exp(x_k)) over the last dim of `inside_logprobs` [N, k]: float [N].  The
-    stable log(1 - exp(a)) of Maechler 2012, "Accurately computing log(1 - exp(-|a|))" (CRAN
-    Rmpfr vignette): log(-expm1(a)) for a > -ln 2, log1p(-exp(a)) below."""
-    a = torch.logsumexp(inside_logprobs, dim=-1).clamp(max=_INSIDE_MAX_LOG)
-    return torch.where(a > -math.log(2.0), torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
-
-
-def topk_forward_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+def topk_forward_kl(student_logprobs: torch.Tensor, student_log_rest: torch.Tensor, teacher_logprobs: torch.Tensor,
                     rows: torch.Tensor) -> torch.Tensor:
     """L_t / opd_coef of the module docstring per position: float32 [N] (nats, >= 0 up to rounding).
 
     `student_logprobs`: the student's full-vocabulary logprobs of the teacher's k tokens, float
-    [N, k] (with grad); `teacher_logprobs`: the teacher's logprobs of the same tokens, float
-    [N, k] (detached here); `rows`: bool [N], False for positions without teacher tokens (they
-    give 0).
+    [N, k] (with grad); `student_log_rest`: log r_S, the log of the student's mass outside those
+    k tokens, float [N] (with grad), computed from the logits (`token_logprobs`' third output),
+    not as log(1 - sum p), which fp32 cannot resolve once r_S is below ~1e-7;
+    `teacher_logprobs`: the teacher's logprobs of the same tokens, float [N, k] (detached
+    here; r_T = 1 - their mass, clamped at 0 against rounding); `rows`: bool [N], False for
+    positions without teacher tokens (they give 0).
     """
     teacher = teacher_logprobs.detach().float()
-    student = student_logprobs.float()
-    inside = (teacher.exp() * (teacher - student)).sum(-1)
-    outside_teacher = (1.0 - teacher.exp().sum(-1)).clamp(min=0.0)
-    outside = torch.special.xlogy(outside_teacher, outside_teacher) - outside_teacher * _log_outside(student)
-    return torch.where(rows, inside + outside, torch.zeros_like(inside))
+    inside = (teacher.exp() * (teacher - student_logprobs.float())).sum(-1)
+    rest_teacher = (1.0 - teacher.exp().sum(-1)).clamp(min=0.0)
+    rest = torch.special.xlogy(rest_teacher, rest_teacher) - rest_teacher * student_log_rest.float()
+    return torch.where(rows, inside + rest, torch.zeros_like(inside))
 
 
 def token_advantages(

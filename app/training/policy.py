@@ -157,10 +157,11 @@ def token_logprobs(
     fused head finds the support per row as a threshold, `app.training.head`).
 
     `extra_targets` (int64 [N, k], optional): k more tokens per position, scored by the plain
-    log softmax (no transform) from the same hidden states; the result is then the pair
-    (float32 [N], float32 [N, k]).  The distillation teacher's top-k tokens (`app.training.opd`).
-    Without a transform the fused head scores all 1 + k in one pass.  Raises ValueError for the
-    "checkpointed" head with `extra_targets`.
+    log softmax (no transform) from the same hidden states; the result is then the triple
+    (float32 [N], float32 [N, k], float32 [N]), the last being log of the mass outside the k
+    tokens (`app.training.head.fused_token_logprobs`' `rest_from`).  The distillation teacher's
+    top-k tokens (`app.training.opd`).  Without a transform the fused head scores all 1 + k in
+    one pass.  Raises ValueError for the "checkpointed" head with `extra_targets`.
     """
     lm = causal_lm(model)
     hidden = lm.model(
@@ -195,23 +196,26 @@ def token_logprobs(
 
 
 def _with_extra_targets(lm, selected, targets, extra, head: str, head_chunk, transform):
-    """(logp of `targets` [N], plain logp of `extra` [N, k]) from the selected hidden states."""
+    """(logp of `targets` [N], plain logp of `extra` [N, k], log mass outside `extra` [N]) from
+    the selected hidden states."""
     if head == "fused" and lm.lm_head.bias is None:
         from app.training.head import fused_token_logprobs
 
+        weight = lm.lm_head.weight
         if transform is None:  # one pass: the sampled token and the k extra share a normaliser
-            both = fused_token_logprobs(selected, lm.lm_head.weight, torch.cat([targets.unsqueeze(-1), extra], -1),
-                                        head_chunk)
-            return both[:, 0], both[:, 1:]
-        return (fused_token_logprobs(selected, lm.lm_head.weight, targets, head_chunk, *transform),
-                fused_token_logprobs(selected, lm.lm_head.weight, extra, head_chunk))
+            both, rest = fused_token_logprobs(selected, weight, torch.cat([targets.unsqueeze(-1), extra], -1),
+                                              head_chunk, rest_from=1)
+            return both[:, 0], both[:, 1:], rest
+        top, rest = fused_token_logprobs(selected, weight, extra, head_chunk, rest_from=0)
+        return fused_token_logprobs(selected, weight, targets, head_chunk, *transform), top, rest
     if head not in ("fused", "plain"):
         raise ValueError(f"the {head!r} loss head does not score extra targets; use the fused or plain head")
     logits = lm.lm_head(selected).float()
     plain = torch.log_softmax(logits, dim=-1)
     sampled = _head_logprobs(lm.lm_head, selected, targets, *transform) if transform else plain.gather(
         -1, targets.unsqueeze(-1)).squeeze(-1)
-    return sampled, plain.gather(-1, extra)
+    rest = torch.logsumexp(plain.scatter(-1, extra, float("-inf")), dim=-1)
+    return sampled, plain.gather(-1, extra), rest
 
 
 class TokenLogprobs(torch.nn.Module):

@@ -253,7 +253,9 @@ def top_with_model(model, token_ids, loss_mask, top: int, device=None, chunk: in
             chosen = logp.gather(1, ids[0, where].unsqueeze(-1))[:, 0].cpu().tolist()
             best = logp.topk(top, dim=-1)
             for p, v, i, b in zip(where.tolist(), chosen, best.indices.cpu().tolist(), best.values.cpu().tolist()):
-                values[p], top_ids[p], top_values[p] = v, i, b
+                # ties ordered as `parse_prompt_top` orders an engine's: by logprob, then id, descending
+                ranked = sorted(zip(b, i), reverse=True)
+                values[p], top_ids[p], top_values[p] = v, [x for _, x in ranked], [y for y, _ in ranked]
     return values, top_ids, top_values
 
 
@@ -394,6 +396,7 @@ def rescore_episode(episode_id: int, teacher: TeacherChoice | None = None, score
     `teacher` defaults to the episode's run's teacher; with the run's `opd_topk` scores, the
     top-k logprobs and ids are compared too.  Returns one dict per trainable chain:
     `{"chain_index", "chain_hash", "stored": bool, "bit_exact": bool | None, "max_abs_diff"}`
+    (`max_abs_diff` over logprobs, nats; with top-k also `top_ids_equal`)
     (bit_exact None when nothing was stored).  Writes nothing.
     """
     with session_scope() as s:
@@ -409,26 +412,29 @@ def rescore_episode(episode_id: int, teacher: TeacherChoice | None = None, score
                               .order_by(Trajectory.chain_index)))
         top = cfg.opd_top
         version = score_key(teacher, top)
-        stored = {h: list(r.logprobs) + list(r.top_logprobs or []) + list(r.top_ids or [])
+        stored = {h: (list(r.logprobs) + list(r.top_logprobs or []), list(r.top_ids or []))
                   for h, r in stored_scores(s, rows, version).items()}
         chains = [(r.chain_index, list(r.token_ids), list(r.loss_mask)) for r in rows if any(r.loss_mask)]
     scorer = scorer or scorer_for(teacher)
     out = []
     for index, ids, mask in chains:
         digest = chain_hash(ids, mask)
-        if top:  # the sampled tokens' logprobs, the top-k logprobs and ids (exact in float32), as one array
+        fresh_ids: list[int] = []
+        if top:  # the sampled tokens' logprobs then the top-k ones; the top-k ids compared apart
             score = scorer.score_top(ids, mask, top)
-            fresh = np.asarray(score.logprobs + [v for row in score.top_logprobs for v in row]
-                               + [i for row in score.top_ids for i in row], dtype=np.float32)
+            fresh = np.asarray(score.logprobs + [v for row in score.top_logprobs for v in row], dtype=np.float32)
+            fresh_ids = [i for row in score.top_ids for i in row]
         else:
             fresh = np.asarray(scorer.score(ids, mask), dtype=np.float32)
         old = stored.get(digest)
         entry = {"chain_index": index, "chain_hash": digest, "stored": old is not None, "bit_exact": None,
                  "max_abs_diff": None}
         if old is not None:
-            old_arr = np.asarray(old, dtype=np.float32)
-            entry["bit_exact"] = old_arr.tobytes() == fresh.tobytes()
+            old_arr = np.asarray(old[0], dtype=np.float32)
+            entry["bit_exact"] = old_arr.tobytes() == fresh.tobytes() and old[1] == fresh_ids
             entry["max_abs_diff"] = float(np.max(np.abs(old_arr - fresh))) if fresh.size else 0.0
+            if top:
+                entry["top_ids_equal"] = old[1] == fresh_ids
         out.append(entry)
     return out
 

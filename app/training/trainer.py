@@ -197,8 +197,9 @@ class Trainer:
         return self._mask_cache[1]
 
     def _logprobs(self, mb: MicroBatch, grad: bool, top: bool = False):
-        """The sampled tokens' logprobs [N]; with `top` and the teacher's top-k in `mb`, the pair
-        (that, the student's logprobs of the teacher's k tokens [N, k])."""
+        """The sampled tokens' logprobs [N]; with `top` and the teacher's top-k in `mb`, the triple
+        (that, the student's logprobs of the teacher's k tokens [N, k], log of its mass outside
+        them [N])."""
         extra = mb.teacher_top_ids if top else None
         with torch.set_grad_enabled(grad), policy.autocast(self.device):
             # under the sampling transform each token was drawn with (identity: all None)
@@ -261,6 +262,10 @@ class Trainer:
         batches = make_micro_batches(sequences, cfg.micro_batch_tokens, cfg.loss_aggregation, self.pad_id, self.packing,
                                      leave_out=skip)
         batches = apply_token_advantages(batches, sequences)  # on-policy distillation: A_t per token
+        for mb in batches:
+            if mb.teacher_top_ids is not None and int(mb.teacher_top_ids.max()) >= self.shape.vocab:
+                raise ValueError(f"the teacher's top-k holds token id {int(mb.teacher_top_ids.max())}, outside the "
+                                 f"student's vocabulary of {self.shape.vocab} (a teacher with a larger LM head)")
         metrics = {
             "sequences": sum(1 for s in sequences if s.trainable > 0),
             "micro_batches": len(batches),
@@ -306,7 +311,7 @@ class Trainer:
                     continue
                 top_logprobs = None
                 if mb.teacher_top_ids is not None:  # distillation to the teacher's top-k (app.training.opd)
-                    logprobs, top_logprobs = self._logprobs(mb, grad=True, top=True)
+                    logprobs, top_logprobs, top_log_rest = self._logprobs(mb, grad=True, top=True)
                     logprobs = logprobs.float()
                 else:
                     logprobs = self._logprobs(mb, grad=True).float()
@@ -326,7 +331,7 @@ class Trainer:
                     kl_estimator=cfg.kl_estimator,
                 )
                 if top_logprobs is not None:
-                    topk_kl = topk_forward_kl(top_logprobs, mb.teacher_top_logprobs, mb.teacher_top_rows)
+                    topk_kl = topk_forward_kl(top_logprobs, top_log_rest, mb.teacher_top_logprobs, mb.teacher_top_rows)
                     loss = loss + cfg.opd_coef * (topk_kl * mb.weights * (scale if real else 0.0)).sum()
                     if real:
                         totals["topk_kl"] += float(topk_kl.detach().sum())

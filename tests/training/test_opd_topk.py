@@ -53,6 +53,37 @@ def test_the_fused_head_scores_k_tokens_per_position_as_the_plain_log_softmax_do
         fused_token_logprobs(hidden, weight, targets, temperature=torch.ones(7))
 
 
+def test_the_mass_outside_the_set_is_exact_and_differentiable_even_when_it_vanishes():
+    """log r, r the softmax mass outside targets[:, 1:], against float64 autograd, on rows where
+    r is ~1e-2 and ~1e-12 (far below what 1 - sum p resolves in fp32)."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(40, 8, generator=gen, dtype=torch.float64)
+    hidden = torch.randn(3, 8, generator=gen, dtype=torch.float64)
+    hidden[1] = 0.0
+    hidden[1, 0] = 1.0
+    weight[5, 0] = 32.0  # row 1 is sure of token 5: logit 32 against ~N(0, 1) for the rest
+    targets = torch.tensor([[1, 2, 3, 4], [9, 5, 6, 7], [5, 5, 0, 1]])  # duplicates in a set are fine
+    upstream_out, upstream_rest = torch.randn(3, 4, generator=gen), torch.randn(3, generator=gen)
+
+    def grads(fn, dtype):
+        h = hidden.to(dtype).clone().requires_grad_(True)
+        w = weight.to(dtype).clone().requires_grad_(True)
+        out, rest = fn(h, w)
+        ((out * upstream_out.to(dtype)).sum() + (rest * upstream_rest.to(dtype)).sum()).backward()
+        return out.detach().double(), rest.detach().double(), h.grad.double(), w.grad.double()
+
+    def reference(h, w):
+        logp = torch.log_softmax(h @ w.T, -1)
+        return logp.gather(-1, targets), torch.logsumexp(logp.scatter(-1, targets[:, 1:], float("-inf")), -1)
+
+    fused = grads(lambda h, w: fused_token_logprobs(h, w, targets, chunk=2, rest_from=1), torch.float32)
+    exact = grads(reference, torch.float64)
+    assert exact[1][1] < -25  # r ~ 1e-12 on the sure row
+    assert torch.allclose(fused[1], exact[1], rtol=1e-4, atol=1e-4)
+    for got, want in zip(fused[::2] + fused[3:], exact[::2] + exact[3:]):
+        assert torch.allclose(got, want, rtol=1e-3, atol=1e-4)
+
+
 def test_extra_targets_agree_between_the_fused_and_the_plain_head_with_and_without_a_transform():
     model = build_tiny_model(0)
     ids = PROMPT + [300, 301, 302, 2]
@@ -61,8 +92,14 @@ def test_extra_targets_agree_between_the_fused_and_the_plain_head_with_and_witho
     for transform in ({}, {"temperature": torch.full((4,), 0.7), "support": torch.zeros(4, dtype=torch.long)}):
         out = {head: token_logprobs(model, mb.input_ids, mb.attention_mask, mb.rows, mb.cols, mb.targets, head=head,
                                     extra_targets=extra, **transform) for head in ("fused", "plain")}
-        assert torch.allclose(out["fused"][0], out["plain"][0], atol=1e-5)
-        assert torch.allclose(out["fused"][1], out["plain"][1], atol=1e-5)
+        for fused, plain in zip(out["fused"], out["plain"]):  # sampled, extra, log mass outside extra
+            assert torch.allclose(fused, plain, atol=1e-5)
+        grads = {}
+        for head, parts in out.items():
+            model.zero_grad()
+            sum(part.sum() for part in parts).backward()
+            grads[head] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        assert torch.allclose(grads["fused"], grads["plain"], atol=1e-4)
         # the extra tokens are scored untransformed even when the sampled ones are not
         plain_sampled = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.rows, mb.cols, mb.targets)
         assert torch.allclose(out["fused"][1][0, 0], plain_sampled[0], atol=1e-5)
@@ -79,7 +116,9 @@ def test_the_coarse_grained_kl_is_zero_at_the_teacher_has_no_gradient_there_and_
     rows = torch.tensor([True, True, True, False])
 
     def kl_of(logits):
-        return topk_forward_kl(torch.log_softmax(logits, -1).gather(-1, top), teacher_lp.gather(-1, top), rows)
+        logp = torch.log_softmax(logits, -1)
+        rest = torch.logsumexp(logp.scatter(-1, top, float("-inf")), -1)
+        return topk_forward_kl(logp.gather(-1, top), rest, teacher_lp.gather(-1, top), rows)
 
     same = teacher_logits.clone().requires_grad_(True)
     zero = kl_of(same)
@@ -97,7 +136,17 @@ def test_the_coarse_grained_kl_is_zero_at_the_teacher_has_no_gradient_there_and_
     pk, qk = p[top[0]], q[top[0]]
     coarse_p, coarse_q = torch.cat([pk, (1 - pk.sum()).view(1)]), torch.cat([qk, (1 - qk.sum()).view(1)])
     assert float(kl[0].detach()) == pytest.approx(float((coarse_p * (coarse_p / coarse_q).log()).sum()), rel=1e-4)
-
+    # A student that left almost no mass outside K (r_S ~ 1e-9) while the teacher leaves some:
+    # the gradient still raises the tokens outside K (it would push them down if r_S were
+    # clamped or read off 1 - sum p in fp32).
+    sure = teacher_logits.clone()
+    sure[0, top[0]] += 25.0
+    sure.requires_grad_(True)
+    kl_of(sure).sum().backward()
+    outside = torch.ones(30, dtype=torch.bool)
+    outside[top[0]] = False
+    assert float(1 - teacher_lp.exp()[0, top[0]].sum()) > 1e-3
+    assert (sure.grad[0, outside] < 0).all()  # descent raises them
 
 def top_sequence(student, teacher_model, sampled, k=4):
     """An OPDSequence of PROMPT + sampled carrying `teacher_model`'s top-k (advantages 0, as for `opd`)."""
@@ -163,9 +212,9 @@ def test_a_teacher_equal_to_the_student_moves_nothing_through_the_top_k_term():
     def grad_norm(seqs):
         student.zero_grad()
         batch = apply_token_advantages(make_micro_batches(seqs, 1024, "token"), seqs)[0]
-        _lp, top = token_logprobs(student, batch.input_ids, batch.attention_mask, batch.rows, batch.cols,
-                                  batch.targets, extra_targets=batch.teacher_top_ids)
-        topk_forward_kl(top, batch.teacher_top_logprobs, batch.teacher_top_rows).sum().backward()
+        _lp, top, rest = token_logprobs(student, batch.input_ids, batch.attention_mask, batch.rows, batch.cols,
+                                        batch.targets, extra_targets=batch.teacher_top_ids)
+        topk_forward_kl(top, rest, batch.teacher_top_logprobs, batch.teacher_top_rows).sum().backward()
         return float(torch.sqrt(sum((p.grad ** 2).sum() for p in student.parameters() if p.grad is not None)))
 
     assert grad_norm(sequences) < 1e-4
@@ -199,7 +248,7 @@ def test_top_k_scores_are_stored_apart_from_sampled_scores_and_rescore_bit_exact
         config = s.get(Run, run_id).run_config().training
     for episode_id in episodes:
         checks = teacher.rescore_episode(episode_id)
-        assert checks and all(c["stored"] and c["bit_exact"] for c in checks)
+        assert checks and all(c["stored"] and c["bit_exact"] and c["top_ids_equal"] for c in checks)
         other = teacher.rescore_episode(episode_id, scorer=teacher.LocalScorer("tiny"))
         assert not any(c["bit_exact"] for c in other)  # the comparison can fail
     sequences, metrics = steps.step_sequences(run_id, episodes, config, 49152)
@@ -245,6 +294,9 @@ def test_top_k_settings_are_checked_at_creation():
             RunConfig.model_validate({"kind": "train", "training": {**base, **bad}})
     with pytest.raises(ValueError, match="opd_divergence"):
         RunConfig.model_validate({"kind": "train", "training": {"opd_divergence": "topk_forward_kl"}})
+    with pytest.raises(ValueError, match="opd_topk: the teacher's top-k is used only"):  # never silently ignored
+        RunConfig.model_validate({"kind": "train", "training": {**base, "opd_divergence": "sampled_reverse_kl",
+                                                                "opd_topk": 16}})
     assert RunConfig.model_validate({"kind": "train", "training": {**base, "opd_divergence": "sampled_reverse_kl"}}
                                     ).training.opd_top == 0
 
@@ -281,3 +333,14 @@ def test_an_engine_without_the_top_k_is_refused_at_creation(var_dir):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_teacher_token_outside_the_students_vocabulary_is_refused_by_name():
+    student = build_tiny_model(0)
+    seq = top_sequence(student, student, [300, 301, 2])
+    vocab = student.lm_head.out_features
+    seq.top_ids[len(PROMPT)][1] = vocab  # a teacher with a larger LM head
+    trainer = Trainer(TrainingConfig(algorithm="opd", teacher={"name": "tiny"}, opd_divergence="topk_forward_kl",
+                                     opd_topk=4), student)
+    with pytest.raises(ValueError, match=f"token id {vocab}, outside the student's vocabulary of {vocab}"):
+        trainer.update([seq])
