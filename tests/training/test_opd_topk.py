@@ -16,7 +16,8 @@ from sqlalchemy import select
 from app.db import session_scope
 from app.engines.modeling import build_tiny_model
 from app.runconfig import RunConfig, TeacherChoice, TrainingConfig
-from app.tables import Run, TeacherScore
+from app.api.dashboard.charts import step_charts
+from app.tables import Run, TeacherScore, TrainingStep
 from app.training import steps, teacher
 from app.training.batching import make_micro_batches
 from app.training.head import fused_token_logprobs
@@ -267,6 +268,11 @@ def test_a_train_step_trains_on_the_teachers_top_k_and_reports_the_kl(var_dir, e
     metrics = steps.train_step(run_id, 0, episodes)
     assert metrics["topk_forward_kl"] > 0 and metrics["micro_batches_zero_advantage"] == 0
     assert metrics["opd"]["tokens_scored"] == metrics["tokens_trained"] > 0
+    with session_scope() as s:
+        row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id))
+        charts, _missing = step_charts([row], s.get(Run, run_id).config)
+    chart = next(c for c in charts if c["title"].startswith("forward KL to the teacher's top-k"))  # the run page
+    assert chart["series"][0]["values"] == [pytest.approx(metrics["topk_forward_kl"])]
 
 
 def test_the_embedded_engine_serves_the_same_top_k_as_the_local_scorer(var_dir):
