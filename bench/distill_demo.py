@@ -108,6 +108,20 @@ def wait_run(run_id: int, budget_s: float | None) -> tuple[dict, bool]:
             time.sleep(5)
 
 
+def adopt_and_wait(run_id: int, budget_s: float) -> tuple[dict, bool, float]:
+    """`submit_and_wait` for a train run already running (a bench restarted mid-arm): the budget
+    counts from the run's `started_at`, as if this process had submitted it."""
+    with client.api_client() as api:
+        run = api.get(f"/api/runs/{run_id}").raise_for_status().json()
+    started = dt.datetime.fromisoformat(run["started_at"]).replace(tzinfo=dt.timezone.utc)
+    spent = (dt.datetime.now(dt.timezone.utc) - started).total_seconds()
+    log(f"run {run_id} adopted, {spent:.0f} s of its {budget_s:.0f} s budget spent")
+    final, cancelled = wait_run(run_id, max(budget_s - spent, 0.0))
+    seconds = (dt.datetime.now(dt.timezone.utc) - started).total_seconds()
+    log(f"run {final['id']} ended {final['status']} after {seconds:.0f} s{' (budget)' if cancelled else ''}")
+    return final, cancelled, seconds
+
+
 def submit_and_wait(config: dict, budget_s: float | None = None) -> tuple[dict, bool, float]:
     """Submit `config`, wait for its end; (final run, cancelled at the budget, wall seconds)."""
     started = time.monotonic()
@@ -240,6 +254,8 @@ def main() -> int:
     parser.add_argument("--budget-min", type=float, default=30.0, help="wall-clock budget of each train run")
     parser.add_argument("--max-steps", type=int, default=40, help="steps of each train run (the budget ends it first)")
     parser.add_argument("--before-run", type=int, help="reuse this finished eval run as the 'before'")
+    parser.add_argument("--first-train-run", type=int, help="adopt this running train run as the first arm's "
+                                                           "(the budget counts from its started_at)")
     parser.add_argument("--agent-s", type=int, help="override timeouts.agent_s of every run (a loaded box answers "
                                                    "the first calls of 8 concurrent episodes slowly)")
     parser.add_argument("--out", help="JSON result (default var/distill/demo-<time>.json)")
@@ -267,8 +283,11 @@ def main() -> int:
     for name in args.arms.split(","):
         arm_series = f"{series}-{name}"  # one series per arm: its train run and its eval after
         wait_for_teacher(configs[name])
-        train, cancelled, seconds = submit_and_wait(train_config(configs[name], args.max_steps, "train", arm_series),
-                                                    args.budget_min * 60)
+        if args.first_train_run and name == args.arms.split(",")[0]:
+            train, cancelled, seconds = adopt_and_wait(args.first_train_run, args.budget_min * 60)
+        else:
+            train, cancelled, seconds = submit_and_wait(
+                train_config(configs[name], args.max_steps, "train", arm_series), args.budget_min * 60)
         after, _, _ = submit_and_wait(eval_config(configs[name], f"run:{train['id']}", "after", arm_series))
         result["arms"][name] = arm_figures(before, after, train, cancelled, seconds)
         out.write_text(json.dumps(result, indent=1))
