@@ -7,37 +7,20 @@ import json
 import re
 import shutil
 import threading
-from contextlib import contextmanager
 
 import pytest
-from werkzeug.serving import make_server
 
 from app.engines.modeling import build_tiny_model, load_tokenizer, save_weights
 from app.runconfig import RunConfig
 from app.training import tokenizer_remote
 from app.training.teacher_check import check_teacher
 from app.training.tokenizer_match import read_facts, tokenizer_dir
+from support import served_embedded_engine
 
 WORD = re.compile(r"^\u0120?[a-z]{4,}$")  # a byte-level piece that is a plain lower-case word
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-@contextmanager
-def served(spec: str):
-    """The embedded engine serving `spec` on a free port; yields its URL."""
-    from app.engines.embedded.engine import build_engine
-    from app.engines.embedded.server import create_engine_app
-
-    engine = build_engine(spec, threads=1)
-    server = make_server("127.0.0.1", 0, create_engine_app(engine=engine, admin_token="t"), threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        engine.scheduler.stop()
 
 
 def teacher_folder(tmp_path, edit) -> str:
@@ -68,7 +51,7 @@ def test_a_remote_teacher_with_swapped_ids_is_refused_naming_them(var_dir, tmp_p
         vocab[a], vocab[b] = ib, ia
         swapped.update(a=a, ia=ia, ib=ib)
 
-    with served(teacher_folder(tmp_path, swap)) as url:
+    with served_embedded_engine(teacher_folder(tmp_path, swap)) as url:
         field, message = check_teacher(remote_config(url))
     assert field == "training.teacher.engine_urls"
     assert message.startswith("the teacher's tokenizer differs from the student's: ")
@@ -78,7 +61,7 @@ def test_a_remote_teacher_with_swapped_ids_is_refused_naming_them(var_dir, tmp_p
 
 
 def test_a_remote_teacher_with_the_same_tokenizer_is_accepted(var_dir):
-    with served("tiny") as url:
+    with served_embedded_engine("tiny") as url:
         assert check_teacher(remote_config(url)) is None
         # The probe covers the student's vocabulary, not a handful of ids.
         facts = read_facts(tokenizer_dir("tiny"))
@@ -93,7 +76,7 @@ def test_a_remote_teacher_whose_special_token_is_split_is_refused(var_dir, tmp_p
         data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != "<|im_end|>"]
         data["model"]["vocab"].pop("<|im_end|>", None)
 
-    with served(teacher_folder(tmp_path, drop_im_end)) as url:
+    with served_embedded_engine(teacher_folder(tmp_path, drop_im_end)) as url:
         field, message = check_teacher(remote_config(url))
     assert field == "training.teacher.engine_urls"
     assert "'<|im_end|>'" in message and "student's tokenizer" in message
@@ -139,11 +122,11 @@ def test_without_student_files_the_two_engines_are_compared(var_dir, tmp_path):
         (ia, a), (ib, b) = sorted((i, t) for t, i in vocab.items() if t in ("\u0120return", "\u0120the"))
         vocab[a], vocab[b] = ib, ia
 
-    with served("tiny") as student_url, served(teacher_folder(tmp_path, swap_first_word)) as teacher_url:
+    with served_embedded_engine("tiny") as student_url, served_embedded_engine(teacher_folder(tmp_path, swap_first_word)) as teacher_url:
         student = {"name": "served-student", "engine": "vllm", "engine_urls": [student_url]}
         cfg = remote_config(teacher_url, student)
         field, message = check_teacher(cfg)
         assert field == "training.teacher.engine_urls"
         assert "in the student's tokenizer" in message and student_url in message and teacher_url in message
-        with served("tiny") as same_url:
+        with served_embedded_engine("tiny") as same_url:
             assert check_teacher(remote_config(same_url, student)) is None
