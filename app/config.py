@@ -226,6 +226,12 @@ class Settings(BaseSettings):
     gateway_keepalive_s: float = Field(10.0, gt=0, allow_inf_nan=False, **_env("TURNSTILE_GATEWAY_KEEPALIVE_S"),
                                        description="Keep-alive interval of streamed answers while the engine "
                                                    "prefills, seconds.")
+    gateway_stream_interval_ms: float = Field(2.0, ge=0, le=1000, allow_inf_nan=False,
+                                              **_env("TURNSTILE_GATEWAY_STREAM_INTERVAL_MS"),
+                                              description="Least time between two writes of one streamed "
+                                                          "answer while its tokens come faster, milliseconds: "
+                                                          "what arrives meanwhile goes out in one write (0: "
+                                                          "write every engine read at once).")
     gateway_vision: bool = Field(False, **_env("TURNSTILE_GATEWAY_VISION"),
                                  description="The engine's model accepts images (else images become "
                                              "text placeholders).")

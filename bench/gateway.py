@@ -23,7 +23,8 @@ gemini), side by side with the same load sent to the engine directly.  Per setti
 CPU per streamed token (µs: utime+stime of the gunicorn master and worker from /proc, over the
 tokens the clients received), aggregate streamed tokens/s and its ratio to direct, the added
 inter-token latency (gateway gap percentile minus direct, p50 and p99) and the added time to first
-token (p50).  Then 256 sessions over 2 workers (`--scale-workers`), the gateway's share-nothing
+token (p50).  `--stream-interval-ms 0,2` measures the gateway at each stream interval in turn
+(0: every engine read written at once).  Then 256 sessions over 2 workers (`--scale-workers`), the gateway's share-nothing
 scale-out.  The load client and the engine share the box with the gateway: their CPU is printed
 too, so a row where they, not the gateway, ran out of cores reads as such.
 """
@@ -185,11 +186,12 @@ def throughput(sessions: int, seconds: float, url: str, headers_for, body_for) -
 
 
 def start_gateway(env: dict, workers: int, threads: int, log_path: str,
-                  worker_class: str = "gthread") -> subprocess.Popen:
+                  worker_class: str = "gthread", interval_ms: str | None = None) -> subprocess.Popen:
+    extra = {} if interval_ms is None else {"TURNSTILE_GATEWAY_STREAM_INTERVAL_MS": interval_ms}
     return subprocess.Popen([str(ROOT / ".venv/bin/gunicorn"), "-c", "workers/gateway_conf.py",
                              "app.proxy:create_gateway_app()"], cwd=ROOT,
                             env=dict(env, TURNSTILE_GATEWAY_WORKERS=str(workers), TURNSTILE_GATEWAY_THREADS=str(threads),
-                                     TURNSTILE_GATEWAY_WORKER_CLASS=worker_class),
+                                     TURNSTILE_GATEWAY_WORKER_CLASS=worker_class, **extra),
                             stderr=open(log_path, "ab"))
 
 
@@ -217,7 +219,10 @@ def token_rate(args, env: dict, tmp: str) -> None:
     apis = args.apis.split(",")
     procs = [subprocess.Popen([sys.executable, str(ROOT / "bench/token_stream.py"), "engine", "--port", str(eport),
                                "--rate", str(args.rate), "--tokens", str(args.tokens)], cwd=ROOT)]
-    classes = args.worker_class.split(",")
+    # Each gateway variant: (worker class, stream interval in ms or None for the configured default).
+    intervals = args.stream_interval_ms.split(",") if args.stream_interval_ms else [None]
+    variants = [(wc, ms) for wc in args.worker_class.split(",") for ms in intervals]
+    classes = [wc if ms is None else f"{wc}/{ms}" for wc, ms in variants]
     try:
         wait(engine)
         tokens = make_sessions(max(sessions))
@@ -236,7 +241,7 @@ def token_rate(args, env: dict, tmp: str) -> None:
         def measure(url: str, n: int, make, pids: list[int], profile: str | None = None):
             spy = None
             if profile:  # py-spy (requirements-dev.txt) samples the worker while the load runs
-                spy = subprocess.Popen([str(ROOT / ".venv/bin/py-spy"), "record", "--gil", "--format", "raw",
+                spy = subprocess.Popen([str(ROOT / ".venv/bin/py-spy"), "record", *os.environ.get("BENCH_SPY_FLAGS", "--gil").split(), "--format", "raw",
                                         "-r", "250", "-d", str(max(1, int(args.seconds) - 1)), "-p", str(pids[-1]),
                                         "-o", profile], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             c0, e0, l0 = cpu_seconds(pids), cpu_seconds(eng_pids), client_cpu()
@@ -246,9 +251,9 @@ def token_rate(args, env: dict, tmp: str) -> None:
             return load, cpu_seconds(pids) - c0, cpu_seconds(eng_pids) - e0, client_cpu() - l0
 
         print(f"token rate: engine {args.rate:.0f} tokens/s per stream, {args.tokens} tokens per answer, "
-              f"{args.seconds:.0f} s per point; one gateway worker (gunicorn {' and '.join(classes)}); "
-              f"cores={os.cpu_count()}")
-        head = (f"{'class':<8}{'api':<10}{'sess':>5}{'direct tok/s':>13}{'gw tok/s':>10}{'ratio':>7}{'gw µs/tok':>10}"
+              f"{args.seconds:.0f} s per point; one gateway worker (gunicorn class[/stream interval ms]: "
+              f"{' and '.join(classes)}); cores={os.cpu_count()}")
+        head = (f"{'class':<11}{'api':<10}{'sess':>5}{'direct tok/s':>13}{'gw tok/s':>10}{'ratio':>7}{'gw µs/tok':>10}"
                 f"{'ITL+ p50 ms':>12}{'ITL+ p99 ms':>12}{'TTFT+ p50':>10}{'eng µs/tok':>11}{'cli µs/tok':>11}{'err':>5}")
         print(head)
         rows = []
@@ -259,36 +264,36 @@ def token_rate(args, env: dict, tmp: str) -> None:
             itl99 = (pct(g.gaps, 99) - pct(d.gaps, 99)) * 1e3 if g.gaps and d.gaps else float("nan")
             ttft = (pct(g.ttft, 50) - pct(d.ttft, 50)) * 1e3 if g.ttft and d.ttft else float("nan")
             us = gcpu * 1e6 / max(1, g.tokens)
-            line = (f"{wc:<8}{api:<10}{n:>5}{dr:>13.0f}{gr:>10.0f}{gr / dr if dr else 0:>7.2f}{us:>10.1f}{itl50:>12.2f}"
+            line = (f"{wc:<11}{api:<10}{n:>5}{dr:>13.0f}{gr:>10.0f}{gr / dr if dr else 0:>7.2f}{us:>10.1f}{itl50:>12.2f}"
                     f"{itl99:>12.2f}{ttft:>10.2f}{ecpu * 1e6 / max(1, g.tokens):>11.1f}"
                     f"{ccpu * 1e6 / max(1, g.tokens):>11.1f}{g.errors:>5}")
             print(line, flush=True)
             rows.append(line)
 
-        def restart(workers: int, wc: str) -> list[int]:
+        def restart(workers: int, wc: str, ms: str | None) -> list[int]:
             stop(procs[1:])
             del procs[1:]
-            procs.append(start_gateway(env, workers, max(sessions) + 8, f"{tmp}/gateway.log", wc))
+            procs.append(start_gateway(env, workers, max(sessions) + 8, f"{tmp}/gateway.log", wc, ms))
             wait(gateway)
             return gunicorn_pids(procs[1].pid)
 
-        # Direct and each worker class take turns at every setting, so a change in the box's load
-        # falls on all of them alike.
+        # Direct once per setting, then each gateway variant in turn over every setting.
         direct = {n: measure(engine, n, maker("chat", True), [])[0] for n in sessions}
-        for wc in classes:
-            gw_pids = restart(1, wc)
+        for (wc, ms), label in zip(variants, classes):
+            gw_pids = restart(1, wc, ms)
             for n in sessions:
                 for api in apis:
-                    prof = f"{args.profile}-{wc}-{api}-{n}.raw" if args.profile and n == args.profile_sessions else None
+                    prof = (f"{args.profile}-{label.replace('/', '-')}-{api}-{n}.raw"
+                            if args.profile and n == args.profile_sessions else None)
                     g, gcpu, ecpu, ccpu = measure(gateway, n, maker(api, False), gw_pids, prof)
-                    row(wc, api, n, direct[n], g, gcpu, ecpu, ccpu)
+                    row(label, api, n, direct[n], g, gcpu, ecpu, ccpu)
         if args.scale_workers:
             n = max(sessions)
             print(f"scale-out: {args.scale_workers} gateway workers, {n} sessions (chat)")
-            for wc in classes:
-                gw_pids = restart(args.scale_workers, wc)
+            for (wc, ms), label in zip(variants, classes):
+                gw_pids = restart(args.scale_workers, wc, ms)
                 g, gcpu, ecpu, ccpu = measure(gateway, n, maker("chat", False), gw_pids)
-                row(wc, "chat", n, direct[n], g, gcpu, ecpu, ccpu)
+                row(label, "chat", n, direct[n], g, gcpu, ecpu, ccpu)
     finally:
         stop(procs)
 
@@ -310,6 +315,10 @@ def main() -> None:
     ap.add_argument("--apis", default="chat,anthropic,responses,gemini", help="token-rate mode: client APIs")
     ap.add_argument("--worker-class", default="gthread,gevent",
                     help="token-rate mode: gunicorn worker classes of the gateway, measured in turn")
+    ap.add_argument("--stream-interval-ms", default=None,
+                    help="token-rate mode: gateway stream intervals (TURNSTILE_GATEWAY_STREAM_INTERVAL_MS), "
+                         "comma-separated, each measured in turn with each worker class (default: the "
+                         "configured one)")
     ap.add_argument("--profile", default=None,
                     help="token-rate mode: py-spy stacks of the worker at --profile-sessions sessions "
                          "to PREFIX-CLASS-API-N.raw")

@@ -563,7 +563,9 @@ class ChatStream:
         if self.error is not None:
             return None
         while not self._pending and self._phase == "body":
-            if not self._wait_io(self._slice(deadline, self._t.timeout)):
+            # poll(0) is a look, not a wait: one non-blocking read, no poller round (which under
+            # gevent is a watcher set up and torn down, and a switch to the hub).
+            if timeout != 0 and not self._wait_io(self._slice(deadline, self._t.timeout)):
                 if self._silent_too_long(self._t.timeout):
                     break
                 if deadline is not None and time.monotonic() >= deadline:
@@ -573,6 +575,8 @@ class ChatStream:
             if data is None:
                 break
             if data is _AGAIN:
+                if timeout == 0:
+                    break
                 continue
             if not data:  # the engine closed: EOF (a body cut short is never reused)
                 self._at_eof()

@@ -35,6 +35,7 @@ class GatewaySettings:
     max_decoded_bytes: int = _default("max_decoded_bytes")  # one value decoded from a request (app.proxy.limits)
     max_prompt_bytes: int | None = _default("max_prompt_bytes")  # the engine request; None: max_body_bytes
     keepalive_s: float = _default("keepalive_s")              # keep-alive interval while the engine prefills
+    stream_interval_ms: float = _default("stream_interval_ms")  # least time between a stream's writes (relay)
     vision: bool = _default("vision")                          # engine model accepts images; else placeholders
     session_cache_s: float = _default("session_cache_s")      # how long a resolved session token is trusted
     upstream_timeout_s: float = _default("upstream_timeout_s")
@@ -43,7 +44,8 @@ class GatewaySettings:
     def from_settings(cls, s: Settings) -> "GatewaySettings":
         return cls(default_max_tokens=s.gateway_default_max_tokens, max_body_bytes=s.gateway_max_body_bytes,
                    max_decoded_bytes=s.gateway_max_decoded_bytes, max_prompt_bytes=s.gateway_max_prompt_bytes,
-                   keepalive_s=s.gateway_keepalive_s, vision=s.gateway_vision,
+                   keepalive_s=s.gateway_keepalive_s, stream_interval_ms=s.gateway_stream_interval_ms,
+                   vision=s.gateway_vision,
                    session_cache_s=s.gateway_session_cache_s, upstream_timeout_s=s.gateway_upstream_timeout_s)
 
 

@@ -148,6 +148,54 @@ def _consume(item, r, error: GatewayError | None, feed, cap: record.Capture):
     return error, False, fed
 
 
+class Pacer:
+    """Reads of one engine stream, at most one per `interval` seconds while tokens come faster.
+
+    Tokens that come faster than the gateway's stream interval go out together: once a read
+    comes sooner than `interval` after the last one, the relay sleeps off the rest of the
+    interval before each read, and takes everything received meanwhile in one read and one
+    write.  So at 2,000 tokens/s and 2 ms a stream costs one wake-up, one read and one write per
+    4 tokens instead of per token (the same trade as vLLM's `--stream-interval`, counted here in
+    time, so a token or the answer's end is relayed at most one interval late).  A stream slower
+    than the interval is never delayed: its reads come after the interval anyway; once a paced
+    read finds nothing waiting, reads wait for the engine again.
+    """
+
+    def __init__(self, handle, interval: float) -> None:
+        self.handle, self.interval = handle, interval
+        self.last = float("-inf")  # time.monotonic() of the last read handed out
+        self.paced = False         # tokens came faster than the interval at the last read
+
+    def read(self, timeout: float) -> list | None:
+        """Upstream items (as `StreamHandle.poll`), or None after `timeout` s of engine silence."""
+        items = None
+        if self.paced:
+            self._sleep_until(self.last + self.interval)
+            items = self.handle.poll(0)  # what came meanwhile; None: the stream slowed down
+            self.paced = items is not None
+        if items is None:
+            items = self.handle.poll(timeout)
+            if items is None:
+                return None
+            if self.interval and time.monotonic() < self.last + self.interval and _is_chunk(items[-1]):
+                self._sleep_until(self.last + self.interval)
+                items += self.handle.poll(0) or []
+                self.paced = True
+        self.last = time.monotonic()
+        return items
+
+    @staticmethod
+    def _sleep_until(t: float) -> None:
+        wait = t - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+
+
+def _is_chunk(item) -> bool:
+    """True for a chunk dict; False for DONE, EOF or an exception (the answer ends there)."""
+    return isinstance(item, dict)
+
+
 def history_call_ids(norm: Normalized) -> set[str]:
     """The tool-call ids already used in this conversation (as the engine knows them)."""
     return {tc.get("id") for m in norm.chat.get("messages") or [] for tc in m.get("tool_calls") or []}
@@ -183,8 +231,9 @@ def stream_answer(writer: StreamWriter, opening: PendingStream, cap: record.Capt
         if isinstance(handle, GatewayError):
             error, handle = handle, None
         finished = handle is None
+        pace = Pacer(handle, gateway_settings().stream_interval_ms / 1000)
         while not finished:
-            items = handle.poll(keepalive)  # everything received so far, relayed in one write
+            items = pace.read(keepalive)  # everything received so far, relayed in one write
             if items is None:
                 yield writer.keepalive()
                 continue

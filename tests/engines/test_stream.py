@@ -192,6 +192,40 @@ def test_close_from_another_thread_wakes_a_waiting_poll_and_the_engine_sees_it()
         server.close()
 
 
+def test_poll_zero_looks_without_waiting():
+    """poll(0) hands out what has arrived and is None when nothing has; it never waits, and a
+    look that found nothing leaves the stream readable (the next chunk is not lost)."""
+    chunk = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
+    go = threading.Event()
+
+    def frame(payload: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+    def halting(conn):  # one chunk, then the rest once the test says so
+        conn.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + frame(_sse(chunk, done=False)))
+        go.wait(10)
+        conn.sendall(frame(_sse(chunk)) + b"0\r\n\r\n")
+        time.sleep(1)
+
+    server = _Raw([halting])
+    try:
+        with EngineClient(server.url, timeout=30) as client:
+            s = client.open_stream({})
+            assert s.wait(5) and s.error is None
+            assert s.poll(5) == [chunk]
+            t0 = time.monotonic()
+            assert all(s.poll(0) is None for _ in range(100))
+            assert time.monotonic() - t0 < 0.5
+            go.set()
+            deadline, got = time.monotonic() + 5, None
+            while got is None and time.monotonic() < deadline:
+                got = s.poll(0)
+            assert got == [chunk, DONE]
+            s.close()
+    finally:
+        server.close()
+
+
 def test_a_silent_engine_times_out_and_an_unreachable_one_fails_at_once():
     server = _Raw([lambda conn: time.sleep(3)])
     try:
