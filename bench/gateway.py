@@ -24,8 +24,8 @@ CPU per streamed token (µs: utime+stime of the gunicorn master and worker from 
 tokens the clients received), aggregate streamed tokens/s and its ratio to direct, the added
 inter-token latency (gateway gap percentile minus direct, p50 and p99) and the added time to first
 token (p50).  `--stream-interval-ms 0,2` measures the gateway at each stream interval in turn
-(0: every engine read written at once).  Then 256 sessions over 2 workers (`--scale-workers`), the gateway's share-nothing
-scale-out.  The load client and the engine share the box with the gateway: their CPU is printed
+(0: every engine read written at once).  Then 256 sessions over 2 workers (`--scale-workers`), the
+gateway's share-nothing scale-out.  The load client and the engine share the box with the gateway: their CPU is printed
 too, so a row where they, not the gateway, ran out of cores reads as such.
 """
 from __future__ import annotations
@@ -241,7 +241,7 @@ def token_rate(args, env: dict, tmp: str) -> None:
         def measure(url: str, n: int, make, pids: list[int], profile: str | None = None):
             spy = None
             if profile:  # py-spy (requirements-dev.txt) samples the worker while the load runs
-                spy = subprocess.Popen([str(ROOT / ".venv/bin/py-spy"), "record", *os.environ.get("BENCH_SPY_FLAGS", "--gil").split(), "--format", "raw",
+                spy = subprocess.Popen([str(ROOT / ".venv/bin/py-spy"), "record", "--gil", "--format", "raw",
                                         "-r", "250", "-d", str(max(1, int(args.seconds) - 1)), "-p", str(pids[-1]),
                                         "-o", profile], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             c0, e0, l0 = cpu_seconds(pids), cpu_seconds(eng_pids), client_cpu()

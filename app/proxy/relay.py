@@ -168,6 +168,8 @@ class Pacer:
 
     def read(self, timeout: float) -> list | None:
         """Upstream items (as `StreamHandle.poll`), or None after `timeout` s of engine silence."""
+        if not self.interval:
+            return self.handle.poll(timeout)
         items = None
         if self.paced:
             self._sleep_until(self.last + self.interval)
@@ -177,7 +179,7 @@ class Pacer:
             items = self.handle.poll(timeout)
             if items is None:
                 return None
-            if self.interval and time.monotonic() < self.last + self.interval and _is_chunk(items[-1]):
+            if time.monotonic() < self.last + self.interval and isinstance(items[-1], dict):  # a chunk, not the end
                 self._sleep_until(self.last + self.interval)
                 items += self.handle.poll(0) or []
                 self.paced = True
@@ -189,11 +191,6 @@ class Pacer:
         wait = t - time.monotonic()
         if wait > 0:
             time.sleep(wait)
-
-
-def _is_chunk(item) -> bool:
-    """True for a chunk dict; False for DONE, EOF or an exception (the answer ends there)."""
-    return isinstance(item, dict)
 
 
 def history_call_ids(norm: Normalized) -> set[str]:
@@ -220,7 +217,8 @@ def stream_answer(writer: StreamWriter, opening: PendingStream, cap: record.Capt
     """
     norm = ChunkNormalizer(taken, max_calls)
     r = norm.result
-    keepalive = gateway_settings().keepalive_s
+    settings = gateway_settings()
+    keepalive = settings.keepalive_s
     try:
         if not opened:  # held_stream already sent the opening frames
             yield from writer.opening()
@@ -231,7 +229,7 @@ def stream_answer(writer: StreamWriter, opening: PendingStream, cap: record.Capt
         if isinstance(handle, GatewayError):
             error, handle = handle, None
         finished = handle is None
-        pace = Pacer(handle, gateway_settings().stream_interval_ms / 1000)
+        pace = Pacer(handle, settings.stream_interval_ms / 1000)
         while not finished:
             items = pace.read(keepalive)  # everything received so far, relayed in one write
             if items is None:
