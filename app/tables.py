@@ -89,6 +89,17 @@ class Run(Base):
         """
         return RunConfig.model_validate(self.config)
 
+    def start_weights(self) -> tuple[str, int] | None:
+        """(model folder, policy version) of the checkpoint this run's engines loaded when it started
+        (summary `start_weights`, written by the run's start from `model.checkpoint`; the folder's
+        real path, the name engines report for it), or None: the engines' own base weights.  The
+        watchdog, the trainer and the gateway keep engines on it."""
+        start = (self.summary or {}).get(START_WEIGHTS)
+        return (str(start["path"]), int(start["policy_version"])) if start else None
+
+
+START_WEIGHTS = "start_weights"  # Run.summary key: {"path", "policy_version"} (Run.start_weights)
+
 
 # --- task instances -----------------------------------------------------------------
 

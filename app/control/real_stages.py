@@ -22,7 +22,7 @@ from app.control.preflight import installation_problems
 from app.control.stages import HARNESS_FAILED, Claim, GradeOutcome, HarnessOutcome, forfeit_record
 from app.db import session_scope
 from app.paths import RunPaths
-from app.tables import Completion, Run
+from app.tables import START_WEIGHTS, Completion, Run
 from app.runconfig import RunConfig
 
 log = logging.getLogger("turnstile.stages")
@@ -122,6 +122,7 @@ class RealStages:
             self._start_from_base(run_id, cfg, shared_with)
 
     def _load_checkpoint(self, run_id: int, cfg: RunConfig) -> None:
+        from app.engines.client import weights_label
         from app.training.checkpoints import resolve_checkpoint
         from app.training.weight_sync import push_weights
 
@@ -134,7 +135,11 @@ class RealStages:
         if failed:
             raise RuntimeError(f"engines did not load {folder}: {failed}")
         with session_scope() as s:
-            s.get(Run, run_id).policy_version = version
+            run = s.get(Run, run_id)
+            run.policy_version = version
+            # What the engines must keep serving under this run: the watchdog reloads it into an
+            # engine that restarts on other weights (`app.control.engine_resync`).
+            run.summary = {**(run.summary or {}), START_WEIGHTS: {"path": weights_label(folder), "policy_version": version}}
 
     def _start_from_base(self, run_id: int, cfg: RunConfig, shared_with: list[int]) -> None:
         """Serve the base weights (version 0) unless another run is using the same engines.

@@ -1,6 +1,7 @@
 """Backstop for lost work: re-send training steps whose trainer died, re-dispatch episode stages
 whose lease expired and rebuild Redis state from SQL (`app.control.reaper`), tick running runs,
-and delete runtime folders nobody will use again.
+and delete runtime folders nobody will use again.  (Restarted engines are put back on their runs'
+weights by `app.control.engine_resync`, in the same pass.)
 
 Episode stages hold a lease on their row (`app.control.lease`); the reaper re-dispatches an
 expired one, whatever lost it (a killed worker, a message lost with Redis).  Training
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from pathlib import Path
 
 from sqlalchemy import select
 
@@ -76,77 +76,6 @@ def sweep_runtimes() -> list[str]:
     if removed:
         log.warning("event=runtimes_swept removed=%s", removed)
     return removed
-
-
-def resync_engines() -> dict[str, str]:
-    """Put every engine of a running train run back on the run's newest weights.
-
-    An engine restarted after a step loads its base weights and stamps version 0 on what it
-    serves; without this the run would go on sampling from the base model.  For each running
-    run with a completed step, every engine whose `/v1/policy_version` is below the run's
-    version gets the newest completed checkpoint (`push_weights`, through the reload gate).  A LoRA
-    tenant's step (metrics `adapter`) is checked by its adapter instead: an engine that does not
-    serve it (restarted) loads it again; the shared base weights are never pushed for it.
-    Returns `{engine_url: "ok" | "error: …"}` for the engines it re-synced or could not reach.
-    """
-    from app.engines.client import EngineCallError, EngineClient
-    from app.training.weight_sync import push_weights
-
-    results: dict[str, str] = {}
-    with session_scope() as s:
-        rows = s.execute(
-            select(Run, TrainingStep).join(TrainingStep, TrainingStep.run_id == Run.id)
-            .where(Run.status == "running", TrainingStep.status == "completed",
-                   TrainingStep.checkpoint_path.is_not(None))
-            .order_by(Run.id, TrainingStep.step.desc())
-        ).all()
-        newest: dict[int, tuple] = {}
-        for run, step in rows:
-            if run.id not in newest:
-                cfg = run.run_config()
-                newest[run.id] = (cfg.model.engine_urls or get_settings().engine_urls, cfg.model.engine,
-                                  step.policy_version, step.checkpoint_path, (step.metrics or {}).get("adapter"))
-    for run_id, (urls, kind, version, checkpoint, adapter) in newest.items():
-        for url in urls:
-            if adapter:  # a LoRA tenant: the engine must serve its adapter; its base weights stay shared
-                results.update(_resync_adapter(url, run_id, adapter, Path(checkpoint), version, kind))
-                continue
-            try:
-                with EngineClient(url, timeout=10) as client:
-                    serving = client.policy_version()
-            except (EngineCallError, ValueError, KeyError) as exc:
-                results[url] = f"error: {exc}"
-                continue
-            if serving >= version:
-                continue
-            log.warning("run=%s engine=%s event=resync serving=%s policy_version=%s", run_id, url, serving, version)
-            results.update(push_weights([url], Path(checkpoint) / "model", version, engine_kind=kind))
-    return results
-
-
-def _resync_adapter(url: str, run_id: int, adapter: str, checkpoint: Path, version: int,
-                    kind: str = "embedded") -> dict[str, str]:
-    """Load LoRA adapter `adapter` (from `checkpoint`/adapter) on engine `url` unless it serves it
-    (`GET /v1/lora_adapters` of an embedded engine, `GET /v1/models` of vLLM); `{}` when nothing
-    was needed, else `{url: "ok" | "error: …"}`."""
-    import httpx
-
-    from app.engines.client import EngineCallError, EngineClient
-    from app.engines.vllm.lora import served_adapters
-    from app.training.weight_sync import push_adapter
-
-    try:
-        if kind == "vllm":
-            with EngineClient(url, timeout=10) as client:
-                served = set(served_adapters(client))
-        else:
-            served = {a.get("id") for a in httpx.get(f"{url.rstrip('/')}/v1/lora_adapters", timeout=10).json()["data"]}
-    except (EngineCallError, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-        return {url: f"error: {exc}"}
-    if adapter in served:
-        return {}
-    log.warning("run=%s engine=%s event=resync_adapter adapter=%s policy_version=%s", run_id, url, adapter, version)
-    return push_adapter([url], checkpoint / "adapter", adapter, version, engine_kind=kind)
 
 
 def watchdog(in_workers: set[tuple[int, int]], queue_depth: int) -> Plan:

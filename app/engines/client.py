@@ -22,6 +22,7 @@ connections underneath are ``app.engines.transport``'s.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from typing import Any, Callable, Iterator
@@ -36,7 +37,20 @@ from app.engines.transport import one_write_transport
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 __all__ = ["DONE", "EOF", "ChatStream", "EngineCallError", "EngineClient", "EngineConnectionError", "EngineHTTPError",
-           "error_message", "stream_items"]
+           "error_message", "stream_items", "weights_label"]
+
+
+def weights_label(spec: str | os.PathLike) -> str:
+    """The name an engine reports for the weights it serves (``GET /v1/policy_version`` ``weights``).
+
+    A model folder is named by its real path, so the folder an engine was started from and the
+    same folder loaded later get one name; any other spec (``"smollm2"``, ``"tiny"``, a hub id)
+    is its own name.  The trainer sends this name with every load, so an engine on another
+    machine, which never sees the trainer's paths, reports the same name the trainer expects.
+    A policy version alone cannot tell two starting points apart: a train run numbers the
+    checkpoint it starts from 0, as the base model is 0.
+    """
+    return os.path.realpath(spec) if os.path.isdir(spec) else str(spec)
 
 
 class EngineClient:
@@ -133,6 +147,13 @@ class EngineClient:
         """``GET /v1/policy_version`` (embedded and scripted engines) -> the version it serves."""
         return int(self.request("GET", "/v1/policy_version")["policy_version"])
 
+    def serving(self) -> tuple[int, str | None]:
+        """``GET /v1/policy_version`` -> ``(policy version, weights name)``: the name
+        (``weights_label``) is ``None`` from an engine that does not report one."""
+        answer = self.request("GET", "/v1/policy_version")
+        weights = answer.get("weights")
+        return int(answer["policy_version"]), (str(weights) if weights is not None else None)
+
     # --- generation -------------------------------------------------------------------------
 
     def chat(self, messages: list[dict], *, stream: bool = False, **fields: Any) -> dict | Iterator[dict]:
@@ -202,14 +223,18 @@ class EngineClient:
 
     # --- weights (embedded engine) ----------------------------------------------------------
 
-    def reload(self, path: str, policy_version: int, *, timeout: float | None = None) -> int:
+    def reload(self, path: str, policy_version: int, *, weights: str | None = None,
+               timeout: float | None = None) -> int:
         """Load the checkpoint directory ``path`` and tag later completions with ``policy_version``
-        (``POST /v1/load_weights {"path", "policy_version"}``).
+        (``POST /v1/load_weights {"path", "policy_version", "weights"}``; ``weights`` names what
+        the engine then reports serving, default the folder's real path as the engine sees it).
 
         Blocks until requests already running have finished on the old weights and the new
         weights are in place; returns the engine's new policy version.
         """
-        body = {"path": str(path), "policy_version": int(policy_version)}
+        body: dict[str, Any] = {"path": str(path), "policy_version": int(policy_version)}
+        if weights is not None:
+            body["weights"] = weights
         return int(self.request("POST", "/v1/load_weights", body, timeout=timeout,
                                 headers=self._admin_headers())["policy_version"])
 

@@ -148,6 +148,19 @@ def adapter_folder(name: str) -> Path | None:
     return None
 
 
+def adapter_base(name: str) -> str | None:
+    """The starting checkpoint (`Run.start_weights` folder) of the run adapter `name` belongs to:
+    the base weights the adapter was trained on and must be served on; None when the run started
+    from the engines' own base (or `name` is no run's adapter)."""
+    run_id = run_of(name)
+    if run_id is None:
+        return None
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        start = run.start_weights() if run is not None else None
+    return start[0] if start else None
+
+
 def resolve_session(token: str | None) -> int | None:
     """The episode id of a live session token, else None."""
     info = resolve_session_info(token)

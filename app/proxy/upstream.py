@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from app.config import get_settings
 from app.engines.client import (DONE, EOF, ChatStream, EngineCallError, EngineClient, EngineConnectionError,
-                                EngineHTTPError)
+                                EngineHTTPError, weights_label)
 from app.engines.lora_format import NAME as ADAPTER_NAME
 from app.proxy.common import gateway_settings
 from app.proxy.errors import GatewayError, context_error, parse_context_overflow
@@ -192,12 +192,20 @@ class Upstream:
         if not (isinstance(exc, EngineHTTPError) and exc.status == 404 and isinstance(name, str)
                 and ADAPTER_NAME.match(name)):
             return False
-        from app.proxy.sessions import adapter_folder
+        from app.proxy.sessions import adapter_base, adapter_folder
 
         with self._adapter_locks.setdefault((engine.url, name), threading.Lock()):
             folder = adapter_folder(name)
             if folder is None:
                 log.warning("engine %s lost adapter %s and no kept checkpoint made it", engine.url, name)
+                return False
+            base = adapter_base(name)
+            if base is not None and not self._serves_base(engine, base):
+                # A restarted engine serves its own base, not the checkpoint the run started from;
+                # the adapter on it would answer as the run's policy without being it.  The
+                # watchdog loads the run's base and then the adapter (`app.control.engine_resync`).
+                log.error("engine %s lost adapter %s and does not serve its base %s: not loading it", engine.url,
+                          name, base)
                 return False
             try:
                 self.clients[engine.url].load_lora_adapter(name, str(folder), timeout=120.0)
@@ -206,6 +214,15 @@ class Upstream:
                 return False
         log.warning("engine %s lost adapter %s; loaded it again from %s", engine.url, name, folder)
         return True
+
+    def _serves_base(self, engine: EngineTarget, base: str) -> bool:
+        """Whether the engine names `base` (a model folder) as the weights it serves; an engine
+        that names none cannot be checked and is trusted; one that does not answer is not."""
+        try:
+            _version, weights = self.clients[engine.url].serving()
+        except (EngineCallError, KeyError, TypeError, ValueError):
+            return False
+        return weights is None or weights == weights_label(base)
 
     def complete(self, engine: EngineTarget, body: dict, episode_id: int | None, idle=None, idle_s: float = 0.25) -> dict:
         """Non-stream chat completion -> the engine's JSON body.  ``idle()`` runs every ``idle_s``

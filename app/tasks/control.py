@@ -10,7 +10,7 @@ from celery import shared_task
 from celery.signals import beat_init
 
 from app.config import get_settings
-from app.control import runs, scheduler, watchdog as control_watchdog
+from app.control import engine_resync, runs, scheduler, watchdog as control_watchdog
 from app.db import session_scope
 from app.retry import TRANSIENT_ERRORS, is_transient, retry_transient
 from app.tables import TrainingStep, utcnow
@@ -78,7 +78,7 @@ def _watchdog_pass() -> dict:
     send(plan)
     return {"resent": plan.train, "ticked": plan.tick, "restarted": plan.start, "episodes": report,
             "runtimes_removed": control_watchdog.sweep_runtimes(),
-            "engines_resynced": control_watchdog.resync_engines()}
+            "engines_resynced": engine_resync.resync_engines()}
 
 
 @shared_task(name="control.step_failed")

@@ -41,7 +41,7 @@ from app.training.batching import StepSequence
 from app.training.grpo import group_advantages
 from app.training.store import build_episode_trajectories, trajectory_transform
 from app.training.tracking import log_scalars
-from app.training.weight_sync import push_adapter, push_weights, pushes_to
+from app.training.weight_sync import ensure_weights, push_adapter, push_weights, pushes_to
 
 ADAPTER_DIR = "adapter"  # a LoRA checkpoint's engine adapter folder (Trainer.save)
 
@@ -194,7 +194,12 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
                    **row.start_values(utcnow()))
         run_cfg = run.run_config()
         spec, config = run_cfg.model.name, run_cfg.training
-        if run_cfg.model.checkpoint:  # a train run that starts from a checkpoint trains those weights
+        # A train run that starts from a checkpoint trains those weights: the folder its engines
+        # loaded at its start (`Run.start_weights`), so trainer and engines hold one base.
+        start_weights = run.start_weights()
+        if start_weights is not None:
+            spec = start_weights[0]
+        elif run_cfg.model.checkpoint:
             spec = str(checkpoints.resolve_checkpoint(run_cfg.model.checkpoint)[0])
         engine_urls = run_cfg.model.engine_urls or get_settings().engine_urls
         engine_kind = run_cfg.model.engine
@@ -235,8 +240,13 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
         from app.engines.lora_format import adapter_name, run_label
 
         metrics["adapter"] = adapter_name(run_label(run_id), path / ADAPTER_DIR)
-        metrics["engine_sync"] = push_adapter(engine_urls, path / ADAPTER_DIR, metrics["adapter"], policy_version,
-                                              engine_kind=engine_kind)
+        # An engine restarted since the run started serves its own base, not the run's starting
+        # checkpoint: the adapter would be sampled on weights it was not trained on.
+        base = ensure_weights(engine_urls, Path(start_weights[0]), start_weights[1],
+                              engine_kind=engine_kind) if start_weights else {}
+        on_base = [url for url in engine_urls if base.get(url, "ok") == "ok"]
+        metrics["engine_sync"] = {**base, **push_adapter(on_base, path / ADAPTER_DIR, metrics["adapter"],
+                                                         policy_version, engine_kind=engine_kind)}
     else:
         metrics["engine_sync"] = push_weights(engine_urls, path / "model", policy_version, engine_kind=engine_kind)
     metrics["engine_sync_time_s"] = time.perf_counter() - synced

@@ -28,7 +28,7 @@ import httpx
 
 from app import weight_gate
 from app.config import get_settings
-from app.engines.client import EngineCallError, EngineClient, EngineHTTPError
+from app.engines.client import EngineCallError, EngineClient, EngineHTTPError, weights_label
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 def push_weights(engine_urls: list[str], path: Path, policy_version: int, *, timeout_s: float = 300.0,
                  attempts: int = 3, engine_kind: str = "embedded") -> dict[str, str]:
     """Ask every engine to load `path` as `policy_version`; return `{url: "ok" | "error: …"}`.
+
+    An embedded engine is told to name these weights `weights_label(path)` (the folder's real
+    path here, on the trainer's side), so it reports that name whether it read the folder or
+    received it over HTTP, and the watchdog can tell whether a restarted engine still serves them.
 
     Each engine gets up to `attempts` tries (connection errors, 5xx, a wrong version in the
     answer) with a short backoff; a failure is reported, not raised, because the checkpoint
@@ -61,13 +65,42 @@ def push_weights(engine_urls: list[str], path: Path, policy_version: int, *, tim
     return results
 
 
+def ensure_weights(engine_urls: list[str], path: Path, policy_version: int, *,
+                   engine_kind: str = "embedded") -> dict[str, str]:
+    """Push `path` as `policy_version` to every engine that names other weights as what it serves
+    (`GET /v1/policy_version` `weights` against `weights_label(path)`); `{url: "ok" | "error: …"}`
+    for the engines it pushed to or could not ask, `{}` when every engine serves them already.
+
+    A policy version cannot tell a restarted engine from one still on a run's starting checkpoint
+    (both are 0), the name can.  vLLM and engines that report no name are left alone (not
+    checkable); never raises.
+    """
+    if engine_kind == "vllm":
+        return {}
+    results: dict[str, str] = {}
+    wanted = weights_label(path)
+    for url in engine_urls:
+        try:
+            with EngineClient(url, timeout=10) as client:
+                _version, serving = client.serving()
+        except (EngineCallError, KeyError, TypeError, ValueError) as exc:
+            results[url] = f"error: {type(exc).__name__}: {exc}"
+            continue
+        if serving is None or serving == wanted:
+            continue
+        log.warning("engine %s serves weights %s, not %s: loading them as policy_version=%s", url, serving, wanted,
+                    policy_version)
+        results.update(push_weights([url], path, policy_version, engine_kind=engine_kind))
+    return results
+
+
 def _load(url: str, path: Path, policy_version: int, timeout_s: float, attempts: int) -> str:
     """`EngineClient.reload` with retries; returns "" on success or the last error."""
     error = "not tried"
     with EngineClient(url, timeout=timeout_s) as client:
         for attempt in range(attempts):
             try:
-                served = client.reload(str(path), policy_version)
+                served = client.reload(str(path), policy_version, weights=weights_label(path))
                 if served == policy_version:
                     return ""
                 error = f"engine answered policy_version={served}, expected {policy_version}"
@@ -129,7 +162,8 @@ def _push(url: str, path: Path, policy_version: int, timeout_s: float, attempts:
                 for name, digest in digests.items():
                     with open(Path(path) / name, "rb") as body:
                         _raise_for(client.put(f"{base}/{name}", content=body, headers={"X-Turnstile-Sha256": digest}))
-                answer = client.post(f"{base}/load", json={"sha256": digests, "policy_version": int(policy_version)})
+                answer = client.post(f"{base}/load", json={"sha256": digests, "policy_version": int(policy_version),
+                                                           "weights": weights_label(path)})
                 _raise_for(answer)
                 served = answer.json()["policy_version"]
                 if served == policy_version:

@@ -78,37 +78,6 @@ def test_sweep_removes_abandoned_runtimes_and_keeps_live_ones(database, tmp_path
     assert sorted(p.name for p in root.iterdir()) == ["episo-live", "grade-young"]
 
 
-def test_a_restarted_engine_is_put_back_on_the_runs_newest_weights(database, tmp_path, spawn):
-    """An engine that (re)started on its base weights (version 0) while a run's step 0 produced
-    version 1 is re-synced by the watchdog to that checkpoint; an engine already on it is left alone."""
-    import sys
-
-    from app.engines.client import EngineClient
-    from app.engines.modeling import build_tiny_model, save_weights
-    from support import free_port
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    spawn([sys.executable, "-m", "app.engines.embedded.server", "--model", "tiny", "--port", str(port), "--threads", "1"],
-          name="engine")
-    client = EngineClient(url, timeout=60)
-    client.health(wait_s=120)
-    step_dir = tmp_path / "checkpoints" / "step_0"
-    save_weights(build_tiny_model(seed=7), step_dir / "model", {"policy_version": 1})
-    with session_scope() as s:
-        run = Run(kind="train", status="running", policy_version=1,
-                  config={"model": {"name": "tiny", "engine_urls": [url]}})
-        s.add(run)
-        s.flush()
-        s.add(TrainingStep(run_id=run.id, step=0, status="completed", policy_version=1,
-                           checkpoint_path=str(step_dir)))
-    assert client.policy_version() == 0  # as after a restart
-    assert watchdog.resync_engines() == {url: "ok"}
-    assert client.policy_version() == 1
-    assert watchdog.resync_engines() == {}  # nothing to do any more
-    client.close()
-
-
 def test_a_run_whose_start_message_was_lost_is_started_again(database, monkeypatch):
     """A run still `queued` a lease period plus a watchdog period after creation lost its start
     message (e.g. Redis restarted before a control worker took it): the watchdog sends it again;

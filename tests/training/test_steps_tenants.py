@@ -20,17 +20,22 @@ from app.training import steps
 
 class AdapterEngine:
     """Records `POST /v1/load_lora_adapter` and `POST /v1/load_weights` bodies; answers 200.
-    `GET /v1/lora_adapters` lists the adapters loaded since `forget()` (an engine restart)."""
+    `GET /v1/lora_adapters` lists the adapters loaded since `forget()` (an engine restart);
+    `GET /v1/policy_version` names the weights last loaded (`"tiny"` after a start or `forget()`)."""
 
     def __init__(self):
         self.calls: list[tuple[str, dict]] = []
         self.since = 0
+        self.weights = "tiny"
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
                 names = [b["lora_name"] for p, b in engine.calls[engine.since:] if p == "/v1/load_lora_adapter"]
-                out = json.dumps({"object": "list", "data": [{"id": n} for n in names]}).encode()
+                if self.path == "/v1/policy_version":
+                    out = json.dumps({"policy_version": 0, "weights": engine.weights}).encode()
+                else:
+                    out = json.dumps({"object": "list", "data": [{"id": n} for n in names]}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(out)))
@@ -40,6 +45,8 @@ class AdapterEngine:
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 engine.calls.append((self.path, body))
+                if self.path == "/v1/load_weights":
+                    engine.weights = body.get("weights") or body.get("path")
                 out = json.dumps({"policy_version": body.get("policy_version"), "lora_name": body.get("lora_name")})
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -56,6 +63,7 @@ class AdapterEngine:
 
     def forget(self):
         self.since = len(self.calls)
+        self.weights = "tiny"
 
     def close(self):
         self.server.shutdown()
@@ -139,15 +147,38 @@ def test_cancelling_one_run_drops_its_tenant_only(var_dir, adapter_engine, data)
 
 
 def test_the_watchdog_reloads_a_restarted_engines_adapter_and_never_pushes_the_base(var_dir, adapter_engine, data):
-    from app.control import watchdog
+    from app.control import engine_resync
 
     a = data.run([adapter_engine.url], LORA)
     name = steps.train_step(a, 0, data.group(a, 0, [1.0, 0.0], seed=1))["adapter"]
-    assert watchdog.resync_engines() == {}  # the engine serves it: nothing to do
+    assert engine_resync.resync_engines() == {}  # the engine serves it: nothing to do
     adapter_engine.forget()  # the engine restarted: no adapters
-    assert watchdog.resync_engines() == {adapter_engine.url: "ok"}
+    assert engine_resync.resync_engines() == {adapter_engine.url: "ok"}
     assert adapter_engine.calls[-1][0] == "/v1/load_lora_adapter" and adapter_engine.calls[-1][1]["lora_name"] == name
     assert all(path != "/v1/load_weights" for path, _body in adapter_engine.calls)
+
+
+def test_a_lora_step_puts_a_restarted_engine_back_on_the_runs_start_before_its_adapter(var_dir, adapter_engine,
+                                                                                       data, tmp_path):
+    """A warm-started LoRA run's adapter is trained on the starting checkpoint: an engine restarted
+    since (serving its own base) gets that checkpoint, as version 0, before the step's adapter."""
+    from app.engines.client import weights_label
+    from app.engines.modeling import build_tiny_model, save_weights
+
+    warm = save_weights(build_tiny_model(seed=3), tmp_path / "warm")
+    a = data.run([adapter_engine.url], LORA)
+    with session_scope() as s:
+        s.get(Run, a).summary = {"start_weights": {"path": weights_label(warm), "policy_version": 0}}
+    adapter_engine.weights = weights_label(warm)  # as the run's start left it
+    steps.train_step(a, 0, data.group(a, 0, [1.0, 0.0], seed=1))
+    assert [path for path, _body in adapter_engine.calls] == ["/v1/load_lora_adapter"]  # its base is in place
+    adapter_engine.forget()  # the engine restarted on its own base
+    metrics = steps.train_step(a, 1, data.group(a, 1, [1.0, 0.0], seed=2))
+    assert metrics["engine_sync"] == {adapter_engine.url: "ok"}
+    (base_path, base), (adapter_path, adapter) = adapter_engine.calls[adapter_engine.since:]
+    assert (base_path, base["path"], base["policy_version"], base["weights"]) == (
+        "/v1/load_weights", str(warm), 0, weights_label(warm))
+    assert adapter_path == "/v1/load_lora_adapter" and adapter["lora_name"] == metrics["adapter"]
 
 
 def test_steps_that_leave_the_adapter_unchanged_still_move_the_served_version(var_dir, data):

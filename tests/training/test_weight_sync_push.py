@@ -16,6 +16,7 @@ from app import config
 from app.engines.embedded.server import create_engine_app
 from app.engines.embedded.uploads import upload_root
 from app.engines.modeling import read_state_dict
+from app.engines.client import weights_label
 from app.training import steps, weight_sync
 from support import AUTH, API_TOKEN
 
@@ -47,6 +48,9 @@ def test_a_step_pushes_its_checkpoint_and_the_engine_serves_exactly_it(pushed_en
     metrics = steps.train_step(run_id, 0, episode_ids)
     assert metrics["engine_sync"] == {pushed_engine.url: "ok"}, metrics["engine_sync"]
     assert _served_version(pushed_engine) == 1
+    # The engine names the weights as the trainer does (never having seen the trainer's folder).
+    named = httpx.get(f"{pushed_engine.url}/v1/policy_version").json()["weights"]
+    assert named == weights_label(steps_checkpoint(run_id))
     # Only the HTTP transfer was used: never the load-by-path route that reads the trainer's folder.
     assert "POST /v1/load_weights" not in pushed_engine.seen
     files = sorted(p.name for p in steps_checkpoint(run_id).iterdir())

@@ -171,7 +171,7 @@ def test_a_lora_train_step_serves_its_adapter_on_vllm_and_the_watchdog_restores_
     again."""
     from peft import PeftModel
 
-    from app.control import watchdog
+    from app.control import engine_resync
     from app.training import steps
 
     run = data.run([lora_server.url], {"lora": True, "lora_r": 8, "lora_alpha": 16, "learning_rate": 1e-2,
@@ -190,6 +190,6 @@ def test_a_lora_train_step_serves_its_adapter_on_vllm_and_the_watchdog_restores_
     out = greedy(lora_server.client, name)
     assert logprob_gap(trained, out) < 1e-3 and logprob_gap(base_model, out) > 1e-4  # the step moved it
 
-    assert watchdog.resync_engines() == {}  # vLLM serves it: nothing to do
+    assert engine_resync.resync_engines() == {}  # vLLM serves it: nothing to do
     assert unload_adapter(lora_server.client, name)  # as after a restart
-    assert watchdog.resync_engines() == {lora_server.url: "ok"} and name in served_adapters(lora_server.client)
+    assert engine_resync.resync_engines() == {lora_server.url: "ok"} and name in served_adapters(lora_server.client)

@@ -16,6 +16,7 @@ import torch
 
 from app.engines.embedded.batching import BatchScheduler
 from app.engines.embedded.outputs import TokenTexts
+from app.engines.client import weights_label
 from app.engines.modeling import load_model, read_metadata
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,13 @@ class Engine:
     engine_id: str
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     tokenizer_lock: Any = field(default_factory=threading.Lock)
+    # The name of the weights being served (`app.engines.client.weights_label`): the start
+    # spec's until a load names others.  With the policy version it tells the watchdog whether
+    # a restarted engine lost the checkpoint a run started from.
+    weights: str = ""
 
     def __post_init__(self) -> None:
+        self.weights = self.weights or weights_label(self.model_spec)
         self.texts = TokenTexts(self.tokenizer, self.tokenizer_lock)
         self.stop_token_ids = frozenset(
             t for t in {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|endoftext|>")}

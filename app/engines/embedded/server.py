@@ -18,8 +18,11 @@ Routes (shapes follow vLLM's OpenAI server, https://docs.vllm.ai/en/latest/servi
   (the "tokens in, tokens out" path: the caller renders the template, no re-tokenization);
   with vLLM's ``prompt_logprobs`` a prefill-only scoring pass (``app.engines.embedded.scoring``).
 * ``POST /tokenize`` / ``POST /detokenize``, ``GET /v1/models``, ``GET /health``.
-* ``POST /v1/load_weights {"path", "policy_version"}`` → ``{"policy_version"}`` and
-  ``GET /v1/policy_version``: see ``BatchScheduler.reload`` for the in-flight rule.  Loading
+* ``POST /v1/load_weights {"path", "policy_version", "weights"}`` → ``{"policy_version", "weights"}`` and
+  ``GET /v1/policy_version`` → ``{"policy_version", "engine_id", "weights"}``: see
+  ``BatchScheduler.reload`` for the in-flight rule.  ``weights`` names what is served
+  (``app.engines.client.weights_label``: the caller's name, else the folder's real path; the
+  start spec's after a start or ``{"base": true}``).  Loading
   weights is an admin route: it needs ``Authorization: Bearer <API token>`` (``app.auth``; 401
   otherwise), which ``EngineClient.reload`` / ``reset_to_base`` send.
 * ``PUT /v1/checkpoints/<version>/<file>`` and ``POST /v1/checkpoints/<version>/load``: a
@@ -50,7 +53,8 @@ from werkzeug.exceptions import HTTPException
 from app.engines.embedded import generate, scoring
 from app.engines.embedded import adapters, uploads
 from app.engines.embedded.engine import DEFAULT_MAX_MODEL_LEN, Engine, build_engine
-from app.engines.embedded.validation import EngineError, get_field, json_body
+from app.engines.embedded.validation import EngineError, get_field, json_body, weights_name
+from app.engines.client import weights_label
 from app.engines.modeling import load_model, read_state_dict
 
 log = logging.getLogger(__name__)
@@ -137,7 +141,8 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
 
     @app.get("/v1/policy_version")
     def policy_version():
-        return jsonify({"policy_version": engine.scheduler.policy_version, "engine_id": engine.engine_id})
+        return jsonify({"policy_version": engine.scheduler.policy_version, "engine_id": engine.engine_id,
+                        "weights": engine.weights})
 
     @app.post("/v1/load_weights")
     def load_weights():
@@ -149,12 +154,14 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
             # model must not sample from a previous run's trained weights).
             path = engine.model_spec
             version = get_field(body, "policy_version", int, 0)
+            weights = weights_label(engine.model_spec)
             state = load_model(engine.model_spec)[0].state_dict()
         else:
             path = get_field(body, "path", str)
             if not path or not os.path.isdir(path):
                 raise EngineError(f"checkpoint directory {path!r} does not exist", param="path")
             version = get_field(body, "policy_version", int, engine.scheduler.policy_version + 1)
+            weights = weights_name(body, weights_label(path))
             try:
                 state = read_state_dict(path)  # disk I/O here, not on the scheduler thread
             except Exception as exc:  # safetensors raises its own SafetensorError on corrupt files
@@ -163,8 +170,9 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
             new_version = engine.scheduler.reload(state, version)
         except (ValueError, RuntimeError) as exc:
             raise EngineError(f"checkpoint does not fit the served model: {exc}", param="path") from exc
+        engine.weights = weights
         return jsonify({"policy_version": new_version, "path": path, "engine_id": engine.engine_id,
-                        "load_s": round(time.perf_counter() - started, 3)})
+                        "weights": weights, "load_s": round(time.perf_counter() - started, 3)})
 
     # The same swap for a checkpoint sent over HTTP (SHA-256 checked): an engine on another machine.
     uploads.register(app, engine, require_admin)

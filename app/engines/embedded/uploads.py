@@ -7,17 +7,18 @@ two admin requests (both need ``Authorization: Bearer <API token>``):
    ``X-Turnstile-Sha256: <hex digest>``.  The body is streamed to the engine's own var folder
    (``<TURNSTILE_VAR_DIR>/engine-uploads/<engine id>/v<version>/``) while it is hashed; a digest
    that differs from the header is a 400 ("sha256 mismatch ... refused") and the file is deleted.
-2. ``POST /v1/checkpoints/<version>/load {"sha256": {file: hex, ...}, "policy_version": N}``:
+2. ``POST /v1/checkpoints/<version>/load {"sha256": {file: hex, ...}, "policy_version": N, "weights"}``:
    the manifest must name exactly the files received for that version with the digests they were
    received with (else a 400 naming the file); then the weights are read and swapped in like
    ``POST /v1/load_weights`` does, and the received files are deleted (the weights are in memory).
 
-Answers are the engine's usual ones (``{"policy_version", "engine_id", "load_s"}``; errors in
+Answers are the engine's usual ones (``{"policy_version", "engine_id", "weights", "load_s"}``; errors in
 vLLM's error body).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import shutil
 import time
@@ -27,7 +28,7 @@ from typing import Callable
 from flask import Flask, jsonify, request
 
 from app.engines.embedded.engine import Engine
-from app.engines.embedded.validation import EngineError, get_field, json_body
+from app.engines.embedded.validation import EngineError, get_field, json_body, weights_name
 from app.engines.modeling import read_state_dict
 
 SHA_HEADER = "X-Turnstile-Sha256"
@@ -83,6 +84,8 @@ def register(app: Flask, engine: Engine, require_admin: Callable[[], None]) -> N
         if not manifest:
             raise EngineError("'sha256' must map every checkpoint file to its SHA-256", param="sha256")
         policy_version = get_field(body, "policy_version", int, version)
+        # Without a name from the trainer, the manifest's own digest names the content.
+        weights = weights_name(body, "sha256:" + hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest())
         have = received.get(version, {})
         folder = upload_root(engine) / f"v{version}"
         for name, digest in sorted(manifest.items()):
@@ -107,5 +110,6 @@ def register(app: Flask, engine: Engine, require_admin: Callable[[], None]) -> N
         finally:
             received.pop(version, None)
             shutil.rmtree(folder, ignore_errors=True)  # the weights are in memory now
-        return jsonify({"policy_version": new_version, "engine_id": engine.engine_id,
+        engine.weights = weights
+        return jsonify({"policy_version": new_version, "engine_id": engine.engine_id, "weights": weights,
                         "load_s": round(time.perf_counter() - started, 3), "sha256": dict(sorted(manifest.items()))})

@@ -41,6 +41,15 @@ def get_field(body: dict, name: str, kind: type | tuple, default: Any = None) ->
     return value
 
 
+def weights_name(body: dict, default: str) -> str:
+    """A load request's ``weights``: the caller's name for the weights it loads (at most 4096
+    characters), which ``GET /v1/policy_version`` reports back; ``default`` when absent."""
+    name = get_field(body, "weights", str, default)
+    if not name or len(name) > 4096:
+        raise EngineError("'weights' must be a non-empty string of at most 4096 characters", param="weights")
+    return name
+
+
 def json_body() -> dict:
     """The current Flask request's JSON object (400 when missing or not an object)."""
     body = request.get_json(silent=True)

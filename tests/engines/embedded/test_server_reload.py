@@ -126,3 +126,26 @@ def test_loading_weights_needs_the_api_token(engine, tmp_path):
         EngineClient(engine.url, admin_token="wrong-token").reset_to_base()
     assert err.value.status == 401
     assert engine.client.policy_version() == version
+
+
+def test_the_engine_names_the_weights_it_serves(engine, tmp_path):
+    """`GET /v1/policy_version` reports `weights`: the start spec's name, a loaded folder's real path
+    (a symlink is named by its target), or the name the caller gave; a bad name is refused in vLLM's
+    error body and what is served stays as it was."""
+    assert engine.client.reset_to_base() == 0
+    assert engine.client.serving() == (0, "tiny")
+    folder = tmp_path / "ckpt"
+    perturbed_checkpoint(folder, seed=5, version=1)
+    (tmp_path / "link").symlink_to(folder)
+    assert engine.client.reload(str(tmp_path / "link"), 1) == 1
+    assert engine.client.serving() == (1, str(folder.resolve()))
+    assert engine.client.reload(str(folder), 2, weights="run:7 start") == 2
+    assert engine.client.serving() == (2, "run:7 start")
+    for bad in ("", "x" * 4097, 42):
+        with pytest.raises(EngineHTTPError) as err:
+            engine.client.request("POST", "/v1/load_weights", {"path": str(folder), "policy_version": 3, "weights": bad},
+                                  headers=engine.client._admin_headers())
+        assert err.value.status == 400 and err.value.body["error"]["param"] == "weights"
+    assert engine.client.serving() == (2, "run:7 start")
+    assert engine.client.reset_to_base() == 0
+    assert engine.client.serving() == (0, "tiny")
