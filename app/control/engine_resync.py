@@ -49,46 +49,68 @@ class Needs:
     start: tuple[Path, int] | None
     step: tuple[int, Path, str | None] | None
 
+    @property
+    def full_weights_step(self) -> bool:
+        """A completed step that pushed full weights (no adapter): it, not the start, is served."""
+        return self.step is not None and not self.step[2]
+
 
 def resync_engines() -> dict[str, str]:
     """Re-sync every engine of every running run (module docstring).
 
     Returns `{engine_url: "ok" | "error: …"}` for each engine it loaded weights or an adapter into,
-    or could not reach or check; `{}` when every engine already serves what its runs need.  Engine
-    failures are reported there, never raised; a database error propagates to the watchdog pass.
+    or could not reach or check (an error is kept over a later "ok" for the same engine); `{}`
+    when every engine already serves what its runs need.  Engine failures are reported there,
+    never raised; a database or Redis error propagates to the watchdog pass.
     """
     results: dict[str, str] = {}
     needs = running_needs()
     starts: dict[str, set[Path]] = {}
     for need in needs:
-        for url in need.urls:
-            if need.start is not None:
+        if need.start is not None and not need.full_weights_step:
+            for url in need.urls:
                 starts.setdefault(url, set()).add(need.start[0])
     for need in needs:
         for url in need.urls:
-            if len(starts.get(url, ())) > 1:  # runs sharing an engine disagree: pushing would flip it every pass
-                log.warning("engine=%s event=resync_conflict starts=%s", url, sorted(map(str, starts[url])))
-                continue
-            results.update(_resync(url, need))
+            conflict = len(starts.get(url, ())) > 1
+            if conflict and need.start is not None and not need.full_weights_step:
+                # Runs sharing this engine want different starting checkpoints: loading them would
+                # flip it on every pass.  Their steps and adapters are still re-synced.
+                log.warning("run=%s engine=%s event=resync_conflict starts=%s", need.run_id, url,
+                            sorted(map(str, starts[url])))
+            for engine_url, result in _resync(url, need, load_start=not conflict).items():
+                if not results.get(engine_url, "").startswith("error"):
+                    results[engine_url] = result
     return results
 
 
 def running_needs() -> list[Needs]:
     """`Needs` of every running run: its own, or for an `eval_of` eval that loaded no checkpoint, its
-    train run's (the train run may have ended: the final eval still samples its policy)."""
+    train run's (the train run may have ended: the final eval still samples its policy).  A run
+    whose stored config no longer validates is logged and skipped, not allowed to stop the pass."""
+    from pydantic import ValidationError
+
     with session_scope() as s:
         running = s.execute(select(Run).where(Run.status == "running").order_by(Run.id)).scalars().all()
         wanted: dict[int, None] = {}  # run ids in order, each once
         for run in running:
-            cfg = run.run_config()
+            try:
+                cfg = run.run_config()
+            except ValidationError as exc:
+                log.error("run=%s event=resync_skipped bad stored config: %s", run.id, exc)
+                continue
             own = cfg.eval_of is None or run.start_weights() is not None
             wanted[run.id if own else cfg.eval_of.run] = None
         out = []
         for run_id in wanted:
             run = s.get(Run, run_id)
-            if run is None:
+            try:
+                cfg = run.run_config() if run is not None else None
+            except ValidationError as exc:
+                log.error("run=%s event=resync_skipped bad stored config: %s", run_id, exc)
                 continue
-            cfg = run.run_config()
+            if cfg is None:
+                continue
             start = run.start_weights()
             step = s.execute(
                 select(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.status == "completed",
@@ -101,19 +123,21 @@ def running_needs() -> list[Needs]:
         return out
 
 
-def _resync(url: str, need: Needs) -> dict[str, str]:
-    adapter = need.step[2] if need.step else None
-    if need.step is not None and adapter is None:  # full weights: the newest step's checkpoint covers the start
+def _resync(url: str, need: Needs, load_start: bool = True) -> dict[str, str]:
+    """What `need` asks of engine `url`, in order: a full-weights step's checkpoint (which replaces
+    the start), else the run's starting checkpoint (unless `load_start` is False) and then its
+    newest LoRA adapter.  An adapter is not loaded on an engine whose base could not be put right:
+    it would be sampled as the run's policy without being it."""
+    if need.full_weights_step:
         version, checkpoint, _ = need.step
         return _resync_version(url, need, checkpoint / "model", version)
-    if need.start is not None:
+    done: dict[str, str] = {}
+    if need.start is not None and load_start:
         done = _resync_start(url, need)
         if any(r != "ok" for r in done.values()):
-            return done  # an adapter on the wrong base would be sampled as the run's policy
-    else:
-        done = {}
-    if adapter:
-        version, checkpoint, _ = need.step
+            return done
+    if need.step is not None:
+        version, checkpoint, adapter = need.step
         done.update(_resync_adapter(url, need, adapter, checkpoint, version))
     return done
 
@@ -126,7 +150,7 @@ def _resync_version(url: str, need: Needs, folder: Path, version: int) -> dict[s
     try:
         with EngineClient(url, timeout=10) as client:
             serving = client.policy_version()
-    except (EngineCallError, ValueError, KeyError) as exc:
+    except (EngineCallError, ValueError, KeyError, TypeError) as exc:
         return {url: f"error: {exc}"}
     if serving >= version:
         return {}

@@ -149,10 +149,18 @@ class EngineClient:
 
     def serving(self) -> tuple[int, str | None]:
         """``GET /v1/policy_version`` -> ``(policy version, weights name)``: the name
-        (``weights_label``) is ``None`` from an engine that does not report one."""
+        (``weights_label``) is ``None`` from an engine that does not report one.
+
+        Raises:
+            EngineHTTPError: the engine has no such route (vLLM: 404) or refused.
+            EngineConnectionError: transport failure or timeout.
+            ValueError: the answer is not an object with an integer ``policy_version``.
+        """
         answer = self.request("GET", "/v1/policy_version")
+        if not isinstance(answer, dict) or not isinstance(answer.get("policy_version"), int):
+            raise ValueError(f"GET /v1/policy_version answered {str(answer)[:200]!r}, not a policy version")
         weights = answer.get("weights")
-        return int(answer["policy_version"]), (str(weights) if weights is not None else None)
+        return answer["policy_version"], (str(weights) if weights is not None else None)
 
     # --- generation -------------------------------------------------------------------------
 

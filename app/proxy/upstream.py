@@ -216,12 +216,14 @@ class Upstream:
         return True
 
     def _serves_base(self, engine: EngineTarget, base: str) -> bool:
-        """Whether the engine names `base` (a model folder) as the weights it serves; an engine
-        that names none cannot be checked and is trusted; one that does not answer is not."""
+        """False only when the engine names other weights than `base` (a model folder) as what it
+        serves.  An engine that names none (vLLM has no `/v1/policy_version`) or cannot be asked
+        cannot be checked here: the adapter load that follows goes ahead (and fails where the
+        engine is down)."""
         try:
             _version, weights = self.clients[engine.url].serving()
-        except (EngineCallError, KeyError, TypeError, ValueError):
-            return False
+        except (EngineCallError, ValueError):
+            return True
         return weights is None or weights == weights_label(base)
 
     def complete(self, engine: EngineTarget, body: dict, episode_id: int | None, idle=None, idle_s: float = 0.25) -> dict:

@@ -65,33 +65,52 @@ def push_weights(engine_urls: list[str], path: Path, policy_version: int, *, tim
     return results
 
 
-def ensure_weights(engine_urls: list[str], path: Path, policy_version: int, *,
-                   engine_kind: str = "embedded") -> dict[str, str]:
-    """Push `path` as `policy_version` to every engine that names other weights as what it serves
-    (`GET /v1/policy_version` `weights` against `weights_label(path)`); `{url: "ok" | "error: …"}`
-    for the engines it pushed to or could not ask, `{}` when every engine serves them already.
+def ensure_weights(engine_urls: list[str], path: Path, policy_version: int, *, engine_kind: str = "embedded",
+                   attempts: int = 3) -> dict[str, str]:
+    """Push `path` as `policy_version` to every engine that serves other weights; return
+    `{url: "ok" | "error: …"}` for the engines it pushed to or could not ask, `{}` when none needed it.
 
-    A policy version cannot tell a restarted engine from one still on a run's starting checkpoint
-    (both are 0), the name can.  vLLM and engines that report no name are left alone (not
-    checkable); never raises.
+    What an engine serves is read from `GET /v1/policy_version`: `(version, weights name)`, the name
+    compared with `weights_label(path)`.  A policy version alone cannot tell a restarted engine
+    from one still on a run's starting checkpoint (both are 0); the name can.  Left alone: an
+    engine serving `path` at `policy_version`; one serving a newer version than `policy_version`
+    (loaded since on purpose, e.g. a step the trainer pushed meanwhile: its own check covers it);
+    vLLM and engines that report no name (they cannot be checked).  Asking is tried `attempts`
+    times with a backoff.  Engine failures are reported in the answer; a Redis error of the reload
+    gate (`weight_gate`) propagates.
     """
     if engine_kind == "vllm":
         return {}
     results: dict[str, str] = {}
     wanted = weights_label(path)
     for url in engine_urls:
-        try:
-            with EngineClient(url, timeout=10) as client:
-                _version, serving = client.serving()
-        except (EngineCallError, KeyError, TypeError, ValueError) as exc:
-            results[url] = f"error: {type(exc).__name__}: {exc}"
+        serving = _ask_serving(url, attempts)
+        if isinstance(serving, str):
+            results[url] = f"error: {serving}"
             continue
-        if serving is None or serving == wanted:
+        version, name = serving
+        if name is None or (name == wanted and version == policy_version) or (name != wanted and version > policy_version):
             continue
-        log.warning("engine %s serves weights %s, not %s: loading them as policy_version=%s", url, serving, wanted,
-                    policy_version)
+        log.warning("engine %s serves %s at policy_version=%s, not %s: loading it as policy_version=%s", url, name,
+                    version, wanted, policy_version)
         results.update(push_weights([url], path, policy_version, engine_kind=engine_kind))
     return results
+
+
+def _ask_serving(url: str, attempts: int) -> tuple[int, str | None] | str:
+    """`EngineClient.serving` with retries and a backoff; the last error as a string if none answered."""
+    error = "not tried"
+    for attempt in range(attempts):
+        try:
+            with EngineClient(url, timeout=30) as client:
+                return client.serving()
+        except (EngineCallError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, EngineHTTPError) and 400 <= exc.status < 500:
+                break  # the engine has no such route: asking again will not help
+        if attempt + 1 < attempts:
+            time.sleep(min(2.0**attempt, 10.0))
+    return error
 
 
 def _load(url: str, path: Path, policy_version: int, timeout_s: float, attempts: int) -> str:

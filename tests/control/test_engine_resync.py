@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 
+from app.auth import auth_header
 from app.control import engine_resync
 from app.control.real_stages import RealStages
 from app.db import session_scope
@@ -24,7 +25,7 @@ from app.engines.lora_format import adapter_name
 from app.engines.modeling import build_tiny_model, save_weights
 from app.tables import Run, TrainingStep
 from app.training import policy
-from app.training.weight_sync import push_adapter
+from app.training.weight_sync import push_adapter, push_weights
 from support import free_port
 
 PROMPT = [5, 17, 300, 42, 7, 99, 1000, 23, 8, 64, 12, 77]
@@ -167,7 +168,12 @@ def test_a_restarted_engine_gets_a_warm_lora_runs_start_then_its_adapter(databas
     assert after[0] == before[0]
     assert max(abs(a - b) for a, b in zip(after[1], before[1])) < 1e-5  # the same policy, not just the same tokens
     assert engine_resync.resync_engines() == {}
-    assert up.complete(EngineTarget(restartable.url), body, None)["policy_version"] == 1  # the gateway serves it again
+    # On the right base, the gateway itself loads a lost adapter again and answers.
+    httpx.post(f"{restartable.url}/v1/unload_lora_adapter", json={"lora_name": name}, headers=auth_header(),
+               timeout=30).raise_for_status()
+    assert restartable.adapters() == []
+    assert up.complete(EngineTarget(restartable.url), body, None)["policy_version"] == 1
+    assert restartable.adapters() == [name]
 
 
 def test_the_final_eval_of_a_finished_lora_run_keeps_that_runs_start_and_adapter(database, tmp_path, restartable):
@@ -194,6 +200,12 @@ def test_a_full_weights_run_before_its_first_step_gets_its_start_back(database, 
     assert engine_resync.resync_engines() == {restartable.url: "ok"}
     assert restartable.serving() == (0, weights_label(warm))
     assert engine_resync.resync_engines() == {}
+    # The trainer pushes step 0 while the pass still sees no completed step: a newer version is
+    # left alone, not replaced by the start (the next pass sees the step).
+    step_model = save_weights(build_tiny_model(seed=9), tmp_path / "step_0" / "model", {"policy_version": 1})
+    assert push_weights([restartable.url], step_model, 1) == {restartable.url: "ok"}
+    assert engine_resync.resync_engines() == {}
+    assert restartable.serving() == (1, weights_label(step_model))
 
 
 def test_an_eval_of_a_checkpoint_gets_it_back_at_the_checkpoints_version(database, tmp_path, restartable):
@@ -208,7 +220,8 @@ def test_an_eval_of_a_checkpoint_gets_it_back_at_the_checkpoints_version(databas
 
 def test_runs_that_want_different_starts_on_one_engine_are_left_alone(database, tmp_path, restartable):
     """Two running runs started from different checkpoints on the same engine cannot both be
-    served: re-syncing would load one and then the other on every pass, so neither is pushed."""
+    served: re-syncing would load one and then the other on every pass, so neither start is
+    pushed; a third run's trained step on that engine is still put back."""
     first = warm_checkpoint(tmp_path / "a" / "model")
     second = warm_checkpoint(tmp_path / "b" / "model")
     started_run(restartable.url, first, lora=False)
@@ -216,6 +229,14 @@ def test_runs_that_want_different_starts_on_one_engine_are_left_alone(database, 
     restartable.restart()
     assert engine_resync.resync_engines() == {}
     assert restartable.serving() == (0, "tiny")
+    third = started_run(restartable.url, first, lora=False)
+    step_model = save_weights(build_tiny_model(seed=9), tmp_path / "step_0" / "model", {"policy_version": 1})
+    with session_scope() as s:
+        s.add(TrainingStep(run_id=third, step=0, status="completed", policy_version=1,
+                           checkpoint_path=str(step_model.parent)))
+    restartable.restart()
+    assert engine_resync.resync_engines() == {restartable.url: "ok"}
+    assert restartable.serving() == (1, weights_label(step_model))
 
 
 def test_needs_follow_running_runs_only(database, tmp_path):

@@ -21,6 +21,21 @@ class _SpecServer(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
+    # GET /v1/policy_version answers `policy_answer`: what an engine that is not ours may send.
+    ANSWERS = {"html": (b"<html>proxy error page</html>", "text/html"),
+               "list": (b"[1, 2]", "application/json"),
+               "no-version": (b'{"weights": "x"}', "application/json"),
+               "unnamed": (b'{"policy_version": 4}', "application/json")}
+    policy_answer = "unnamed"
+
+    def do_GET(self) -> None:
+        data, kind = self.ANSWERS[self.policy_answer]
+        self.send_response(200)
+        self.send_header("content-type", kind)
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         if body.get("fail"):
@@ -161,3 +176,16 @@ def test_unreachable_engine_and_health_timeout():
         assert stream.wait(5) and isinstance(stream.error, EngineConnectionError)
         with pytest.raises(TimeoutError):
             client.health(wait_s=0.3)
+
+
+def test_serving_reads_version_and_weights_name_or_says_the_answer_is_not_one(spec_server, monkeypatch):
+    """`serving()` of an answer that is not a policy version (a proxy's HTML page, a list, an object
+    without the version) is a ValueError its callers catch, never an AttributeError; an engine that
+    names no weights gives None."""
+    with EngineClient(spec_server, timeout=5) as client:
+        for kind in ("html", "list", "no-version"):
+            monkeypatch.setattr(_SpecServer, "policy_answer", kind)
+            with pytest.raises(ValueError, match="not a policy version"):
+                client.serving()
+        monkeypatch.setattr(_SpecServer, "policy_answer", "unnamed")
+        assert client.serving() == (4, None)

@@ -27,6 +27,7 @@ class AdapterEngine:
         self.calls: list[tuple[str, dict]] = []
         self.since = 0
         self.weights = "tiny"
+        self.refuse_weights = False  # answer 400 to POST /v1/load_weights
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,10 +46,13 @@ class AdapterEngine:
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 engine.calls.append((self.path, body))
-                if self.path == "/v1/load_weights":
+                status = 200
+                if self.path == "/v1/load_weights" and engine.refuse_weights:
+                    status = 400
+                elif self.path == "/v1/load_weights":
                     engine.weights = body.get("weights") or body.get("path")
                 out = json.dumps({"policy_version": body.get("policy_version"), "lora_name": body.get("lora_name")})
-                self.send_response(200)
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(out)))
                 self.end_headers()
@@ -179,6 +183,12 @@ def test_a_lora_step_puts_a_restarted_engine_back_on_the_runs_start_before_its_a
     assert (base_path, base["path"], base["policy_version"], base["weights"]) == (
         "/v1/load_weights", str(warm), 0, weights_label(warm))
     assert adapter_path == "/v1/load_lora_adapter" and adapter["lora_name"] == metrics["adapter"]
+    adapter_engine.forget()  # restarted again, and now it refuses the base: no adapter goes on the wrong one
+    adapter_engine.refuse_weights = True
+    metrics = steps.train_step(a, 2, data.group(a, 2, [1.0, 0.0], seed=3))
+    assert metrics["engine_sync"][adapter_engine.url].startswith("error")
+    assert metrics["engine_sync_failed"] == [adapter_engine.url]
+    assert [path for path, _body in adapter_engine.calls[adapter_engine.since:]] == ["/v1/load_weights"]
 
 
 def test_steps_that_leave_the_adapter_unchanged_still_move_the_served_version(var_dir, data):

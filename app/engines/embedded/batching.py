@@ -100,15 +100,18 @@ class BatchScheduler:
         prefill_chunk: prompt tokens per prefill forward pass (bounds attention memory).
         policy_version: version stamped on requests until the first reload.
         prefix_cache_tokens: token budget of the prefix cache (0 disables it).
+        weights: the name of the weights ``model`` holds (``app.engines.client.weights_label``),
+            reported with the version until a reload names others.
     """
 
     def __init__(self, model: PreTrainedModel, max_batch: int = 8, prefill_chunk: int = 512,
-                 policy_version: int = 0, prefix_cache_tokens: int = 16384) -> None:
+                 policy_version: int = 0, prefix_cache_tokens: int = 16384, weights: str = "") -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.policy_version = policy_version
+        self.weights = weights
         self._cond = threading.Condition()
         self._waiting: deque[GenerationRequest] = deque()
         self._prefilling: list[_Row] = []
@@ -150,22 +153,28 @@ class BatchScheduler:
             self._cond.notify_all()
         return request
 
-    def reload(self, state: dict[str, torch.Tensor], policy_version: int) -> int:
+    def reload(self, state: dict[str, torch.Tensor], policy_version: int, weights: str | None = None) -> int:
         """Load ``state`` (a full state dict) once running requests have finished; return the new version.
 
+        ``weights`` names them (kept when None); name and version change together (``serving``).
         Blocks the caller until the weights are in place.  Raises whatever
-        ``load_state_into`` raises (the old weights and version then stay active).
+        ``load_state_into`` raises (the old weights, name and version then stay active).
         """
         with self._reload_lock:
             done = threading.Event()
             box: dict = {}
             with self._cond:
-                self._pending_reload = (state, int(policy_version), done, box)
+                self._pending_reload = (state, int(policy_version), weights, done, box)
                 self._cond.notify_all()
             done.wait()
             if "error" in box:
                 raise box["error"]
             return self.policy_version
+
+    def serving(self) -> tuple[int, str]:
+        """``(policy version, weights name)`` of what is served now, read together."""
+        with self._cond:
+            return self.policy_version, self.weights
 
     def weights_pinned(self):
         """A context in which no reload starts (a scoring pass outside the loop reads stable weights)."""
@@ -207,12 +216,14 @@ class BatchScheduler:
     def _apply_reload_if_drained(self) -> None:
         if self._pending_reload is None or self._active or self._prefilling:
             return
-        state, version, done, box = self._pending_reload
+        state, version, weights, done, box = self._pending_reload
         try:
             started = time.perf_counter()
             load_state_into(self.model, state)
             self.prefix_cache.clear()  # cached KV was computed by the old weights
             self.policy_version = version
+            if weights is not None:
+                self.weights = weights
             self.stats["reloads"] += 1
             log.info("loaded weights for policy version %d in %.2fs", version, time.perf_counter() - started)
         except Exception as exc:  # noqa: BLE001 (handed to the waiting reload request, which raises it)

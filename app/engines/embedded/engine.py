@@ -35,13 +35,8 @@ class Engine:
     engine_id: str
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     tokenizer_lock: Any = field(default_factory=threading.Lock)
-    # The name of the weights being served (`app.engines.client.weights_label`): the start
-    # spec's until a load names others.  With the policy version it tells the watchdog whether
-    # a restarted engine lost the checkpoint a run started from.
-    weights: str = ""
 
     def __post_init__(self) -> None:
-        self.weights = self.weights or weights_label(self.model_spec)
         self.texts = TokenTexts(self.tokenizer, self.tokenizer_lock)
         self.stop_token_ids = frozenset(
             t for t in {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|endoftext|>")}
@@ -70,7 +65,8 @@ def build_engine(model_spec: str, *, max_batch: int = 8, prefill_chunk: int = 51
     if policy_version is None:
         policy_version = int(read_metadata(model_spec).get("policy_version", 0)) if os.path.isdir(model_spec) else 0
     scheduler = BatchScheduler(model, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                               policy_version=policy_version, prefix_cache_tokens=prefix_cache_tokens).start()
+                               policy_version=policy_version, prefix_cache_tokens=prefix_cache_tokens,
+                               weights=weights_label(model_spec)).start()
     return Engine(model, tokenizer, scheduler, model_spec,
                   served_model_name or ("SmolLM2-135M-Instruct" if model_spec == "smollm2" else f"turnstile-{os.path.basename(model_spec.rstrip('/'))}"),
                   engine_id or f"embedded-{socket.gethostname()}-{os.getpid()}", max_model_len)

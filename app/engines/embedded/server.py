@@ -141,8 +141,8 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
 
     @app.get("/v1/policy_version")
     def policy_version():
-        return jsonify({"policy_version": engine.scheduler.policy_version, "engine_id": engine.engine_id,
-                        "weights": engine.weights})
+        version, weights = engine.scheduler.serving()
+        return jsonify({"policy_version": version, "engine_id": engine.engine_id, "weights": weights})
 
     @app.post("/v1/load_weights")
     def load_weights():
@@ -167,10 +167,9 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
             except Exception as exc:  # safetensors raises its own SafetensorError on corrupt files
                 raise EngineError(f"cannot read checkpoint {path}: {exc}", param="path") from exc
         try:
-            new_version = engine.scheduler.reload(state, version)
+            new_version = engine.scheduler.reload(state, version, weights)
         except (ValueError, RuntimeError) as exc:
             raise EngineError(f"checkpoint does not fit the served model: {exc}", param="path") from exc
-        engine.weights = weights
         return jsonify({"policy_version": new_version, "path": path, "engine_id": engine.engine_id,
                         "weights": weights, "load_s": round(time.perf_counter() - started, 3)})
 

@@ -11,6 +11,8 @@ two admin requests (both need ``Authorization: Bearer <API token>``):
    the manifest must name exactly the files received for that version with the digests they were
    received with (else a 400 naming the file); then the weights are read and swapped in like
    ``POST /v1/load_weights`` does, and the received files are deleted (the weights are in memory).
+   ``weights`` names them (what ``GET /v1/policy_version`` reports); without it the name is
+   ``sha256:<SHA-256 of the manifest as sorted JSON>``.
 
 Answers are the engine's usual ones (``{"policy_version", "engine_id", "weights", "load_s"}``; errors in
 vLLM's error body).
@@ -104,12 +106,11 @@ def register(app: Flask, engine: Engine, require_admin: Callable[[], None]) -> N
         except Exception as exc:  # safetensors raises its own SafetensorError on corrupt files
             raise EngineError(f"cannot read checkpoint version {version}: {exc}", param="sha256") from exc
         try:
-            new_version = engine.scheduler.reload(state, policy_version)
+            new_version = engine.scheduler.reload(state, policy_version, weights)
         except (ValueError, RuntimeError) as exc:
             raise EngineError(f"checkpoint does not fit the served model: {exc}", param="sha256") from exc
         finally:
             received.pop(version, None)
             shutil.rmtree(folder, ignore_errors=True)  # the weights are in memory now
-        engine.weights = weights
         return jsonify({"policy_version": new_version, "engine_id": engine.engine_id, "weights": weights,
                         "load_s": round(time.perf_counter() - started, 3), "sha256": dict(sorted(manifest.items()))})
