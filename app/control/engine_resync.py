@@ -88,27 +88,18 @@ def running_needs() -> list[Needs]:
     """`Needs` of every running run: its own, or for an `eval_of` eval that loaded no checkpoint, its
     train run's (the train run may have ended: the final eval still samples its policy).  A run
     whose stored config no longer validates is logged and skipped, not allowed to stop the pass."""
-    from pydantic import ValidationError
-
     with session_scope() as s:
         running = s.execute(select(Run).where(Run.status == "running").order_by(Run.id)).scalars().all()
         wanted: dict[int, None] = {}  # run ids in order, each once
         for run in running:
-            try:
-                cfg = run.run_config()
-            except ValidationError as exc:
-                log.error("run=%s event=resync_skipped bad stored config: %s", run.id, exc)
-                continue
-            own = cfg.eval_of is None or run.start_weights() is not None
-            wanted[run.id if own else cfg.eval_of.run] = None
+            cfg = _config(run)
+            if cfg is not None:
+                own = cfg.eval_of is None or run.start_weights() is not None
+                wanted[run.id if own else cfg.eval_of.run] = None
         out = []
         for run_id in wanted:
             run = s.get(Run, run_id)
-            try:
-                cfg = run.run_config() if run is not None else None
-            except ValidationError as exc:
-                log.error("run=%s event=resync_skipped bad stored config: %s", run_id, exc)
-                continue
+            cfg = _config(run) if run is not None else None
             if cfg is None:
                 continue
             start = run.start_weights()
@@ -121,6 +112,17 @@ def running_needs() -> list[Needs]:
                 (Path(start[0]), start[1]) if start else None,
                 (step.policy_version, Path(step.checkpoint_path), (step.metrics or {}).get("adapter")) if step else None))
         return out
+
+
+def _config(run: Run):
+    """The run's `RunConfig`, or None (logged) when its stored config no longer validates."""
+    from pydantic import ValidationError
+
+    try:
+        return run.run_config()
+    except ValidationError as exc:
+        log.error("run=%s event=resync_skipped bad stored config: %s", run.id, exc)
+        return None
 
 
 def _resync(url: str, need: Needs, load_start: bool = True) -> dict[str, str]:

@@ -144,8 +144,9 @@ class EngineClient:
         return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
 
     def policy_version(self) -> int:
-        """``GET /v1/policy_version`` (embedded and scripted engines) -> the version it serves."""
-        return int(self.request("GET", "/v1/policy_version")["policy_version"])
+        """``GET /v1/policy_version`` (embedded and scripted engines) -> the version it serves
+        (``serving()[0]``; raises as ``serving``)."""
+        return self.serving()[0]
 
     def serving(self) -> tuple[int, str | None]:
         """``GET /v1/policy_version`` -> ``(policy version, weights name)``: the name
