@@ -19,8 +19,10 @@ Goal: < 2 ms p50 added per call, no throughput loss at 32 sessions on 2 cores.
 Token-rate mode (`--token-rate`): a paced engine (`bench/token_stream.py`, `--rate` tokens/s per
 stream, `--tokens` per answer) streams through ONE gateway worker process at each of
 `--sessions` (1,16,64,256) concurrent sessions on each of `--apis` (chat, anthropic, responses,
-gemini), side by side with the same load sent to the engine directly.  Per setting: the gateway's
-CPU per streamed token (µs: utime+stime of the gunicorn master and worker from /proc, over the
+gemini), side by side with the same load sent to the engine directly and, in Chat's shape, to the
+floor (`bench/gateway_floor.py`: the gateway's stack relaying the engine's bytes unparsed, unrecorded,
+unpaced; rows `floor/CLASS`).  Per setting: the gateway's
+CPU per streamed token (µs: run time of the gunicorn master's and worker's threads, `cpu_seconds`, over the
 tokens the clients received), aggregate streamed tokens/s and its ratio to direct, the added
 inter-token latency (gateway gap percentile minus direct, p50 and p99) and the added time to first
 token (p50).  `--stream-interval-ms 0,2` measures the gateway at each stream interval in turn
@@ -145,13 +147,22 @@ def latency(n: int, engine: str, gateway: str, token: str, model: str, reply: st
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of the processes and their children threads (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """CPU seconds the processes' threads have run (Linux: the nanosecond `/proc/PID/task/TID/schedstat`
+    run time; `/proc/PID/stat`'s utime + stime, in 10 ms ticks, where schedstat is missing).  At 200
+    tokens/s through one session a tick is 12 µs per token over a 4 s point, too coarse to read a
+    per-token cost; a thread that exits between two readings takes its time with it (the gateway's
+    workers keep theirs)."""
     total = 0.0
     for pid in pids:
         try:
+            total += sum(int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[0])
+                         for tid in os.listdir(f"/proc/{pid}/task")) / 1e9
+            continue
+        except (OSError, IndexError, ValueError):
+            pass
+        try:
             fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, IndexError):
             pass
     return total
@@ -186,10 +197,11 @@ def throughput(sessions: int, seconds: float, url: str, headers_for, body_for) -
 
 
 def start_gateway(env: dict, workers: int, threads: int, log_path: str,
-                  worker_class: str = "gthread", interval_ms: str | None = None) -> subprocess.Popen:
+                  worker_class: str = "gthread", interval_ms: str | None = None,
+                  app: str = "app.proxy:create_gateway_app()") -> subprocess.Popen:
+    """gunicorn serving `app` (the gateway, or `bench.gateway_floor:create_app()`) with the gateway's config."""
     extra = {} if interval_ms is None else {"TURNSTILE_GATEWAY_STREAM_INTERVAL_MS": interval_ms}
-    return subprocess.Popen([str(ROOT / ".venv/bin/gunicorn"), "-c", "workers/gateway_conf.py",
-                             "app.proxy:create_gateway_app()"], cwd=ROOT,
+    return subprocess.Popen([str(ROOT / ".venv/bin/gunicorn"), "-c", "workers/gateway_conf.py", app], cwd=ROOT,
                             env=dict(env, TURNSTILE_GATEWAY_WORKERS=str(workers), TURNSTILE_GATEWAY_THREADS=str(threads),
                                      TURNSTILE_GATEWAY_WORKER_CLASS=worker_class, **extra),
                             stderr=open(log_path, "ab"))
@@ -253,7 +265,7 @@ def token_rate(args, env: dict, tmp: str) -> None:
         print(f"token rate: engine {args.rate:.0f} tokens/s per stream, {args.tokens} tokens per answer, "
               f"{args.seconds:.0f} s per point; one gateway worker (gunicorn class[/stream interval ms]: "
               f"{' and '.join(classes)}); cores={os.cpu_count()}")
-        head = (f"{'class':<11}{'api':<10}{'sess':>5}{'direct tok/s':>13}{'gw tok/s':>10}{'ratio':>7}{'gw µs/tok':>10}"
+        head = (f"{'class':<14}{'api':<10}{'sess':>5}{'direct tok/s':>13}{'gw tok/s':>10}{'ratio':>7}{'gw µs/tok':>10}"
                 f"{'ITL+ p50 ms':>12}{'ITL+ p99 ms':>12}{'TTFT+ p50':>10}{'eng µs/tok':>11}{'cli µs/tok':>11}{'err':>5}")
         print(head)
         rows = []
@@ -264,21 +276,27 @@ def token_rate(args, env: dict, tmp: str) -> None:
             itl99 = (pct(g.gaps, 99) - pct(d.gaps, 99)) * 1e3 if g.gaps and d.gaps else float("nan")
             ttft = (pct(g.ttft, 50) - pct(d.ttft, 50)) * 1e3 if g.ttft and d.ttft else float("nan")
             us = gcpu * 1e6 / max(1, g.tokens)
-            line = (f"{wc:<11}{api:<10}{n:>5}{dr:>13.0f}{gr:>10.0f}{gr / dr if dr else 0:>7.2f}{us:>10.1f}{itl50:>12.2f}"
+            line = (f"{wc:<14}{api:<10}{n:>5}{dr:>13.0f}{gr:>10.0f}{gr / dr if dr else 0:>7.2f}{us:>10.1f}{itl50:>12.2f}"
                     f"{itl99:>12.2f}{ttft:>10.2f}{ecpu * 1e6 / max(1, g.tokens):>11.1f}"
                     f"{ccpu * 1e6 / max(1, g.tokens):>11.1f}{g.errors:>5}")
             print(line, flush=True)
             rows.append(line)
 
-        def restart(workers: int, wc: str, ms: str | None) -> list[int]:
+        def restart(workers: int, wc: str, ms: str | None, app: str = "app.proxy:create_gateway_app()") -> list[int]:
             stop(procs[1:])
             del procs[1:]
-            procs.append(start_gateway(env, workers, max(sessions) + 8, f"{tmp}/gateway.log", wc, ms))
+            procs.append(start_gateway(env, workers, max(sessions) + 8, f"{tmp}/gateway.log", wc, ms, app))
             wait(gateway)
             return gunicorn_pids(procs[1].pid)
 
-        # Direct once per setting, then each gateway variant in turn over every setting.
+        # Direct once per setting; the floor (the same stack relaying the engine's bytes, Chat
+        # shape) once per worker class; then each gateway variant in turn over every setting.
         direct = {n: measure(engine, n, maker("chat", True), [])[0] for n in sessions}
+        if args.floor:
+            for wc in dict.fromkeys(wc for wc, _ in variants):
+                floor_pids = restart(1, wc, None, "bench.gateway_floor:create_app()")
+                for n in sessions:
+                    row(f"floor/{wc}", "chat", n, direct[n], *measure(gateway, n, maker("chat", False), floor_pids))
         for (wc, ms), label in zip(variants, classes):
             gw_pids = restart(1, wc, ms)
             for n in sessions:
@@ -324,6 +342,8 @@ def main() -> None:
                          "to PREFIX-CLASS-API-N.raw")
     ap.add_argument("--profile-sessions", type=int, default=64,
                     help="token-rate mode: the session count --profile samples at")
+    ap.add_argument("--no-floor", dest="floor", action="store_false",
+                    help="token-rate mode: skip the floor rows (bench/gateway_floor.py relaying the engine's bytes)")
     ap.add_argument("--scale-workers", type=int, default=2,
                     help="token-rate mode: then 256 sessions over this many workers (0: skip)")
     args = ap.parse_args()

@@ -6,7 +6,7 @@ each, recording every call into one SQLite file) and the floor app (`bench/gatew
 the same stack answering a constant) run at once beside one scripted engine, and every round
 calls the engine directly, then each gateway, then the floor, so a change in the box's load
 falls on all of them alike.  Per checkout: p50 wall time added to the direct call, the part
-beyond the floor's, and CPU per call of its gunicorn processes (utime + stime from /proc)
+beyond the floor's, and CPU per call of its gunicorn processes (their threads' run time from /proc, `gateway.cpu_seconds`)
 beside the floor's.
 
 Usage: `.venv/bin/python bench/gateway_ab.py OLD_CHECKOUT NEW_CHECKOUT [--n 600]
