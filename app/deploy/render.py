@@ -9,7 +9,8 @@ What is rendered:
 * ConfigMap `<name>-config`: the settings every process shares (addresses of api, gateway and
   engines, bind addresses, var folder) plus the spec's `env`; secrets come from the existing
   Secret by `secretKeyRef` (DATABASE_URL, REDIS_URL, TURNSTILE_API_TOKEN), never as values;
-* Deployments + Services `api` (:8000) and `gateway` (:8100);
+* Deployments + Services `api` (:8000) and `gateway` (:8100); a gateway pod runs one gunicorn
+  worker per whole core it asks for (TURNSTILE_GATEWAY_WORKERS, unless the spec's env sets it);
 * one Deployment per CPU worker group, one container per Celery queue, with the pod's name as
   TURNSTILE_HOST_NAME.  The `rollout` container also consumes `rollout.<pod name>` (app.celery):
   the pod's own queue, which receives the rollouts of the runtimes that pod's `prepare`
@@ -146,11 +147,29 @@ def api(spec: DeploySpec) -> list[Obj]:
             _service(spec, "api", API_PORT)]
 
 
+# Kubernetes quantity suffixes (https://kubernetes.io/docs/reference/kubernetes-api/common-definitions/quantity/).
+_SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def gateway_workers(cpu: str) -> int:
+    """gunicorn worker processes for a gateway pod that asks for `cpu` (a Kubernetes quantity:
+    "4", "1.5", "500m"): one per whole core, at least one.  A gateway worker uses at most one core
+    (a gevent worker is one OS thread; a gthread worker's threads share one GIL), and relaying
+    streamed tokens is CPU-bound (bench/gateway.py --token-rate), so fewer workers than cores
+    leave the pod's cores idle while its streams wait."""
+    number = cpu.rstrip("mkKMGTi")
+    return max(1, int(float(number) * _SUFFIX[cpu[len(number):]]))
+
+
 def gateway(spec: DeploySpec) -> list[Obj]:
+    # TURNSTILE_GATEWAY_WORKERS follows the pod's CPU request unless the spec's env sets it (a
+    # container's own env would win over the ConfigMap that carries the spec's env).
+    env = ([] if "TURNSTILE_GATEWAY_WORKERS" in spec.env else
+           [{"name": "TURNSTILE_GATEWAY_WORKERS", "value": str(gateway_workers(spec.gateway.resources.cpu))}])
     c = _container(spec, "gateway", [PYTHON, "-m", "workers.launch", ".venv/bin/gunicorn", "-c",
                                      "workers/gateway_conf.py", "app.proxy:create_gateway_app()"],
                    _resources(spec.gateway.resources), ports=[{"containerPort": GATEWAY_PORT, "name": "http"}],
-                   readinessProbe={"tcpSocket": {"port": GATEWAY_PORT}, "periodSeconds": 10})
+                   readinessProbe={"tcpSocket": {"port": GATEWAY_PORT}, "periodSeconds": 10}, env=env)
     return [_deployment(spec, "gateway", spec.gateway.replicas, _pod(spec, "gateway", [c])),
             _service(spec, "gateway", GATEWAY_PORT)]
 

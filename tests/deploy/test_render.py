@@ -225,3 +225,22 @@ def test_a_bad_spec_is_refused_naming_the_field(tmp_path, capsys, change, messag
     assert cli_main(["deploy", "render", "--config", str(path), "--out", str(out)]) == 1
     assert message in capsys.readouterr().err
     assert not out.exists()  # nothing written
+
+
+@pytest.mark.parametrize("cpu,workers", [("4", 4), ("1.5", 1), ("500m", 1), ("2500m", 2), ("16", 16)])
+def test_a_gateway_pod_runs_a_worker_per_whole_core_it_asks_for(tmp_path, cpu, workers):
+    """A gateway worker uses at most one core (one gevent thread, or gthread's threads under one
+    GIL), so the pod's CPU request sets TURNSTILE_GATEWAY_WORKERS."""
+    spec = load_spec(_spec_file(tmp_path, lambda d: d.setdefault("gateway", {}).update(resources={"cpu": cpu})))
+    (c,) = _containers(_by(render(spec), "Deployment", "-gateway"))
+    assert {"name": "TURNSTILE_GATEWAY_WORKERS", "value": str(workers)} in c["env"]
+
+
+def test_the_spec_env_sets_the_gateway_workers_over_the_cpu_request(tmp_path):
+    def change(d):
+        d.setdefault("gateway", {}).update(resources={"cpu": "8"})
+        d.setdefault("env", {})["TURNSTILE_GATEWAY_WORKERS"] = "3"
+    objs = render(load_spec(_spec_file(tmp_path, change)))
+    (c,) = _containers(_by(objs, "Deployment", "-gateway"))
+    assert not any(e["name"] == "TURNSTILE_GATEWAY_WORKERS" for e in c["env"])  # a container's env would win
+    assert _by(objs, "ConfigMap", "-config")["data"]["TURNSTILE_GATEWAY_WORKERS"] == "3"
