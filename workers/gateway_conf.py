@@ -4,9 +4,10 @@ Worker class (TURNSTILE_GATEWAY_WORKER_CLASS): gevent by default, gthread on req
 streamed answer reads the engine's socket and writes the client's on one thread (gthread) or
 greenlet (gevent); writes are unbuffered, so every SSE event is flushed as it is yielded.  With
 gevent the worker is one OS thread switching greenlets at socket waits: no GIL hand-off between
-threads per read and write: 22-41 against 47-76 µs of CPU per streamed token from 16 to 256
-sessions on a quiet 2-core box, though more at one session (69-96 against 55-64; bench/gateway.py
---token-rate, docs/benchmarks.md).  Its patching makes
+threads per read and write: 28-40 against 47-61 µs of CPU per streamed token from 16 to 256
+sessions at 2,000 tokens/s, 80-151 against 121-165 at 200 tokens/s from 16 to 64, on a quiet 2-core
+box, though more at one fast session (60-83 against 53-66; bench/gateway.py --token-rate,
+docs/benchmarks.md).  Its patching makes
 select.poll, sockets, locks and time.sleep cooperative; psycopg 3 (>= 3.1.14) and redis-py
 cooperate as they are.  A long CPU burst in one request (a big body's JSON) holds the worker's
 other streams for its length, where gthread would interleave them every 5 ms (the GIL's switch
