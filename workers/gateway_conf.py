@@ -5,7 +5,7 @@ streamed answer reads the engine's socket and writes the client's on one thread 
 greenlet (gevent); writes are unbuffered, so every SSE event is flushed as it is yielded.  With
 gevent the worker is one OS thread switching greenlets at socket waits: no GIL hand-off between
 threads per read and write: 28-40 against 47-61 µs of CPU per streamed token from 16 to 256
-sessions at 2,000 tokens/s, 80-151 against 121-165 at 200 tokens/s from 16 to 64, on a quiet 2-core
+sessions at 2,000 tokens/s, 68-115 against 121-165 at 200 tokens/s from 16 to 64, on a quiet 2-core
 box, though more at one fast session (60-83 against 53-66; bench/gateway.py --token-rate,
 docs/benchmarks.md).  Its patching makes
 select.poll, sockets, locks and time.sleep cooperative; psycopg 3 (>= 3.1.14) and redis-py
