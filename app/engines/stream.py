@@ -608,7 +608,6 @@ class ChatStream:
             sock, self._sock = self._sock, None
         if sock is not None:
             self._drop_poller()
-        if sock is not None:
             if reuse and not self._cancelled:
                 self._t.pool.give(sock)
             else:
