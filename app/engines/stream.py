@@ -105,8 +105,8 @@ class _HubWait:
     """
 
     def __init__(self, sock: socket.socket) -> None:
-        from gevent.hub import get_hub
-        self._hub = get_hub()
+        from gevent.hub import Waiter, get_hub  # gevent is only imported where it already runs
+        self._hub, self._waiter = get_hub(), Waiter
         self._io = self._hub.loop.io(sock.fileno(), 1)  # 1: readable (libev's EV_READ)
         self._closed = False
 
@@ -114,8 +114,7 @@ class _HubWait:
         """True when the socket is readable, or the wait was closed, within `ms` ms (-1: no limit)."""
         if self._closed:
             return True  # the read that follows finds the connection gone
-        from gevent.hub import Waiter
-        waiter = Waiter(self._hub)
+        waiter = self._waiter(self._hub)
         self._io.start(waiter.switch, True)
         timer = None
         if ms >= 0:
@@ -374,8 +373,7 @@ class ChatStream:
                 return self._retry()
             return self._fail_head(EngineConnectionError(f"connection to engine {self.base_url} failed: "
                                                          f"{type(exc).__name__}: {exc}"))
-        self._drop_poller()
-        if _gevent_select():
+        if _gevent_select():  # (a replaced connection's watcher was released by `_retry`)
             self._poller = _HubWait(sock)
         else:
             self._poller = select.poll()
