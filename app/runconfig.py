@@ -25,6 +25,11 @@ MAX_OPD_TOPK = 20
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
 RuntimeKind = Literal["auto", "local", "oci", "docker", "podman"]
+# The weight update mode: what an engine does with running requests when new weights arrive.
+# keep: they freeze between two decode steps and continue on the new weights; wait: they finish on the
+# old weights first (new ones queue); abort: they end now with their partial answer (finish_reason "abort").
+WeightUpdateMode = Literal["keep", "wait", "abort"]
+WEIGHT_UPDATE_MODES: tuple[str, ...] = get_args(WeightUpdateMode)
 RUNTIME_KINDS: tuple[str, ...] = get_args(RuntimeKind)
 ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
 LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
@@ -56,6 +61,15 @@ class ModelChoice(BaseModel):
         None, description="weights loaded into the engines before the run starts (and, for a train run, the "
                           "weights it trains from: its policy version 0); a checkpoint model folder or, for eval and "
                           "collect runs, 'run:<id>' (that train run's newest checkpoint)")
+    weight_update_mode: WeightUpdateMode = Field(
+        "keep", description="what the engines do with running requests when this run's new weights load: 'keep' (they "
+                            "continue between two decode steps on the new weights; every sampled token records the "
+                            "version that sampled it), 'wait' (they finish on the old weights first while new calls "
+                            "wait), 'abort' (they end with their partial answer, finish_reason 'abort')")
+    recompute_kv: bool = Field(
+        True, description="with weight_update_mode 'keep': re-prefill running requests' context under the new weights "
+                          "(false: their KV cache stays as the old weights computed it, a partial rollout; each token "
+                          "then also records the oldest version of the KV it was conditioned on)")
 
 
 class Budget(BaseModel):

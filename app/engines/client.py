@@ -233,17 +233,25 @@ class EngineClient:
     # --- weights (embedded engine) ----------------------------------------------------------
 
     def reload(self, path: str, policy_version: int, *, weights: str | None = None,
-               timeout: float | None = None) -> int:
-        """Load the checkpoint directory ``path`` and tag later completions with ``policy_version``
-        (``POST /v1/load_weights {"path", "policy_version", "weights"}``; ``weights`` names what
-        the engine then reports serving, default the folder's real path as the engine sees it).
+               timeout: float | None = None, mode: str | None = None, recompute_kv: bool | None = None) -> int:
+        """Load the checkpoint directory ``path`` and tag later tokens with ``policy_version``
+        (``POST /v1/load_weights {"path", "policy_version", "weights", "mode", "recompute_kv"}``;
+        ``weights`` names what the engine then reports serving, default the folder's real path as
+        the engine sees it).
 
-        Blocks until requests already running have finished on the old weights and the new
-        weights are in place; returns the engine's new policy version.
+        ``mode`` is the weight update mode (``keep``: running requests continue on the new weights
+        between two decode steps; ``wait``: they finish on the old ones first; ``abort``: they end
+        now; None: the engine's default); ``recompute_kv`` whether ``keep`` re-prefills them.
+        Blocks until the new weights are in place; returns the engine's new policy version.
+        Raises EngineHTTPError (400 with ``param`` "mode") for a mode the engine does not know.
         """
         body: dict[str, Any] = {"path": str(path), "policy_version": int(policy_version)}
         if weights is not None:
             body["weights"] = weights
+        if mode is not None:
+            body["mode"] = mode
+        if recompute_kv is not None:
+            body["recompute_kv"] = bool(recompute_kv)
         return int(self.request("POST", "/v1/load_weights", body, timeout=timeout,
                                 headers=self._admin_headers())["policy_version"])
 

@@ -10,14 +10,31 @@ position ids, so a row's numbers do not depend on its neighbours beyond float ro
 Finished or cancelled rows are removed with ``index_select`` and all-padding columns on
 the left are trimmed.
 
-Weight reload (``reload``): new admissions stop, running requests finish on the old
-weights (their events carry the old ``policy_version``), then the new state dict is
-copied in and the version bumped; requests that arrived meanwhile wait in the queue and
-run on the new weights.  No request is failed by a reload.
+Weight reload (``reload``), in one of three weight update modes:
+
+* ``keep`` (in-flight update): the new state dict is copied in at the top of the next loop
+  iteration, i.e. between two decode steps, and the version bumped.  Running requests keep
+  their place and sample their next tokens from the new weights.  With ``recompute_kv`` their
+  context (prompt + tokens sampled so far) is prefilled again under the new weights before they
+  decode on (their KV then matches the weights that sample); without it their KV cache stays as
+  the old weights computed it (a partial rollout: each token then records the oldest version of
+  the KV it attended to, ``TokenEvent.kv_version``).  Requests still prefilling restart their
+  prefill under the new weights (with ``recompute_kv``) or continue it.  New requests wait only
+  for the copy itself.  This is vLLM's ``pause_generation(mode="keep")``
+  (https://docs.vllm.ai/en/latest/training/async_rl/), done inside the engine loop.
+* ``wait`` (drain): new admissions stop, running requests finish on the old weights, then the
+  weights are copied in; requests that arrived meanwhile run on the new weights.
+* ``abort``: running and prefilling requests end now with what they sampled so far
+  (``Aborted``, finish_reason "abort" on the wire, as vLLM's ``mode=abort``), then the weights are
+  copied in.
+
+Every ``TokenEvent`` carries the policy version of the weights that sampled it, so a completion
+that spans an update is stamped per token, never from timestamps.
 
 Events put on ``GenerationRequest.events`` (a ``queue.Queue``), in order:
 ``Started(policy_version)``, then one ``TokenEvent`` per generated token (the last one has
-``finish_reason`` set), or ``Failed(message)`` at any point after an internal error.
+``finish_reason`` set), ``Aborted`` after a reload in mode ``abort``, or ``Failed(message)`` at
+any point after an internal error.
 """
 from __future__ import annotations
 
@@ -36,6 +53,7 @@ from app.engines.modeling import load_state_into
 from app.engines.embedded import adapters
 from app.engines.embedded.prefix_cache import PrefixCache
 from app.engines.embedded.sampling import SamplingParams, TokenSample, sample_batch
+from app.runconfig import WEIGHT_UPDATE_MODES
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +68,16 @@ class TokenEvent:
     sample: TokenSample
     finish_reason: str | None = None   # "stop" | "length" | None while running
     stop_token_id: int | None = None   # the stop token that ended generation (vLLM's stop_reason)
+    policy_version: int | None = None  # version of the weights that sampled this token
+    kv_version: int | None = None      # oldest version of the KV this token attended to (< policy_version
+                                       # only after a `keep` update without recompute_kv)
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """The request was ended by a weight update in mode ``abort``; its sampled tokens stand."""
+
+    policy_version: int
 
 
 @dataclass(frozen=True)
@@ -80,6 +108,27 @@ class GenerationRequest:
         self.cancelled.set()
 
 
+def check_update_mode(mode: str) -> str:
+    """``mode`` if it is a weight update mode (``WEIGHT_UPDATE_MODES``); else ValueError naming them."""
+    if mode not in WEIGHT_UPDATE_MODES:
+        raise ValueError(f"unknown weight update mode {mode!r}; choose one of {', '.join(WEIGHT_UPDATE_MODES)}")
+    return mode
+
+
+@dataclass(eq=False)
+class _Reload:
+    """A reload asked for and not yet applied (``BatchScheduler.reload``)."""
+
+    state: dict
+    policy_version: int
+    weights: str | None
+    mode: str
+    recompute_kv: bool
+    done: threading.Event
+    box: dict
+    asked: float  # perf_counter when asked
+
+
 @dataclass(eq=False)
 class _Row:
     request: GenerationRequest
@@ -89,6 +138,14 @@ class _Row:
     last_token: int = -1               # sampled, not yet in the cache
     generated: int = 0
     tokens: list[int] = field(default_factory=list)  # prompt + sampled ids (for the prefix cache)
+    context: list[int] | None = None   # ids to prefill: the prompt (None), or, when a `keep` update
+                                       # recomputes a running row's KV, its tokens already in the cache
+    kv_version: int = 0                # oldest policy version among the KV entries of this row
+
+    @property
+    def resuming(self) -> bool:
+        """A running row whose KV is being prefilled again after a weight update (no new sample)."""
+        return self.context is not None
 
 
 class BatchScheduler:
@@ -102,10 +159,17 @@ class BatchScheduler:
         prefix_cache_tokens: token budget of the prefix cache (0 disables it).
         weights: the name of the weights ``model`` holds (``app.engines.client.weights_label``),
             reported with the version until a reload names others.
+        update_mode: the weight update mode of a reload that names none ("keep", "wait", "abort").
+        recompute_kv: whether a ``keep`` reload that does not say re-prefills running requests.
+
+    Raises ValueError for an unknown ``update_mode``.
     """
 
     def __init__(self, model: PreTrainedModel, max_batch: int = 8, prefill_chunk: int = 512,
-                 policy_version: int = 0, prefix_cache_tokens: int = 16384, weights: str = "") -> None:
+                 policy_version: int = 0, prefix_cache_tokens: int = 16384, weights: str = "",
+                 update_mode: str = "keep", recompute_kv: bool = True) -> None:
+        self.update_mode = check_update_mode(update_mode)
+        self.recompute_kv = bool(recompute_kv)
         self.model = model
         self.device = next(model.parameters()).device
         self.max_batch = max_batch
@@ -125,7 +189,9 @@ class BatchScheduler:
         self._running = False
         self._thread: threading.Thread | None = None
         self.stats = {"decode_steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "reloads": 0,
-                      "prefix_hit_tokens": 0}
+                      "prefix_hit_tokens": 0, "recompute_tokens": 0, "aborted_requests": 0,
+                      "reload_drain_s": 0.0, "reload_load_s": 0.0, "reloads_keep": 0, "reloads_wait": 0,
+                      "reloads_abort": 0}
 
     # ------------------------------------------------------------------ public API
     def start(self) -> "BatchScheduler":
@@ -153,18 +219,25 @@ class BatchScheduler:
             self._cond.notify_all()
         return request
 
-    def reload(self, state: dict[str, torch.Tensor], policy_version: int, weights: str | None = None) -> int:
-        """Load ``state`` (a full state dict) once running requests have finished; return the new version.
+    def reload(self, state: dict[str, torch.Tensor], policy_version: int, weights: str | None = None, *,
+               mode: str | None = None, recompute_kv: bool | None = None) -> int:
+        """Load ``state`` (a full state dict) in weight update ``mode``; return the new version.
 
+        ``mode`` None uses the scheduler's ``update_mode``; ``recompute_kv`` None its
+        ``recompute_kv`` (module docstring: what each mode does with running requests).
         ``weights`` names them (kept when None); name and version change together (``serving``).
-        Blocks the caller until the weights are in place.  Raises whatever
-        ``load_state_into`` raises (the old weights, name and version then stay active).
+        Blocks the caller until the weights are in place.  Raises ValueError for an unknown mode,
+        and whatever ``load_state_into`` raises (the old weights, name and version then stay
+        active and running requests go on as they were).
         """
+        mode = check_update_mode(mode or self.update_mode)
+        recompute = self.recompute_kv if recompute_kv is None else bool(recompute_kv)
         with self._reload_lock:
             done = threading.Event()
             box: dict = {}
             with self._cond:
-                self._pending_reload = (state, int(policy_version), weights, done, box)
+                self._pending_reload = _Reload(state, int(policy_version), weights, mode, recompute, done, box,
+                                               time.perf_counter())
                 self._cond.notify_all()
             done.wait()
             if "error" in box:
@@ -194,7 +267,7 @@ class BatchScheduler:
             with self._cond:
                 if not self._running:
                     return
-                self._apply_reload_if_drained()
+                self._apply_reload_if_ready()
                 self._admit()
                 if not self._active and not self._prefilling:
                     self._cond.wait(0.5)
@@ -213,24 +286,62 @@ class BatchScheduler:
                     self._prefilling, self._active = [], []
                     self._cache, self._mask = None, None
 
-    def _apply_reload_if_drained(self) -> None:
-        if self._pending_reload is None or self._active or self._prefilling:
+    def _apply_reload_if_ready(self) -> None:
+        """Apply a pending reload now if its mode allows it (``wait``: only once drained)."""
+        pending = self._pending_reload
+        if pending is None or (pending.mode == "wait" and (self._active or self._prefilling)):
             return
-        state, version, weights, done, box = self._pending_reload
+        drained = time.perf_counter()
         try:
-            started = time.perf_counter()
-            load_state_into(self.model, state)
-            self.prefix_cache.clear()  # cached KV was computed by the old weights
-            self.policy_version = version
-            if weights is not None:
-                self.weights = weights
-            self.stats["reloads"] += 1
-            log.info("loaded weights for policy version %d in %.2fs", version, time.perf_counter() - started)
+            load_state_into(self.model, pending.state)
         except Exception as exc:  # noqa: BLE001 (handed to the waiting reload request, which raises it)
-            box["error"] = exc
+            pending.box["error"] = exc  # nothing was changed for the running requests
+        else:
+            self.prefix_cache.clear()  # cached KV was computed by the old weights
+            self.policy_version = pending.policy_version
+            if pending.weights is not None:
+                self.weights = pending.weights
+            if pending.mode == "abort":
+                self._abort_all()
+            elif pending.mode == "keep" and pending.recompute_kv:
+                self._recompute_all()
+            loaded = time.perf_counter()
+            self.stats["reloads"] += 1
+            self.stats[f"reloads_{pending.mode}"] += 1
+            self.stats["reload_drain_s"] += drained - pending.asked
+            self.stats["reload_load_s"] += loaded - drained
+            log.info("loaded weights for policy version %d in %.2fs (mode %s, %.2fs after the request)",
+                     pending.policy_version, loaded - drained, pending.mode, loaded - pending.asked)
         finally:
             self._pending_reload = None
-            done.set()
+            pending.done.set()
+
+    def _abort_all(self) -> None:
+        """End every running and prefilling request with the tokens it has (mode ``abort``)."""
+        for row in self._prefilling + self._active:
+            row.request.events.put(Aborted(self.policy_version))
+            self.stats["aborted_requests"] += 1
+        self._prefilling, self._active = [], []
+        self._cache, self._mask = None, None
+
+    def _recompute_all(self) -> None:
+        """Send every running row back to prefill its cached tokens under the new weights
+        (``keep`` with ``recompute_kv``); rows mid-prefill start their prefill again."""
+        for row in self._prefilling:
+            row.cache, row.prefilled = DynamicCache(), 0
+            row.kv_version = self._version_of(row.request)
+        resumed = []
+        for row in self._active:
+            resumed.append(_Row(row.request, cache=DynamicCache(), last_token=row.last_token,
+                                generated=row.generated, tokens=row.tokens, context=row.tokens[:row.num_tokens],
+                                kv_version=self._version_of(row.request)))
+        # Running rows go first: they hold a harness's open stream, new prompts have not started one.
+        self._prefilling = resumed + self._prefilling
+        self._active, self._cache, self._mask = [], None, None
+
+    def _version_of(self, request: GenerationRequest) -> int:
+        """The version that samples ``request``'s next token: its adapter's, or the base weights'."""
+        return request.adapter.policy_version if request.adapter is not None else self.policy_version
 
     def _admit(self) -> None:
         while (self._waiting and self._pending_reload is None
@@ -239,9 +350,10 @@ class BatchScheduler:
             if request.cancelled.is_set():
                 continue
             # An adapter request is answered by that adapter's version (its run's policy version).
-            request.policy_version = request.adapter.policy_version if request.adapter else self.policy_version
+            request.policy_version = self._version_of(request)
             request.events.put(Started(request.policy_version))
-            self._prefilling.append(_Row(request, cache=DynamicCache(), tokens=list(request.prompt_ids)))
+            self._prefilling.append(_Row(request, cache=DynamicCache(), tokens=list(request.prompt_ids),
+                                         kv_version=request.policy_version))
 
     # ------------------------------------------------------------------ model steps
     def _prefill_step(self, row: _Row) -> None:
@@ -249,27 +361,32 @@ class BatchScheduler:
         if request.cancelled.is_set():
             self._prefilling.remove(row)
             return
+        context = request.prompt_ids if row.context is None else row.context
         if row.prefilled == 0:
-            hit = self.prefix_cache.lookup(request.prompt_ids, request.cache_key)
+            hit = self.prefix_cache.lookup(context, request.cache_key)
             if hit is not None:
                 row.cache = DynamicCache(ddp_cache_data=hit.layers)
                 row.prefilled = hit.length
                 self.stats["prefix_hit_tokens"] += hit.length
         start = row.prefilled
-        chunk = request.prompt_ids[start:start + self.prefill_chunk]
+        chunk = context[start:start + self.prefill_chunk]
         ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(chunk), dtype=torch.long, device=self.device).unsqueeze(0)
         with adapters.rows([request.adapter], self.device):
             out = self.model(input_ids=ids, position_ids=positions, past_key_values=row.cache,
                              use_cache=True, logits_to_keep=1)
         row.prefilled += len(chunk)
-        self.stats["prefill_tokens"] += len(chunk)
-        if row.prefilled < len(request.prompt_ids):
+        self.stats["recompute_tokens" if row.resuming else "prefill_tokens"] += len(chunk)
+        if row.prefilled < len(context):
             return
         row.num_tokens = row.prefilled
-        sample = sample_batch(out.logits[:, -1, :].cpu(), [request.params])[0]
-        if not self._emit(row, sample):
+        if row.resuming:  # its next input is the token it sampled before the update: decode on
+            row.context = None
             self._join_batch(row)
+        else:
+            sample = sample_batch(out.logits[:, -1, :].cpu(), [request.params])[0]
+            if not self._emit(row, sample):
+                self._join_batch(row)
         # Removed only now, so load() never sees an in-flight request in neither list.
         self._prefilling.remove(row)
 
@@ -306,7 +423,7 @@ class BatchScheduler:
             finish, stop_token = "stop", sample.token_id
         elif row.generated >= request.max_tokens:
             finish = "length"
-        request.events.put(TokenEvent(sample, finish, stop_token))
+        request.events.put(TokenEvent(sample, finish, stop_token, self._version_of(request), row.kv_version))
         return finish is not None
 
     # ------------------------------------------------------------------ batch KV cache
@@ -339,7 +456,8 @@ class BatchScheduler:
         if not rows:
             return
         if keep_prefix and self.prefix_cache.max_tokens:
-            for row in rows:  # the row's real tokens are its last num_tokens cache columns
+            # KV computed by older weights (a `keep` update without recompute) is not reused.
+            for row in (r for r in rows if r.kv_version == self._version_of(r.request)):  # the row's real tokens are its last num_tokens cache columns
                 i, n = self._active.index(row), row.num_tokens
                 self.prefix_cache.store(row.tokens[:n], [
                     (layer.keys[i:i + 1, :, -n:].clone(), layer.values[i:i + 1, :, -n:].clone())

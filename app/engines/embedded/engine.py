@@ -46,10 +46,13 @@ class Engine:
 def build_engine(model_spec: str, *, max_batch: int = 8, prefill_chunk: int = 512,
                  max_model_len: int = DEFAULT_MAX_MODEL_LEN, served_model_name: str | None = None,
                  engine_id: str | None = None, policy_version: int | None = None,
-                 threads: int | None = None, prefix_cache_tokens: int = 16384) -> Engine:
+                 threads: int | None = None, prefix_cache_tokens: int = 16384, update_mode: str = "keep",
+                 recompute_kv: bool = True) -> Engine:
     """Load the model and start the scheduler thread.
 
     ``policy_version`` defaults to the checkpoint's ``turnstile.json`` value, else 0.
+    ``update_mode`` / ``recompute_kv``: what a weight load that names no mode does with running
+    requests (``BatchScheduler``).
     ``threads`` (torch intra-op threads) defaults to the ``TURNSTILE_ENGINE_THREADS`` setting (1): on a
     shared box OpenMP's spinning barriers make 2 threads up to 10x slower whenever another
     process holds a core; raise it only where the engine owns its cores.
@@ -66,7 +69,8 @@ def build_engine(model_spec: str, *, max_batch: int = 8, prefill_chunk: int = 51
         policy_version = int(read_metadata(model_spec).get("policy_version", 0)) if os.path.isdir(model_spec) else 0
     scheduler = BatchScheduler(model, max_batch=max_batch, prefill_chunk=prefill_chunk,
                                policy_version=policy_version, prefix_cache_tokens=prefix_cache_tokens,
-                               weights=weights_label(model_spec)).start()
+                               weights=weights_label(model_spec), update_mode=update_mode,
+                               recompute_kv=recompute_kv).start()
     return Engine(model, tokenizer, scheduler, model_spec,
                   served_model_name or ("SmolLM2-135M-Instruct" if model_spec == "smollm2" else f"turnstile-{os.path.basename(model_spec.rstrip('/'))}"),
                   engine_id or f"embedded-{socket.gethostname()}-{os.getpid()}", max_model_len)

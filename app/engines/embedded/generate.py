@@ -19,7 +19,7 @@ from flask import Response, jsonify, request
 
 from app.engines.disconnect import client_gone_probe
 from app.engines.embedded import adapters
-from app.engines.embedded.batching import Failed, GenerationRequest, Started, TokenEvent
+from app.engines.embedded.batching import Aborted, Failed, GenerationRequest, Started, TokenEvent
 from app.engines.embedded.engine import Engine
 from app.engines.embedded.outputs import (
     ChatOptions,
@@ -30,6 +30,7 @@ from app.engines.embedded.outputs import (
     completion_object,
     new_completion_id,
     usage,
+    version_fields,
 )
 from app.engines.embedded.templates import TemplateError, render_prompt
 from app.engines.embedded.validation import EngineError, get_field, json_body, resolve_max_tokens, sampling_params, stop_strings
@@ -128,6 +129,8 @@ def _collect(req: GenerationRequest, assembler: ChoiceAssembler) -> tuple[list, 
             raise EngineError(event.message, status=500)
         elif isinstance(event, TokenEvent):
             deltas.append(assembler.add(event))
+        elif isinstance(event, Aborted):
+            deltas.append(assembler.abort())
         if assembler.finished:
             break
     return deltas, version
@@ -227,7 +230,9 @@ def completions(engine: Engine) -> Response:
             elif isinstance(event, Failed):
                 raise EngineError(event.message, status=500)
             elif isinstance(event, TokenEvent):
-                yield version, assembler.add(event)
+                yield event.policy_version, assembler.add(event)
+            elif isinstance(event, Aborted):
+                yield version, assembler.abort()
 
     if not get_field(body, "stream", bool, False):
         try:
@@ -235,6 +240,7 @@ def completions(engine: Engine) -> Response:
             out = completion_object(options, completion_id, created, version, engine.engine_id,
                                     [completion_choice(options, deltas)])
             out["usage"] = usage(len(prompt_ids), len(assembler.token_ids))
+            out.update(version_fields(deltas))
             if options.return_token_ids:
                 out["prompt_token_ids"] = prompt_ids
             return jsonify(out)
@@ -251,6 +257,8 @@ def completions(engine: Engine) -> Response:
                     continue
                 chunk = completion_object(options, completion_id, created, version, engine.engine_id,
                                           [completion_choice(options, [delta])])
+                if delta.kv_version is not None and delta.kv_version != delta.policy_version:
+                    chunk["kv_version"] = delta.kv_version
                 if options.return_token_ids and len(assembler.token_ids) == 1:
                     chunk["prompt_token_ids"] = prompt_ids
                 yield _sse(chunk)
@@ -285,8 +293,8 @@ def _stream(engine: Engine, req: GenerationRequest, assembler: ChoiceAssembler, 
                 yield _sse({"error": {"message": event.message, "type": "InternalServerError", "param": None,
                                       "code": 500}})
                 break
-            elif isinstance(event, TokenEvent):
-                chunk = builder.delta(assembler.add(event))
+            elif isinstance(event, (TokenEvent, Aborted)):
+                chunk = builder.delta(assembler.add(event) if isinstance(event, TokenEvent) else assembler.abort())
                 if chunk is not None:
                     yield _sse(chunk)
         if builder is not None and assembler.finished and options.include_usage:

@@ -91,6 +91,24 @@ class ChoiceDelta:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    policy_version: int | None = None  # the weights that sampled this delta's token (None: no token)
+    kv_version: int | None = None      # oldest version of the KV that token attended to
+
+
+def version_runs(deltas: list[ChoiceDelta], attr: str = "policy_version") -> list[list[int]]:
+    """Run-length encoding ``[[first token index, version], ...]`` of the per-token versions of
+    ``deltas`` (``attr``: "policy_version" or "kv_version"), over their sampled tokens in order.
+
+    One run for a completion sampled by one version; a completion that spans a ``keep`` weight
+    update has one run per version.  Deltas without a version (none here) are skipped."""
+    runs: list[list[int]] = []
+    position = 0
+    for d in deltas:
+        version = getattr(d, attr)
+        if d.token_ids and version is not None and (not runs or runs[-1][1] != version):
+            runs.append([position, int(version)])
+        position += len(d.token_ids)
+    return runs
 
 
 class ChoiceAssembler:
@@ -129,7 +147,8 @@ class ChoiceAssembler:
 
     def add(self, event: TokenEvent) -> ChoiceDelta:
         """Account for one token; the returned delta has ``finish_reason`` set when the choice ended."""
-        delta = ChoiceDelta(token_ids=[event.sample.token_id])
+        delta = ChoiceDelta(token_ids=[event.sample.token_id], policy_version=event.policy_version,
+                            kv_version=event.kv_version)
         self.token_ids.append(event.sample.token_id)
         if self.options.logprobs:
             delta.logprobs.append(self._logprob_entry(event))
@@ -147,6 +166,21 @@ class ChoiceAssembler:
             self.finished = True
             if delta.finish_reason == "stop" and self._parser is not None and self._parser.calls:
                 delta.finish_reason = "tool_calls"
+        return delta
+
+    def abort(self) -> ChoiceDelta:
+        """End the choice with finish_reason "abort" (a weight update in mode ``abort``): the
+        text held back (a partial UTF-8 character, a possible stop string) is shown as it is."""
+        delta = ChoiceDelta(finish_reason="abort")
+        if self.token_ids:
+            with self.texts.lock:
+                full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.options.skip_special_tokens)
+            if full.startswith(self._text):
+                self._text = full
+        piece = self._text[self._emitted:]
+        self._emitted = len(self._text)
+        self._route_text(delta, piece, final=True)
+        self.finished = True
         return delta
 
     def _detokenize(self, token_id: int, done: bool) -> None:
@@ -205,6 +239,19 @@ def _envelope(kind: str, completion_id: str, created: int, options: ChatOptions,
             "policy_version": policy_version}
 
 
+def version_fields(deltas: list[ChoiceDelta]) -> dict[str, Any]:
+    """The per-token version fields of a whole (non-stream) answer: ``policy_versions`` (runs of
+    the sampling version, ``version_runs``), and ``kv_versions`` where some token attended to KV
+    of older weights than sampled it; the envelope's ``policy_version`` is the first token's."""
+    runs = version_runs(deltas)
+    out: dict[str, Any] = {"policy_versions": runs} if runs else {}
+    if any(d.kv_version is not None and d.kv_version != d.policy_version for d in deltas):
+        out["kv_versions"] = version_runs(deltas, "kv_version")
+    if runs:
+        out["policy_version"] = runs[0][1]
+    return out
+
+
 def new_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -225,9 +272,9 @@ class ChunkBuilder:
         self.completion_id = new_completion_id()
         self.created = int(time.time())
 
-    def _chunk(self, choices: list[dict]) -> dict:
+    def _chunk(self, choices: list[dict], policy_version: int | None = None) -> dict:
         out = _envelope("chat.completion.chunk", self.completion_id, self.created, self.options,
-                        self.policy_version, self.engine_id)
+                        self.policy_version if policy_version is None else policy_version, self.engine_id)
         out["choices"] = choices
         if self.options.include_usage:
             out["usage"] = None
@@ -257,7 +304,12 @@ class ChunkBuilder:
             choice["stop_reason"] = d.stop_reason
         if self.options.return_token_ids:
             choice["token_ids"] = d.token_ids
-        return self._chunk([choice])
+        # Each chunk is stamped with the version that sampled its token: a stream that spans a
+        # `keep` weight update changes version between two chunks (the gateway records the runs).
+        chunk = self._chunk([choice], d.policy_version)
+        if d.kv_version is not None and d.kv_version != d.policy_version:
+            chunk["kv_version"] = d.kv_version
+        return chunk
 
     def usage_chunk(self, completion_tokens: int) -> dict:
         chunk = self._chunk([])
@@ -284,6 +336,7 @@ def build_response(options: ChatOptions, prompt_ids: list[int], deltas: list[Cho
     out = _envelope("chat.completion", new_completion_id(), int(time.time()), options, policy_version, engine_id)
     out["choices"] = [choice]
     out["usage"] = usage(len(prompt_ids), len(token_ids))
+    out.update(version_fields(deltas))
     if options.return_token_ids:
         out["prompt_token_ids"] = prompt_ids
     return out

@@ -18,9 +18,14 @@ Routes (shapes follow vLLM's OpenAI server, https://docs.vllm.ai/en/latest/servi
   (the "tokens in, tokens out" path: the caller renders the template, no re-tokenization);
   with vLLM's ``prompt_logprobs`` a prefill-only scoring pass (``app.engines.embedded.scoring``).
 * ``POST /tokenize`` / ``POST /detokenize``, ``GET /v1/models``, ``GET /health``.
-* ``POST /v1/load_weights {"path", "policy_version", "weights"}`` → ``{"policy_version", "weights"}`` and
-  ``GET /v1/policy_version`` → ``{"policy_version", "engine_id", "weights"}``: see
-  ``BatchScheduler.reload`` for the in-flight rule.  ``weights`` names what is served
+* ``POST /v1/load_weights {"path", "policy_version", "weights", "mode", "recompute_kv"}`` →
+  ``{"policy_version", "weights"}`` and ``GET /v1/policy_version`` → ``{"policy_version", "engine_id",
+  "weights"}``: ``mode`` is the weight update mode (``keep`` | ``wait`` | ``abort``, default the
+  engine's ``--weight-update-mode``; an unknown one is a 400 naming ``mode``), see
+  ``BatchScheduler.reload`` for what each does with running requests.  Under ``keep`` every
+  chunk's ``policy_version`` is the version that sampled its token (``kv_version`` is added
+  where the token attended to KV of older weights), and a non-stream answer carries
+  ``policy_versions`` runs ``[[first token index, version], ...]``.  ``weights`` names what is served
   (``app.engines.client.weights_label``: the caller's name, else the folder's real path; the
   start spec's after a start or ``{"base": true}``).  Loading
   weights is an admin route: it needs ``Authorization: Bearer <API token>`` (``app.auth``; 401
@@ -53,7 +58,8 @@ from werkzeug.exceptions import HTTPException
 from app.engines.embedded import generate, scoring
 from app.engines.embedded import adapters, uploads
 from app.engines.embedded.engine import DEFAULT_MAX_MODEL_LEN, Engine, build_engine
-from app.engines.embedded.validation import EngineError, get_field, json_body, weights_name
+from app.runconfig import WEIGHT_UPDATE_MODES
+from app.engines.embedded.validation import EngineError, get_field, json_body, update_mode_fields, weights_name
 from app.engines.client import weights_label
 from app.engines.modeling import load_model, read_state_dict
 
@@ -148,6 +154,7 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
     def load_weights():
         require_admin()
         body = json_body()
+        update = update_mode_fields(body)  # a bad mode is refused before any file is read
         started = time.perf_counter()
         if get_field(body, "base", bool, False):
             # Back to the weights this engine was started with (a run that starts from the base
@@ -167,7 +174,7 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
             except Exception as exc:  # safetensors raises its own SafetensorError on corrupt files
                 raise EngineError(f"cannot read checkpoint {path}: {exc}", param="path") from exc
         try:
-            new_version = engine.scheduler.reload(state, version, weights)
+            new_version = engine.scheduler.reload(state, version, weights, **update)
         except (ValueError, RuntimeError) as exc:
             raise EngineError(f"checkpoint does not fit the served model: {exc}", param="path") from exc
         return jsonify({"policy_version": new_version, "path": path, "engine_id": engine.engine_id,
@@ -196,6 +203,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-id")
     parser.add_argument("--policy-version", type=int)
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: TURNSTILE_ENGINE_THREADS, 1)")
+    parser.add_argument("--weight-update-mode", choices=WEIGHT_UPDATE_MODES, default="keep",
+                        help="what a weight load that names no mode does with running requests (default: keep)")
+    parser.add_argument("--no-recompute-kv", action="store_true",
+                        help="keep updates leave running requests' KV cache as the old weights computed it")
     args = parser.parse_args(argv)
     faulthandler.enable()  # a hard crash (signal) leaves a traceback of every thread in the log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -203,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
                             max_model_len=args.max_model_len, served_model_name=args.served_model_name,
                             engine_id=args.engine_id or f"embedded-{socket.gethostname()}-{args.port}",
                             policy_version=args.policy_version, threads=args.threads,
-                            prefix_cache_tokens=args.prefix_cache_tokens)
+                            prefix_cache_tokens=args.prefix_cache_tokens, update_mode=args.weight_update_mode,
+                            recompute_kv=not args.no_recompute_kv)
     from werkzeug.serving import make_server
 
     server = make_server(args.host, args.port, app, threaded=True)

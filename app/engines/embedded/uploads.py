@@ -30,7 +30,7 @@ from typing import Callable
 from flask import Flask, jsonify, request
 
 from app.engines.embedded.engine import Engine
-from app.engines.embedded.validation import EngineError, get_field, json_body, weights_name
+from app.engines.embedded.validation import EngineError, get_field, json_body, update_mode_fields, weights_name
 from app.engines.modeling import read_state_dict
 
 SHA_HEADER = "X-Turnstile-Sha256"
@@ -106,7 +106,7 @@ def register(app: Flask, engine: Engine, require_admin: Callable[[], None]) -> N
         except Exception as exc:  # safetensors raises its own SafetensorError on corrupt files
             raise EngineError(f"cannot read checkpoint version {version}: {exc}", param="sha256") from exc
         try:
-            new_version = engine.scheduler.reload(state, policy_version, weights)
+            new_version = engine.scheduler.reload(state, policy_version, weights, **update_mode_fields(body))
         except (ValueError, RuntimeError) as exc:
             raise EngineError(f"checkpoint does not fit the served model: {exc}", param="sha256") from exc
         finally:

@@ -50,6 +50,19 @@ def weights_name(body: dict, default: str) -> str:
     return name
 
 
+def update_mode_fields(body: dict) -> dict:
+    """A load request's weight update mode: ``{"mode": "keep"|"wait"|"abort"|None, "recompute_kv":
+    bool|None}`` (None: the engine's default), the keywords of ``BatchScheduler.reload``.
+    Raises EngineError (400, ``param`` the field) for an unknown mode or a non-boolean flag."""
+    from app.runconfig import WEIGHT_UPDATE_MODES
+
+    mode = get_field(body, "mode", str)
+    if mode is not None and mode not in WEIGHT_UPDATE_MODES:
+        raise EngineError(f"unknown weight update mode {mode!r}; choose one of {', '.join(WEIGHT_UPDATE_MODES)}",
+                          param="mode")
+    return {"mode": mode, "recompute_kv": get_field(body, "recompute_kv", bool)}
+
+
 def json_body() -> dict:
     """The current Flask request's JSON object (400 when missing or not an object)."""
     body = request.get_json(silent=True)

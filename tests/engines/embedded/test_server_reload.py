@@ -67,8 +67,8 @@ def test_bad_checkpoint_is_rejected_and_version_kept(engine, tmp_path):
 
 
 def test_requests_in_flight_and_arriving_during_reload_are_answered(engine, tmp_path):
-    """A long stream running when the reload starts finishes on the old version; a request
-    sent while the reload waits is held and answered with the new version; neither fails."""
+    """Mode `wait`: a long stream running when the reload starts finishes on the old version; a
+    request sent while the reload waits is held and answered with the new version; neither fails."""
     start_version = engine.client.policy_version()
     target = start_version + 1
     perturbed_checkpoint(tmp_path / "ckpt", seed=23, version=target)
@@ -80,7 +80,7 @@ def test_requests_in_flight_and_arriving_during_reload_are_answered(engine, tmp_
 
     reload_result: dict = {}
     reloader = threading.Thread(target=lambda: reload_result.setdefault(
-        "version", slow.reload(str(tmp_path / "ckpt"), target)))
+        "version", slow.reload(str(tmp_path / "ckpt"), target, mode="wait")))
     reloader.start()
     deadline = time.monotonic() + 30
     while True:
