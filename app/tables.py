@@ -228,7 +228,14 @@ class Completion(Base):
 
     `prompt_ids` (int32, [P]) are the ids the engine rendered; `sampled_ids` (int32, [S])
     and `logprobs` (float32 nats, [S]) are the engine's sampled tokens and their
-    log-probabilities under the weights of `policy_version`.
+    log-probabilities under the weights that sampled them.  `policy_version` is the version of
+    the first sampled token (the oldest); `policy_versions` the run-length encoded version of
+    every token, `[[first token index, version], ...]` in index order, from the engine's own
+    report (several runs when an in-flight weight update landed mid-completion; None on rows
+    older than per-token capture: `policy_version` then covers all).  `kv_versions` (same shape,
+    None when equal to `policy_versions`): the oldest version of the KV each token attended to,
+    older than its sampling version only after a `keep` update without KV recompute.
+    Encoding and decoding: `app.versions`.
     """
 
     __tablename__ = "completions"
@@ -258,6 +265,8 @@ class Completion(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
     engine_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
     policy_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    policy_versions: Mapped[list[list[int]] | None] = mapped_column(JSONType, nullable=True)
+    kv_versions: Mapped[list[list[int]] | None] = mapped_column(JSONType, nullable=True)
     queue_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     first_token_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     total_ms: Mapped[float | None] = mapped_column(Float, nullable=True)

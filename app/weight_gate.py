@@ -56,6 +56,38 @@ def reloading(engine_url: str, policy_version: int) -> Iterator[None]:
         r.delete(gate_key(engine_url))
 
 
+def updates_key(engine_url: str) -> str:
+    return f"turnstile:engine:{engine_url.rstrip('/')}:updates"
+
+
+UPDATES_KEPT = 64  # an engine's newest weight updates kept for stamping (far more than one completion spans)
+
+
+def record_update(engine_url: str, policy_version: int, paused_at: float, resumed_at: float) -> None:
+    """Note that `engine_url` (one that stamps no versions itself: vLLM) was paused from `paused_at`
+    to `resumed_at` (wall-clock seconds) to load `policy_version`; the gateway splits a stream's
+    tokens at the middle of the pause (`app.versions.from_arrivals`).  Redis errors propagate."""
+    r = _redis()
+    pipe = r.pipeline()
+    pipe.rpush(updates_key(engine_url), f"{int(policy_version)} {(paused_at + resumed_at) / 2:.6f}")
+    pipe.ltrim(updates_key(engine_url), -UPDATES_KEPT, -1)
+    pipe.execute()
+
+
+def recorded_updates(engine_url: str) -> list[tuple[int, float]]:
+    """`(policy version, split time)` of the engine's recorded weight updates, oldest first
+    (empty when none was recorded or Redis cannot be read: never fail a harness call for it)."""
+    try:
+        raw = _redis().lrange(updates_key(engine_url), 0, -1)
+    except redis_lib.RedisError:
+        return []
+    out = []
+    for item in raw:
+        version, split = item.decode().split()
+        out.append((int(version), float(split)))
+    return out
+
+
 def is_reloading(engine_url: str) -> bool:
     """True while the engine's gate is closed (cached for 100 ms per process; False if Redis is down)."""
     now = time.monotonic()

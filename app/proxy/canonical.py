@@ -27,6 +27,7 @@ import json
 import logging
 import re
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,12 @@ class Result:
     usage_completion_tokens: int | None = None
     cached_tokens: int = 0
     policy_version: int | None = None
+    # Per-token versions as the engine reported them, run-length encoded (`app.versions`): the
+    # weights that sampled each token, and the oldest KV each attended to where that differs.
+    policy_versions: list[list[int]] = field(default_factory=list)
+    kv_versions: list[list[int]] = field(default_factory=list)
+    # For an engine that stamps no versions (vLLM): (first token index, wall-clock arrival) per chunk.
+    arrivals: list[tuple[int, float]] = field(default_factory=list)
     flags: list[str] = field(default_factory=list)
     withheld_calls: list[ToolCall] = field(default_factory=list)  # sampled, not shown (`withhold_calls`)
     sampled_finish_reason: str | None = None  # the engine's, when withholding changed `finish_reason`
@@ -202,8 +209,13 @@ class ChunkNormalizer:
         self.first_chunk_seen = True
         if chunk.get("prompt_token_ids") is not None and r.prompt_ids is None:
             r.prompt_ids = list(chunk["prompt_token_ids"])
-        if isinstance(chunk.get("policy_version"), int):
-            r.policy_version = chunk["policy_version"]
+        version = chunk.get("policy_version")
+        if isinstance(version, int) and not isinstance(version, bool):
+            if r.policy_version is None:
+                r.policy_version = version
+            self._stamp(chunk, version)
+        elif chunk.get("choices"):
+            r.arrivals.append((len(r.sampled_ids), time.time()))
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             r.usage_prompt_tokens = usage.get("prompt_tokens", r.usage_prompt_tokens)
@@ -237,6 +249,25 @@ class ChunkNormalizer:
             if choice.get("stop_reason") is not None:
                 r.stop_reason = choice["stop_reason"]
         return _shown(events, self.max_calls)
+
+    def _stamp(self, chunk: dict, version: int) -> None:
+        """Extend the per-token version runs by this chunk's sampled tokens: the engine stamps
+        each chunk with the version that sampled its tokens (`kv_version` where their KV is older)."""
+        r = self.result
+        count = sum(len(c.get("token_ids") or []) for c in chunk.get("choices") or [] if c.get("index", 0) == 0)
+        if not count:
+            return
+        kv = chunk.get("kv_version")
+        kv = kv if isinstance(kv, int) and not isinstance(kv, bool) else version
+        start = len(r.sampled_ids)
+        if kv != version and not r.kv_versions:  # the first stale-KV token: earlier ones had their own
+            r.kv_versions = [list(run) for run in r.policy_versions]
+        if not r.policy_versions or r.policy_versions[-1][1] != version:
+            r.policy_versions.append([start, version])
+        if r.kv_versions and r.kv_versions[-1][1] != kv:
+            r.kv_versions.append([start, kv])
+        elif not r.kv_versions and kv != version:
+            r.kv_versions.append([start, kv])
 
     def _tool_fragment(self, tc: dict) -> list[tuple]:
         r = self.result
@@ -371,6 +402,10 @@ def result_from_completion(body: dict, taken: set[str] | frozenset = frozenset()
         r.prompt_ids = list(body["prompt_token_ids"])
     if isinstance(body.get("policy_version"), int):
         r.policy_version = body["policy_version"]
+    for name in ("policy_versions", "kv_versions"):  # the embedded engine's per-token runs
+        runs = body.get(name)
+        if isinstance(runs, list) and all(isinstance(x, list) and len(x) == 2 for x in runs):
+            setattr(r, name, [list(x) for x in runs])
     usage = body.get("usage") or {}
     r.usage_prompt_tokens = usage.get("prompt_tokens")
     r.usage_completion_tokens = usage.get("completion_tokens")

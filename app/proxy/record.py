@@ -45,6 +45,7 @@ from typing import Any
 from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
+from app import versions, weight_gate
 from app.db import get_engine, session_scope
 from app.tables import Completion, Episode
 from app.proxy import limits, sampling
@@ -105,9 +106,13 @@ class Capture:
     normalized_request: dict
     policy_version_fallback: int
     engine_id: str | None = None
+    # Stamp tokens from the engine's recorded weight updates when it reports no versions (vLLM),
+    # for calls on the full weights; an adapter's version is its step's, whatever the base does.
+    stamp_from_updates: bool = True
     attempt: int = 1  # the episode's rollout attempt whose session token the call used
     t0: float = field(default_factory=time.perf_counter)
     t_accepted: float | None = None
+    t_accepted_wall: float | None = None  # time.time() of the same moment (versions of vLLM answers)
     t_first: float | None = None
     written: bool = False
 
@@ -125,6 +130,7 @@ class Capture:
         on the record and the wire body are separate objects.
         """
         self.t_accepted = t_accepted
+        self.t_accepted_wall = time.time()
         self.normalized_request = {k: v for k, v in self.normalized_request.items() if k not in SPLICED_FIELDS}
 
 
@@ -153,7 +159,7 @@ def write_completion(cap: Capture, result: Result, response: dict | None, respon
         prompt_ids=result.prompt_ids, sampled_ids=list(result.sampled_ids), logprobs=list(result.logprobs),
         finish_reason=result.sampled_finish_reason if result.withheld_calls else result.finish_reason,
         engine_id=cap.engine_id,
-        policy_version=result.policy_version if result.policy_version is not None else cap.policy_version_fallback,
+        **_versions(result, cap),
         queue_ms=cap.ms(cap.t_accepted), first_token_ms=cap.ms(cap.t_first), total_ms=cap.ms(time.perf_counter()),
         partial=partial, error=error,
     )
@@ -173,6 +179,27 @@ def write_completion(cap: Capture, result: Result, response: dict | None, respon
         except IntegrityError:
             time.sleep(0.001 * (attempt + 1))  # a seq taken by a writer that did not lock (cannot happen here)
     raise RuntimeError(f"could not allocate a completion seq for episode {cap.episode_id}")
+
+
+def _versions(result: Result, cap: Capture) -> dict:
+    """The completion's version columns: `policy_version` (its first token's), `policy_versions`
+    and `kv_versions` (runs, `app.versions`).
+
+    From the engine's own per-token stamps where they fit the sampled tokens (the embedded
+    engine); else, for an engine that stamps none (vLLM), from when each chunk arrived and the
+    pauses its reloader recorded (`app.versions.from_arrivals`; a non-stream answer counts as
+    arriving when the engine accepted it, so it carries the version it started on, the oldest).
+    A malformed report is dropped, never trained on as per-token truth."""
+    n, fallback = len(result.sampled_ids), cap.policy_version_fallback
+    runs = result.policy_versions if versions.valid(result.policy_versions, n) else None
+    kv = result.kv_versions if runs and versions.valid(result.kv_versions, n) else None
+    if runs is None and n and cap.stamp_from_updates and cap.engine_id and not result.policy_versions:
+        updates = weight_gate.recorded_updates(cap.engine_id)
+        if updates:
+            started = cap.t_accepted_wall if cap.t_accepted_wall is not None else time.time()
+            runs = versions.from_arrivals(result.arrivals or [(0, started)], n, updates, fallback)
+    first = runs[0][1] if runs else result.policy_version
+    return {"policy_version": first if first is not None else fallback, "policy_versions": runs, "kv_versions": kv}
 
 
 def _retried_row(conn, cap: Capture, received: float, partial: bool) -> tuple[int | None, bool]:

@@ -201,7 +201,8 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
         raw_request={"received_at": time.time(), "method": request.method, "path": request.path,
                      "query": record.scrub_query(request.args),
                      "headers": record.scrub_headers(request.headers), "body": body, "splice": spliced.report},
-        normalized_request=upstream_body, policy_version_fallback=info.policy_version, engine_id=engine.id, t0=t0)
+        normalized_request=upstream_body, policy_version_fallback=info.policy_version, engine_id=engine.id, t0=t0,
+        stamp_from_updates=info.adapter is None)
     resp_id = module.response_id()
     if not norm.stream:
         relay.hold_while_reloading(engine, cap)

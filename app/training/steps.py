@@ -203,6 +203,7 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
             spec = str(checkpoints.resolve_checkpoint(run_cfg.model.checkpoint)[0])
         engine_urls = run_cfg.model.engine_urls or get_settings().engine_urls
         engine_kind = run_cfg.model.engine
+        update_mode, recompute_kv = run_cfg.model.weight_update_mode, run_cfg.model.recompute_kv
         completed_before = s.scalar(select(TrainingStep.id).where(
             TrainingStep.run_id == run_id, TrainingStep.step < step, TrainingStep.status == "completed").limit(1)) is not None
 
@@ -248,7 +249,8 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
         metrics["engine_sync"] = {**base, **push_adapter(on_base, path / ADAPTER_DIR, metrics["adapter"],
                                                          policy_version, engine_kind=engine_kind)}
     else:
-        metrics["engine_sync"] = push_weights(engine_urls, path / "model", policy_version, engine_kind=engine_kind)
+        metrics["engine_sync"] = push_weights(engine_urls, path / "model", policy_version, engine_kind=engine_kind,
+                                              mode=update_mode, recompute_kv=recompute_kv)
     metrics["engine_sync_time_s"] = time.perf_counter() - synced
     # Engines that did not load the new weights (after push_weights' retries) keep serving the old
     # version and stamp it on their completions; the scheduler judges staleness by those stamps.

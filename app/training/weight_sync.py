@@ -17,6 +17,7 @@ answers `{"policy_version": N}` once it serves the new weights.  vLLM engines lo
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import logging
@@ -34,8 +35,16 @@ log = logging.getLogger(__name__)
 
 
 def push_weights(engine_urls: list[str], path: Path, policy_version: int, *, timeout_s: float = 300.0,
-                 attempts: int = 3, engine_kind: str = "embedded") -> dict[str, str]:
+                 attempts: int = 3, engine_kind: str = "embedded", mode: str = "keep",
+                 recompute_kv: bool = True) -> dict[str, str]:
     """Ask every engine to load `path` as `policy_version`; return `{url: "ok" | "error: …"}`.
+
+    `mode` is the weight update mode (`app.runconfig.WeightUpdateMode`): `keep` lands the
+    weights between two decode steps and running requests continue on them (`recompute_kv`:
+    their KV is recomputed), `wait` drains running requests first, `abort` ends them.  Only
+    `wait` closes the engine's gate (`weight_gate`): the gateway then holds new harness calls
+    until the load is done.  Under `keep` and `abort` the engine takes new calls as soon as the
+    weights are copied in, so no call waits longer than the copy itself.
 
     An embedded engine is told to name these weights `weights_label(path)` (the folder's real
     path here, on the trainer's side), so it reports that name whether it read the folder or
@@ -44,21 +53,22 @@ def push_weights(engine_urls: list[str], path: Path, policy_version: int, *, tim
     Each engine gets up to `attempts` tries (connection errors, 5xx, a wrong version in the
     answer) with a short backoff; a failure is reported, not raised, because the checkpoint
     is already the durable result of the step and the engine stamps the version it actually
-    serves on every completion, so stale samples stay visible to the trainer (TIS) and the
+    serves on every token, so stale samples stay visible to the trainer (TIS) and the
     scheduler (staleness).  `engine_kind` "vllm" reloads through vLLM's dev-mode endpoints
-    (`app.engines.vllm.VLLMReloader`: pause, load on every worker, reset the prefix cache, resume).
+    (`app.engines.vllm.VLLMReloader`: pause in `mode`, load on every worker, reset the prefix
+    cache, resume).
     """
     results: dict[str, str] = {}
+    update = {"mode": mode, "recompute_kv": recompute_kv}
     for url in engine_urls:
-        # Close the engine's gate: the gateway holds new harness calls (with keep-alives)
-        # instead of sending them to an engine that is swapping weights.
-        with weight_gate.reloading(url, policy_version):
+        gate = weight_gate.reloading(url, policy_version) if mode == "wait" else contextlib.nullcontext()
+        with gate:
             if engine_kind == "vllm":
-                error = _load_vllm(url, path, policy_version, timeout_s)
+                error = _load_vllm(url, path, policy_version, timeout_s, update)
             elif pushes_to(url):
-                error = _push(url, path, policy_version, timeout_s, attempts)
+                error = _push(url, path, policy_version, timeout_s, attempts, update)
             else:
-                error = _load(url, path, policy_version, timeout_s, attempts)
+                error = _load(url, path, policy_version, timeout_s, attempts, update)
         results[url] = "ok" if not error else f"error: {error}"
         if error:
             log.error("engine %s did not load policy_version=%s from %s: %s", url, policy_version, path, error)
@@ -113,13 +123,13 @@ def _ask_serving(url: str, attempts: int) -> tuple[int, str | None] | str:
     return error
 
 
-def _load(url: str, path: Path, policy_version: int, timeout_s: float, attempts: int) -> str:
+def _load(url: str, path: Path, policy_version: int, timeout_s: float, attempts: int, update: dict) -> str:
     """`EngineClient.reload` with retries; returns "" on success or the last error."""
     error = "not tried"
     with EngineClient(url, timeout=timeout_s) as client:
         for attempt in range(attempts):
             try:
-                served = client.reload(str(path), policy_version, weights=weights_label(path))
+                served = client.reload(str(path), policy_version, weights=weights_label(path), **update)
                 if served == policy_version:
                     return ""
                 error = f"engine answered policy_version={served}, expected {policy_version}"
@@ -163,7 +173,7 @@ def checkpoint_digests(path: Path) -> dict[str, str]:
     return digests
 
 
-def _push(url: str, path: Path, policy_version: int, timeout_s: float, attempts: int) -> str:
+def _push(url: str, path: Path, policy_version: int, timeout_s: float, attempts: int, update: dict) -> str:
     """Send the checkpoint's files with their digests, then load them; "" on success or the last error.
     A refusal (4xx: a digest mismatch, a bad token) is not retried."""
     from app.auth import api_token
@@ -182,7 +192,7 @@ def _push(url: str, path: Path, policy_version: int, timeout_s: float, attempts:
                     with open(Path(path) / name, "rb") as body:
                         _raise_for(client.put(f"{base}/{name}", content=body, headers={"X-Turnstile-Sha256": digest}))
                 answer = client.post(f"{base}/load", json={"sha256": digests, "policy_version": int(policy_version),
-                                                           "weights": weights_label(path)})
+                                                           "weights": weights_label(path), **update})
                 _raise_for(answer)
                 served = answer.json()["policy_version"]
                 if served == policy_version:
@@ -215,13 +225,13 @@ def _raise_for(response: httpx.Response) -> None:
                                 response=response)
 
 
-def _load_vllm(url: str, path: Path, policy_version: int, timeout_s: float) -> str:
+def _load_vllm(url: str, path: Path, policy_version: int, timeout_s: float, update: dict) -> str:
     """Reload a vLLM server through ``VLLMReloader`` (run against vLLM's CPU build in tests/vllm)."""
     from app.engines.vllm import VLLMReloader
 
     reloader = VLLMReloader(url, timeout=timeout_s)
     try:
-        reloader.reload(str(path), policy_version)
+        reloader.reload(str(path), policy_version, **update)
         return ""
     except Exception as exc:  # noqa: BLE001 - reported per engine like the embedded path
         return f"{type(exc).__name__}: {exc}"

@@ -86,7 +86,7 @@ def test_reload_during_live_streams_is_invisible_to_clients(gw, real, tmp_path):
         wait_for(lambda: weight_gate.hold_stats(engine_url)["holding"] - holding == 3, timeout=60,
                  interval=0.05, what=lambda: f"3 held calls; hold stats {weight_gate.hold_stats(engine_url)}")
         time.sleep(1.0)  # a slow reload: the new calls must wait at the gateway, not fail
-        sync = push_weights([engine_url], tmp_path / "ckpt", 1)  # the engine loads the new weights
+        sync = push_weights([engine_url], tmp_path / "ckpt", 1, mode="wait")  # the engine loads the new weights
     for t in live + held:
         t.join(timeout=180)
     assert not errors, errors

@@ -1,0 +1,87 @@
+"""An in-flight weight update (mode `keep`) under a live harness stream, end to end.
+
+Real tiny engine + real gateway (gunicorn) + real openai SDK + SQL.  The stream goes on across
+the update without a gap the client can see; its completion row records the version of every
+token, run-length encoded, from the engine's own stamps; each token's logprob is the one its
+version's weights give; and a call that arrives during the update is not held by the gateway.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from support.gateway import make_episode
+from sqlalchemy import select
+
+from app import db, versions, weight_gate
+from app.engines.modeling import build_tiny_model, save_weights
+from app.tables import Completion
+
+pytestmark = pytest.mark.slow
+
+
+def _perturbed(path):
+    model = build_tiny_model(seed=0)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_weights(model, path, {"policy_version": 1})
+    return model
+
+
+def _logprobs_under(model, prompt, ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(ids)[:, None])[:, 0]
+
+
+def test_a_stream_spans_a_keep_update_and_every_token_records_its_version(gw, real, tmp_path):
+    from openai import OpenAI
+
+    from app.training.weight_sync import push_weights
+
+    engine_url, gateway_url = real
+    weight_gate.reset()
+    new = _perturbed(tmp_path / "ckpt")
+    episode_id, token = make_episode()
+    client = OpenAI(base_url=f"{gateway_url}/v1", api_key=token, max_retries=0, timeout=300)
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "count"}],
+                                            max_tokens=1200, temperature=1.0, seed=2, stream=True)
+    pieces = []
+    for chunk in stream:  # the stream runs on the engine once its first token came
+        pieces.append(chunk)
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    held_before = weight_gate.hold_stats(engine_url)
+    sync = push_weights([engine_url], tmp_path / "ckpt", 1, mode="keep", recompute_kv=True)
+    arriving: dict = {}
+    other_episode, other_token = make_episode()
+    other = threading.Thread(target=lambda: arriving.setdefault("out", OpenAI(
+        base_url=f"{gateway_url}/v1", api_key=other_token, max_retries=0, timeout=300).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)))
+    other.start()
+    pieces += list(stream)
+    other.join(300)
+    assert sync == {engine_url: "ok"}
+    assert pieces[-1].choices[0].finish_reason == "length"
+    assert weight_gate.hold_stats(engine_url)["requests"] == held_before["requests"]  # keep closes no gate
+
+    with db.session_scope() as s:
+        row = s.scalars(select(Completion).where(Completion.episode_id == episode_id)).one()
+        late = s.scalars(select(Completion).where(Completion.episode_id == other_episode)).one()
+    assert not row.partial and len(row.sampled_ids) == 1200
+    assert row.policy_version == 0 and row.kv_versions is None
+    assert len(row.policy_versions) == 2 and row.policy_versions[0] == [0, 0] and row.policy_versions[1][1] == 1
+    switch = row.policy_versions[1][0]
+    assert 0 < switch < 1200
+    per_token = versions.expand(row.policy_versions, 1200, None)
+    assert per_token == [0] * switch + [1] * (1200 - switch)
+    lps = torch.tensor(row.logprobs)
+    ids = list(row.sampled_ids)
+    old_gap = (_logprobs_under(build_tiny_model(0), list(row.prompt_ids), ids[:switch]) - lps[:switch]).abs().max()
+    new_gap = (_logprobs_under(new, list(row.prompt_ids), ids)[switch:] - lps[switch:]).abs().max()
+    assert old_gap.item() < 1e-3 and new_gap.item() < 1e-3
+    assert late.policy_version == 1 and late.policy_versions == [[0, 1]]
+    assert "reload_held_ms" not in late.raw_request
