@@ -38,7 +38,10 @@ class StepSequence:
     where the mask is 1); `advantage` float; `episode_id` for reporting; `transform` the
     sampling transform of each token (None: the identity, scored as plain log softmax);
     `policy_lag` how many policy versions the oldest weights that sampled any of its tokens lag
-    the trainer's (0: on-policy, so its logprob gap measures sampling-vs-training mismatch alone).
+    the trainer's (0: on-policy, so its logprob gap measures sampling-vs-training mismatch alone);
+    `token_lags` int [T] the same per position, from the per-token versions the gateway recorded
+    (a chain that spans an in-flight weight update has tokens of several lags; 0 on context
+    tokens; None: every token lags `policy_lag`).
     """
 
     token_ids: Sequence[int]
@@ -48,6 +51,7 @@ class StepSequence:
     episode_id: int | None = None
     transform: SequenceTransform | None = None
     policy_lag: int = 0
+    token_lags: Sequence[int] | None = None
 
     @property
     def trainable(self) -> int:

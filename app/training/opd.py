@@ -272,7 +272,7 @@ class StepDistillation:
             self.turn_kl.append(float(gap[start:end].sum()))
         self.seconds.append(float(score.seconds))
         return OPDSequence(base.token_ids, base.loss_mask, base.logprobs, base.advantage if include else 0.0,
-                           base.episode_id, base.transform, policy_lag=base.policy_lag,
+                           base.episode_id, base.transform, policy_lag=base.policy_lag, token_lags=base.token_lags,
                            token_advantages=adv.tolist(), top_ids=top_ids, top_logprobs=top_logprobs)
 
     def baseline(self) -> float:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from sqlalchemy import select, update
 
+from app import versions
 from app.config import get_settings
 from app.db import session_scope
 from app.paths import RunPaths
@@ -280,13 +281,31 @@ def _read_state(path: Path) -> dict:
 
 
 def policy_lag(row, policy_version: int | None) -> int:
-    """Versions by which the oldest policy that sampled a span of trajectory `row` (its
-    `meta.policy_versions`, one per completion; None where the engine did not say) lags
-    `policy_version`; 0 when either is unknown."""
-    versions = [v for v in (row.meta or {}).get("policy_versions") or [] if v is not None]
-    if policy_version is None or not versions:
+    """Versions by which the oldest policy that sampled any token of trajectory `row` lags
+    `policy_version`: the oldest of its `meta.policy_versions` (each completion's first token's,
+    None where the engine did not say) and of its spans' per-token `meta.version_runs`; 0 when
+    either side is unknown.  Staleness is judged by the oldest token a chain trains on."""
+    meta = row.meta or {}
+    found = [v for v in meta.get("policy_versions") or [] if v is not None]
+    found += [v for runs in meta.get("version_runs") or [] if runs for _, v in runs]
+    if policy_version is None or not found:
         return 0
-    return max(0, policy_version - min(versions))
+    return max(0, policy_version - min(found))
+
+
+def token_lags(row, policy_version: int | None) -> list[int] | None:
+    """Per-position lags ([T] ints, 0 on context tokens) of a chain whose spans cross an in-flight
+    weight update (`meta.version_runs`); None when every span has one version (its `policy_lag`
+    then holds for every token, as for every chain stored before per-token capture)."""
+    meta = row.meta or {}
+    span_runs = meta.get("version_runs") or []
+    if policy_version is None or not any(span_runs):
+        return None
+    lags = [0] * len(row.token_ids)
+    for (start, end), runs, version in zip(meta.get("spans") or [], span_runs, meta.get("policy_versions") or []):
+        for i, v in enumerate(versions.expand(runs, end - start, version)):
+            lags[start + i] = max(0, policy_version - v) if v is not None else 0
+    return lags
 
 
 def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, vocab_size: int,
@@ -332,7 +351,8 @@ def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, 
                     merge["sequences_out_of_vocab"] += 1
                     continue
                 sequence = StepSequence(row.token_ids, row.loss_mask, row.logprobs, advantage[e.id], e.id,
-                                        trajectory_transform(row), policy_lag(row, policy_version))
+                                        trajectory_transform(row), policy_lag(row, policy_version),
+                                        token_lags(row, policy_version))
                 if distill is not None:  # per-token advantages; a chain without teacher scores is never trained
                     sequence = distill.sequence(row, sequence)
                     if sequence is None:

@@ -42,6 +42,7 @@ def completion_records(session: Session, episode_id: int) -> tuple[list[Completi
             completion_id=row.id,
             policy_version=row.policy_version,
             sampling=(row.normalized_request or {}).get("turnstile_sampling"),
+            policy_versions=row.policy_versions,
         )
         for row in rows
     ]
@@ -107,6 +108,8 @@ def build_episode_trajectories(
                             "finish_reasons": seq.finish_reasons,
                             # one sampling record per span (`sequence_transform`); absent: identity
                             **({"sampling": seq.sampling} if any(x is not None for x in seq.sampling) else {}),
+                            # per-token versions of spans that cross an in-flight weight update
+                            **({"version_runs": seq.version_runs} if any(seq.version_runs) else {}),
                         },
                     )
                 )

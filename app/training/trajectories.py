@@ -53,6 +53,8 @@ class CompletionRecord:
     completion_id: int | None = None
     policy_version: int | None = None
     sampling: Mapping | None = None  # `app.proxy.sampling` record; None: the identity transform
+    # Per-token versions of the sampled ids, run-length encoded (`app.versions`); None: all `policy_version`.
+    policy_versions: Sequence[Sequence[int]] | None = None
 
 
 @dataclass
@@ -63,7 +65,9 @@ class TrainingSequence:
     float nats [T] (rollout logprob where the mask is 1, 0.0 elsewhere).  `completions` lists
     the `completion_id`s (or `seq`s when ids are absent) merged into it, in order;
     `spans` holds one `[start, end)` token range of sampled ids per merged completion, and
-    `sampling` its sampling record (None: the identity transform), in the same order.
+    `sampling` its sampling record (None: the identity transform), in the same order;
+    `version_runs` each span's per-token policy versions (runs over the span's tokens,
+    `app.versions`; None: the span's one `policy_versions` entry covers all its tokens).
     """
 
     token_ids: list[int]
@@ -74,6 +78,7 @@ class TrainingSequence:
     policy_versions: list[int | None] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
     sampling: list[Mapping | None] = field(default_factory=list)
+    version_runs: list[list | None] = field(default_factory=list)
 
     @property
     def trainable_tokens(self) -> int:
@@ -233,6 +238,7 @@ def per_request(records: Iterable[CompletionRecord], vocab_size: int | None = No
                 policy_versions=[record.policy_version],
                 finish_reasons=[record.finish_reason],
                 sampling=[record.sampling],
+                version_runs=[_runs(record)],
             )
         )
     report = _base_report("per_request", total, rejected)
@@ -274,6 +280,13 @@ class _Chain:
         return self.sequence.token_ids
 
 
+def _runs(record: CompletionRecord) -> list | None:
+    """The record's per-token version runs when it spans several versions, else None (its one
+    `policy_version` says it all, and old rows stay as they were stored)."""
+    runs = record.policy_versions
+    return [list(run) for run in runs] if runs and len(runs) > 1 else None
+
+
 def _start_chain(record: CompletionRecord) -> _Chain:
     prompt, sampled = list(record.prompt_ids), list(record.sampled_ids)
     seq = TrainingSequence(
@@ -285,6 +298,7 @@ def _start_chain(record: CompletionRecord) -> _Chain:
         policy_versions=[record.policy_version],
         finish_reasons=[record.finish_reason],
         sampling=[record.sampling],
+        version_runs=[_runs(record)],
     )
     return _Chain(seq, len(prompt))
 
@@ -305,6 +319,7 @@ def _extend_chain(chain: _Chain, record: CompletionRecord) -> None:
     seq.policy_versions.append(record.policy_version)
     seq.finish_reasons.append(record.finish_reason)
     seq.sampling.append(record.sampling)
+    seq.version_runs.append(_runs(record))
     chain.prompt_len = len(prompt)
 
 
