@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 HARNESSES = ("mini-swe-agent", "codex", "claude-code", "qwen-code", "gemini-cli", "opencode", "pi")
 
@@ -17,6 +17,12 @@ AdvantageMode = Literal["mean", "leave_one_out"]
 LossAggregation = Literal["token", "sequence"]
 Builder = Literal["prefix_merging", "per_request"]
 KLEstimator = Literal["k3", "k2"]
+# Off-policy correction of tokens sampled by older weights or a drifting engine (app.training.correction):
+# at most one weight (token_tis | seq_tis), any of the masks (seq_mis, geo_mask, icepop), or none.
+OffPolicyCorrection = Literal["token_tis", "seq_tis", "seq_mis", "geo_mask", "icepop", "none"]
+OFF_POLICY_CORRECTIONS: tuple[str, ...] = get_args(OffPolicyCorrection)
+CORRECTION_WEIGHTS = ("token_tis", "seq_tis")
+CORRECTION_MASKS = ("seq_mis", "geo_mask", "icepop")
 Algorithm = Literal["grpo", "opd", "grpo+opd"]
 OPDBaseline = Literal["none", "step_mean"]
 OPDDivergence = Literal["sampled_reverse_kl", "topk_forward_kl"]
@@ -212,7 +218,33 @@ class TrainingConfig(BaseModel):
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip range below 1 (ratio >= 1 - clip_low).")
     clip_high: float = Field(0.28, ge=0, description="PPO clip range above 1 (DAPO clip-higher).")
     tis_cap: float | None = Field(2.0, ge=1, description="Cap C of the truncated importance weight trainer/rollout "
-                                                          "(null disables TIS).")
+                                                          "of off_policy_correction token_tis (null disables TIS).")
+    off_policy_correction: list[OffPolicyCorrection] = Field(
+        ["token_tis"], min_length=1, max_length=4,
+        description="How tokens sampled by older weights or a drifting engine are weighted or masked, from the "
+                    "ratio r_t = exp(old_t - rollout_t) (app.training.correction). A name or a list: at most one "
+                    "weight, \"token_tis\" (min(r_t, tis_cap), Yao et al. 2025; the default, as before) or "
+                    "\"seq_tis\" (min(prod_t r_t, seq_is_cap) on every token of the chain, Seq-TIS), plus any of the "
+                    "masks \"seq_mis\" (chains whose prod_t r_t is outside seq_mis_bounds leave the loss, Seq-MIS), "
+                    "\"geo_mask\" (chains whose exp(mean_t log r_t) is outside geo_mask_bounds leave it, SkyRL) and "
+                    "\"icepop\" (tokens whose r_t is outside icepop_bounds leave it, IcePop); \"none\" alone: "
+                    "neither. Masked tokens leave the loss's denominator too. With a mask the trainer runs one more "
+                    "no-grad forward per step to know the masks before it weights the step.")
+    seq_is_cap: float = Field(
+        5.0, ge=1, description="Cap of the chain-level importance weight of off_policy_correction seq_tis. The "
+                               "default is SkyRL's published value (verl suggests 2-10), not yet measured here.")
+    seq_mis_bounds: list[float] = Field(
+        [0.5, 2.0], min_length=2, max_length=2,
+        description="[lo, hi] of the chain weight prod_t r_t kept by off_policy_correction seq_mis. The default is "
+                    "verl's and SkyRL's published value, not yet measured here.")
+    geo_mask_bounds: list[float] = Field(
+        [0.99, 1.01], min_length=2, max_length=2,
+        description="[lo, hi] of the geometric-mean ratio exp(mean_t log r_t) kept by off_policy_correction "
+                    "geo_mask. The default is SkyRL's published value, not yet measured here.")
+    icepop_bounds: list[float] = Field(
+        [0.5, 2.0], min_length=2, max_length=2,
+        description="[alpha, beta] of the token ratio r_t kept by off_policy_correction icepop. The default is "
+                    "SkyRL's published value (the IcePop paper used [0.5, 5.0]), not yet measured here.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the initial policy (0 = off).")
     kl_estimator: KLEstimator = Field(
         "k3", description="Per-token KL term put in the loss. \"k3\" (exp(d) - d - 1, d = ref - logp; the default, "
@@ -244,8 +276,9 @@ class TrainingConfig(BaseModel):
     skip_zero_advantage: bool = Field(
         False, description="Leave chains whose every trainable token has advantage 0 out of the step's micro-batches, "
                            "so they never reach a forward pass (their loss and gradient are exactly 0; the step's "
-                           "aggregation weights still count them, so the update is the same). Applies with kl_coef 0 "
-                           "and one update per step; the trainer-vs-rollout logprob gap is then measured on the "
+                           "aggregation weights still count them, so the update is the same). Applies with kl_coef 0, "
+                           "one update per step and no off_policy_correction mask (a mask may drop their tokens from "
+                           "the loss's denominator, so it must see them); the trainer-vs-rollout logprob gap is then measured on the "
                            "trained chains only. false: such chains run a forward pass (no backward) for the gap.")
     # the data
     builder: Builder = Field("prefix_merging", description="Trajectory builder.")
@@ -263,6 +296,43 @@ class TrainingConfig(BaseModel):
                                      "(a dropout in the scoring forward moved them by ~1.5 nats and corrupted the PPO "
                                      "ratio and the TIS weight); a dropout > 0 would never act, so it is refused.")
     seed: int = Field(0, description="Seed for torch (dropout, LoRA init).")
+
+    @field_validator("off_policy_correction", mode="before")
+    @classmethod
+    def _correction_names(cls, value):
+        """One name stands for a list of one; an unknown name is refused naming the known ones."""
+        names = [value] if isinstance(value, str) else value
+        if isinstance(names, list):
+            unknown = [n for n in names if isinstance(n, str) and n not in OFF_POLICY_CORRECTIONS]
+            if unknown:
+                raise ValueError(f"unknown correction {unknown[0]!r}; choose from {', '.join(OFF_POLICY_CORRECTIONS)}")
+        return names
+
+    @model_validator(mode="after")
+    def _check_correction(self) -> "TrainingConfig":
+        chosen = self.off_policy_correction
+        if len(set(chosen)) != len(chosen):
+            raise ValueError(f"off_policy_correction: {chosen} names a correction twice")
+        if "none" in chosen and len(chosen) > 1:
+            raise ValueError("off_policy_correction: 'none' cannot be combined with another correction")
+        if sum(c in CORRECTION_WEIGHTS for c in chosen) > 1:
+            raise ValueError("off_policy_correction: choose one weight, 'token_tis' or 'seq_tis', not both")
+        fields = type(self).model_fields
+        for name, mode in (("seq_is_cap", "seq_tis"), ("seq_mis_bounds", "seq_mis"), ("geo_mask_bounds", "geo_mask"),
+                           ("icepop_bounds", "icepop")):
+            value = getattr(self, name)
+            if isinstance(value, list) and not (0 <= value[0] <= 1 <= value[1]):
+                # ratio 1 (trainer == rollout) must be kept, or an on-policy step would train nothing
+                raise ValueError(f"{name}: {value} must hold 1 ([lo, hi] with 0 <= lo <= 1 <= hi)")
+            # (a stored config holds every field, so the default must pass; another value is an intent)
+            if value != fields[name].default and mode not in chosen:
+                raise ValueError(f"{name}: used only with off_policy_correction {mode!r} (it holds {chosen})")
+        return self
+
+    @property
+    def correction_masks(self) -> tuple[str, ...]:
+        """The masks among `off_policy_correction` (their tokens leave the loss)."""
+        return tuple(c for c in self.off_policy_correction if c in CORRECTION_MASKS)
 
     @model_validator(mode="after")
     def _no_scoring_dropout(self) -> "TrainingConfig":

@@ -56,6 +56,14 @@ SIM = {"simulate": {"episode_median_s": 0.1}}
         ({**SIM, "training": {"learning_rate": 0}}, "training.learning_rate"),
         ({**SIM, "training": {"builder": "concat"}}, "training.builder"),
         ({**SIM, "training": {"tis_cap": 0.5}}, "training.tis_cap"),
+        ({**SIM, "training": {"off_policy_correction": "seq_tiss"}}, "training.off_policy_correction"),
+        ({**SIM, "training": {"off_policy_correction": ["token_tis", "geo_mask", "sequence"]}},
+         "training.off_policy_correction"),
+        ({**SIM, "training": {"off_policy_correction": ["token_tis", "seq_tis"]}}, "training.off_policy_correction"),
+        ({**SIM, "training": {"off_policy_correction": "icepop", "icepop_bounds": [1.2, 2.0]}},
+         "training.icepop_bounds"),
+        ({**SIM, "training": {"geo_mask_bounds": [0.9, 1.1]}}, "training.geo_mask_bounds"),
+        ({**SIM, "training": {"geo_mask_boundz": [0.9, 1.1]}}, "training.geo_mask_boundz"),
         ({**SIM, "task_set": "x" * (1024 * 1024)}, "task_set"),
         ({**SIM, "instances": ["i" * 300]}, "instances.0"),
         ({**SIM, "scheduling": {"share": 0}}, "scheduling.share"),
@@ -69,6 +77,26 @@ def test_bad_run_config_is_400_naming_the_field(client, body, field):
     assert err["field"] == field
     assert field.split(".")[-1] in err["message"]
     assert _runs_in_db() == 0
+
+
+def test_unknown_off_policy_correction_names_the_value_and_the_choices(client):
+    resp = client.post("/api/runs", json={**SIM, "training": {"off_policy_correction": ["geo_mask", "seq_tiss"]}})
+    assert resp.status_code == 400, resp.get_json()
+    err = resp.get_json()["error"]
+    assert err["field"] == "training.off_policy_correction"
+    assert "'seq_tiss'" in err["message"] and all(n in err["message"] for n in ("token_tis", "seq_mis", "icepop"))
+    assert _runs_in_db() == 0
+
+
+def test_off_policy_correction_is_stored_as_a_list_with_its_bounds(client):
+    """One name stands for a list of one; the stored config holds every bound (defaults included)."""
+    resp = client.post("/api/runs", json={**SIM, "kind": "eval", "training": {"off_policy_correction": "geo_mask"}})
+    assert resp.status_code == 202, resp.get_json()
+    training = resp.get_json()["config"]["training"]
+    assert training["off_policy_correction"] == ["geo_mask"]
+    assert training["geo_mask_bounds"] == [0.99, 1.01] and training["tis_cap"] == 2.0
+    resp = client.post("/api/runs", json={**SIM, "kind": "eval"})
+    assert resp.get_json()["config"]["training"]["off_policy_correction"] == ["token_tis"]
 
 
 def test_training_defaults_are_stored_and_published(client):
