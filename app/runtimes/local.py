@@ -67,7 +67,8 @@ def _rmtree(path: Path) -> None:
     def onerror(func, p, _exc):  # the agent may have removed write permission somewhere
         try:
             os.chmod(os.path.dirname(p), stat.S_IRWXU)
-            os.chmod(p, stat.S_IRWXU)
+            if os.path.isdir(p) and not os.path.islink(p):  # chmod follows a link: to a host file, say
+                os.chmod(p, stat.S_IRWXU)
             func(p)
         except OSError:
             pass

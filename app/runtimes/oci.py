@@ -29,7 +29,8 @@ with the image config's Env, WorkingDir and User.  The image's conda-style env `
 (/opt/miniconda3/envs/testbed, as SWE-bench images have it) is first on PATH when present.
 
 Host layout `<var_dir>/runtimes/<id>/`: `workspace/` (the repository copy), `home/`,
-`base/` (a private snapshot repository when the image's folder has no git history),
+`base/` (the private trusted repository: the image's objects borrowed, or a snapshot when the
+image's folder has no git history; `app.runtimes.oci_repo`),
 `untracked.exclude` (files untracked in the image, kept out of patches), `gateway.sock`.
 """
 from __future__ import annotations
@@ -49,8 +50,8 @@ from app.config import Settings, get_settings
 from app.runtimes.bridge import GatewayBridge, gateway_port, inside_gateway_url, inside_port
 from app.runtimes.errors import RuntimeClosed, RuntimeSetupError
 from app.runtimes.images import Image, ImageCache, remove_tree
-from app.runtimes.oci_repo import (DEFAULT_REPO_DIR, commit_bug_patch, hide_in_workspace, record_extra, repo_dir,
-                                   repository_facts)
+from app.runtimes.oci_repo import (DEFAULT_REPO_DIR, commit_bug_patch, hide_in_workspace, own_git_dir, record_extra,
+                                   repo_dir, repository_facts)
 from app.runtimes.oci_sandbox import SANDBOX_HOME, TESTBED_ENV, image_bwrap_argv, image_environment
 from app.runtimes.patch import patch_from_workspace
 from app.runtimes.paths import RuntimePaths
@@ -148,6 +149,7 @@ class OciRuntime:
             home.mkdir()
             (home / ".gitconfig").write_text("[user]\n\tname = agent\n\temail = agent@localhost\n[safe]\n\tdirectory = *\n")
             base_repo, base_commit, untracked = repository_facts(img, folder, base, root)
+            own_git_dir(workspace, img.rootfs, folder)
             if rec.bug_patch:
                 base_repo, base_commit = commit_bug_patch(rec.bug_patch, base_repo, base_commit, workspace, root,
                                                           rec.instance_id)

@@ -13,6 +13,15 @@ unspecified for every path.  `$GIT_DIR/info/attributes` outranks every `.gitattr
 tree (https://git-scm.com/docs/gitattributes#_description), so no file the agent writes
 changes what git reads or how it diffs (git 2.39 has no `--attr-source`; this works on any git).
 
+No link, `.git` or git config of the workspace or the image takes git out of them
+(`app.runtimes.rootfs`'s rule): git's repository is always the private one above (`GIT_DIR`,
+`GIT_WORK_TREE` explicit, `image_git.HARDENED_GIT_ENV`); without a trusted base repository the
+workspace's own `.git` must pass `image_git.check_git_dir` (no link, alternates or commondir) and
+its HEAD is read in Python.  A `.git` below the top of the workspace (a nested repository: git
+would open the repository it names, a host one through a link or a `gitdir:` file, and record its
+HEAD as a submodule) is kept out of git's walk (`nested_repositories`), and the base's submodule
+entries are marked unchanged, so git never opens a repository they name.
+
 By-products never enter the patch: the base's `.git/info/exclude` carries the by-product patterns
 (`gitutil.write_excludes`: build folders, caches, egg-info), and `extra_excludes` (a gitignore-format
 file, e.g. files the venv install left in the tree) is added on top.
@@ -33,6 +42,8 @@ import tempfile
 from pathlib import Path
 
 from app.gitutil import git_env
+from app.runtimes.errors import RuntimeSetupError
+from app.runtimes.image_git import HARDENED_GIT_ENV, check_git_dir, head_commit
 
 # Config that decides what a diff looks like or runs a program, pinned on the command
 # line, which wins over every config file (https://git-scm.com/docs/git#Documentation/git.txt--cltnamegtltvaluegt).
@@ -49,6 +60,7 @@ DIFF_FORMAT_OPTIONS = ("--binary", "--no-color", "--no-ext-diff", "--no-textconv
 # (https://git-scm.com/docs/gitattributes: text, eol, crlf, working-tree-encoding, filter, ident, diff).
 NEUTRAL_ATTRIBUTES = "* !text !eol !crlf !working-tree-encoding !filter !ident !diff !merge !whitespace\n"
 SYMLINK_MODE = "120000"
+GITLINK_MODE = "160000"
 
 
 class PatchError(RuntimeError):
@@ -76,25 +88,39 @@ def patch_from_workspace(
     """
     workspace = Path(workspace)
     source = Path(base_repo) if base_repo is not None else workspace
+    try:
+        if base_repo is None:
+            check_git_dir(workspace / ".git")
+        head = head_commit(source / ".git") if base_commit is None else base_commit
+    except RuntimeSetupError as exc:
+        raise PatchError(f"the git history of {source} cannot be used: {exc}") from None
     with tempfile.TemporaryDirectory(prefix="turnstile-diff-") as tmp:
         gitdir = _private_git_dir(Path(tmp), source / ".git")
-        env = git_env({"GIT_DIR": str(gitdir), "GIT_WORK_TREE": str(workspace),
+        with open(gitdir / "info" / "exclude", "a", encoding="utf-8") as fh:
+            fh.write("".join(f"{gitignore_literal(p)}/\n" for p in nested_repositories(workspace)))
+        env = git_env({**HARDENED_GIT_ENV, "GIT_DIR": str(gitdir), "GIT_WORK_TREE": str(workspace),
                        "GIT_INDEX_FILE": os.path.join(tmp, "index"), "GIT_ATTR_NOSYSTEM": "1",
-                       "GIT_CEILING_DIRECTORIES": str(workspace.resolve().parent), "GIT_OPTIONAL_LOCKS": "0"})
+                       "GIT_CEILING_DIRECTORIES": str(workspace.resolve().parent)})
         opts = list(HARDENED_GIT_OPTIONS)
         if extra_excludes is not None and Path(extra_excludes).is_file():
             opts += ["-c", f"core.excludesFile={extra_excludes}"]
 
-        def run(*args: str, git_dir: Path | None = None) -> str:
-            run_env = env if git_dir is None else {**env, "GIT_DIR": str(git_dir)}
-            proc = subprocess.run(["git", *opts, *args], cwd=workspace, env=run_env, capture_output=True)
+        def run(*args: str, stdin: bytes | None = None) -> str:
+            proc = subprocess.run(["git", *opts, *args], cwd=workspace, env=env, capture_output=True, input=stdin)
             if proc.returncode != 0:
                 raise PatchError(f"git {args[0]} failed: {proc.stderr.decode(errors='replace').strip()[-2000:]}")
             return proc.stdout.decode("utf-8", errors="surrogateescape")
 
         if base_commit is None:
-            base_commit = run("rev-list", "--max-parents=0", "HEAD", git_dir=source / ".git").split()[-1]
+            base_commit = run("rev-list", "--max-parents=0", head).split()[-1]
         run("read-tree", base_commit)
+        # Submodule entries of the base: git would open the repository the workspace's `.git`
+        # there names to compare its HEAD; marked unchanged, it is never looked at.
+        gitlinks = [line.split("\t", 1)[1] for line in run("ls-files", "-s", "-z").split("\0")
+                    if line.startswith(GITLINK_MODE + " ")]
+        if gitlinks:
+            run("update-index", "--assume-unchanged", "-z", "--stdin",
+                stdin=b"".join(p.encode("utf-8", "surrogateescape") + b"\0" for p in gitlinks))
         run("add", "-A", "--", ".")
         diff = run("diff", "--cached", *DIFF_FORMAT_OPTIONS, base_commit)
     escapes = escaping_symlinks(diff)
@@ -119,6 +145,27 @@ def _private_git_dir(tmp: Path, trusted: Path) -> Path:
         if src.is_file() and not src.is_symlink():
             shutil.copyfile(src, gitdir / name)
     return gitdir
+
+
+def nested_repositories(tree: Path) -> list[str]:
+    """Folders of `tree` (POSIX paths relative to it) that hold a `.git` entry of any kind (folder,
+    file, link), below the top; links are not followed (`find -P`), unreadable folders skipped."""
+    tree = Path(tree)
+    proc = subprocess.run(["find", "-P", str(tree), "-path", str(tree / ".git"), "-prune", "-o",
+                           "-name", ".git", "-prune", "-print0"], capture_output=True)
+    # A folder find cannot open (the agent's chmod 000) is one git cannot open either: its
+    # answer for the rest stands.
+    found = [os.fsdecode(p) for p in proc.stdout.split(b"\0") if p]
+    return sorted(os.path.relpath(os.path.dirname(p), tree).replace(os.sep, "/") for p in found)
+
+
+def gitignore_literal(path: str) -> str:
+    """A gitignore line that names exactly `path` (relative, POSIX) from the top: `/` anchored,
+    every pattern character escaped (https://git-scm.com/docs/gitignore#_pattern_format)."""
+    if "\n" in path:
+        raise PatchRefused(f"the path {path!r} has a newline, which no gitignore line can name")
+    escaped = re.sub(r"([\\*?\[!#])", r"\\\1", path)
+    return "/" + re.sub(r" +$", lambda m: "\\ " * len(m.group()), escaped)
 
 
 _DIFF_GIT = re.compile(r"^diff --git \"?a/(.*?)\"? \"?b/(.*?)\"?$")

@@ -10,6 +10,24 @@ or `../../..`.  Two rules keep host files out of reach:
   (bwrap resolves a source on the host, before it changes root); a link at the top level becomes
   a `--symlink` inside, resolved later, in the sandbox's own root.
 
+The rule for every host process that touches an image or a copy of it (unpack, prepare, patch,
+grade): **nothing the image or the agent holds makes the host read or write outside the rootfs
+or the episode's own copy.**  In practice:
+
+* a path of the image is read through `resolve_inside` (as if chrooted), never by the host's
+  own lookup of a path that may go through one of the image's links;
+* a host-side write into a workspace copy (hidden paths removed, a bug commit's objects, ref
+  and index) goes through `inside_no_links`: every folder on the way is a real folder of the
+  copy, or the write is refused;
+* host git never opens a git directory of the image or the workspace as its repository: it runs
+  with `GIT_DIR` and `GIT_WORK_TREE` explicit, on a private git directory of ours (our config,
+  no hooks, no replace refs) that borrows only the image's object folder, after
+  `app.runtimes.image_git.check_git_dir` found no link, `commondir` or alternates in it
+  (`alternates`, `gitdir:` files, `core.worktree`, `[include]` of the image's git are never
+  read); nested `.git` entries in a work tree are kept out of git's walk
+  (`app.runtimes.patch.nested_repositories`), since git reads the repository such a `.git`
+  names.
+
 `libc_check(rootfs, programs)` says whether host programs (the harness's Python or Node) can
 run on the image's C library.
 """
@@ -58,6 +76,28 @@ def resolve_inside(rootfs: Path, path: str) -> Path | None:
         del st
         done.append(name)
     return rootfs.joinpath(*done)
+
+
+class OutsideCopy(ValueError):
+    """A host-side path of an image or workspace copy that would leave it (through a link)."""
+
+
+def inside_no_links(root: Path, rel: str) -> Path:
+    """`root / rel` when no folder on the way from `root` is a link and `rel` does not climb
+    (`..`, absolute); the last component may be anything, or missing.  Raises `OutsideCopy`
+    naming the link otherwise: the caller writes or deletes there, and a link would take it to
+    wherever the image or the agent pointed it."""
+    parts = PurePosixPath(rel).parts
+    if not parts or PurePosixPath(rel).is_absolute() or ".." in parts:
+        raise OutsideCopy(f"{rel!r} is not a relative path inside {root}")
+    here = root
+    for name in parts[:-1]:
+        here = here / name
+        if os.path.islink(here):
+            raise OutsideCopy(f"{here.relative_to(root)} is a link (-> {os.readlink(here)})")
+        if not here.is_dir():
+            break  # missing on the way: nothing to follow
+    return root.joinpath(*parts)
 
 
 def layout_args(rootfs: Path, dests: Sequence[str], hidden: Sequence[str] = ()) -> list[str]:
