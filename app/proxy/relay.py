@@ -84,10 +84,22 @@ def collect_answer(up, engine, body: dict, episode_id: int, cap: record.Capture,
     if not (isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices)):
         raise GatewayError("upstream", "The engine's answer holds no choices the gateway could read")
     try:
-        return result_from_completion(answer, history_call_ids(norm), tool_call_limit(norm))
+        result = result_from_completion(answer, history_call_ids(norm), tool_call_limit(norm))
     except Exception:  # noqa: BLE001 - an answer that breaks the reader is the engine's fault
         log.exception("unreadable engine answer")
         raise GatewayError("upstream", "The engine sent an answer the gateway could not read") from None
+    if result.finish_reason == "abort":  # kept as sampled (partial), answered as a retryable 503
+        record.write_completion(cap, result, None, None, partial=True, error=ABORTED_MESSAGE)
+        raise GatewayError("overloaded", ABORTED_MESSAGE)
+    return result
+
+
+# An engine answer ended by a weight update in mode `abort` (vLLM's and the embedded engine's
+# finish_reason "abort"): the client gets a 503 overloaded error in its API's shape, which the
+# openai and anthropic SDKs retry by themselves (their default max_retries is 2), and a stream
+# an overloaded error event; its sampled tokens are recorded as a partial completion.
+ABORTED_MESSAGE = ("The engine ended this answer to load new weights (weight update mode abort); send the "
+                   "request again")
 
 
 def hold_while_reloading(engine, cap: record.Capture) -> None:
@@ -245,6 +257,8 @@ def stream_answer(writer: StreamWriter, opening: PendingStream, cap: record.Capt
                     frames += writer.on_event(ev, r)
             if frames:
                 yield b"".join(frames)
+        if error is None and r.finish_reason == "abort":
+            error = GatewayError("overloaded", ABORTED_MESSAGE)
         if error is None:
             frames = []
             for ev in norm.finish():

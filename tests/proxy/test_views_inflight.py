@@ -8,6 +8,7 @@ version's weights give; and a call that arrives during the update is not held by
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -85,3 +86,55 @@ def test_a_stream_spans_a_keep_update_and_every_token_records_its_version(gw, re
     assert old_gap.item() < 1e-3 and new_gap.item() < 1e-3
     assert late.policy_version == 1 and late.policy_versions == [[0, 1]]
     assert "reload_held_ms" not in late.raw_request
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+def test_an_abort_update_is_a_503_the_sdks_retry_and_the_retry_is_served_by_the_new_weights(gw, real, tmp_path, sdk):
+    """Mode `abort`: the engine ends the running call with finish_reason "abort"; the gateway
+    answers 503 (OpenAI server_error / Anthropic overloaded_error), which the real openai and
+    anthropic SDKs retry on their own; the retry is answered by the new weights and the call's
+    row holds the retry, whole, with the new version."""
+    import httpx
+
+    from app.training.weight_sync import push_weights
+
+    engine_url, gateway_url = real
+    engine = httpx.Client(base_url=engine_url, timeout=30)
+    version = engine.get("/v1/policy_version").json()["policy_version"]
+    _perturbed(tmp_path / "ckpt")
+    aborted_before = engine.get("/health").json()["aborted_requests"]
+    episode_id, token = make_episode()
+    out: dict = {}
+
+    def call() -> None:
+        try:
+            if sdk == "openai":
+                from openai import OpenAI
+
+                answer = OpenAI(base_url=f"{gateway_url}/v1", api_key=token, max_retries=2, timeout=300) \
+                    .chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go"}],
+                                             max_tokens=1500)
+                out["finish"] = answer.choices[0].finish_reason
+            else:
+                from anthropic import Anthropic
+
+                answer = Anthropic(base_url=gateway_url, api_key=token, max_retries=2, timeout=300) \
+                    .messages.create(model="tiny", max_tokens=1500, messages=[{"role": "user", "content": "go"}])
+                out["finish"] = answer.stop_reason
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out["error"] = exc
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    deadline = time.monotonic() + 120
+    while engine.get("/health").json()["running"] < 1:  # the call is generating on the engine
+        assert time.monotonic() < deadline and caller.is_alive(), out
+    sync = push_weights([engine_url], tmp_path / "ckpt", version + 1, mode="abort")
+    caller.join(300)
+    assert sync == {engine_url: "ok"} and "error" not in out, out
+    assert out["finish"] in ("length", "max_tokens")
+    assert engine.get("/health").json()["aborted_requests"] == aborted_before + 1
+    with db.session_scope() as s:
+        rows = s.scalars(select(Completion).where(Completion.episode_id == episode_id)).all()
+    assert len(rows) == 1 and not rows[0].partial and rows[0].error is None  # the retry replaced the dead try
+    assert rows[0].policy_version == version + 1 and len(rows[0].sampled_ids) == 1500

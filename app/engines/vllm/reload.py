@@ -30,7 +30,6 @@ import logging
 import time
 from typing import Any
 
-from app import weight_gate
 from app.engines.client import EngineClient, EngineHTTPError
 
 log = logging.getLogger(__name__)
@@ -73,6 +72,8 @@ class VLLMReloader:
                 the load failed).
             app.engines.client.EngineConnectionError: the server cannot be reached.
         """
+        # Imported here: vLLM's worker processes import this package (worker.py) without Redis.
+        from app import weight_gate
         from app.runconfig import WEIGHT_UPDATE_MODES
 
         if mode not in WEIGHT_UPDATE_MODES:
