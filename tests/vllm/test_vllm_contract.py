@@ -147,7 +147,7 @@ def _perturbed(model, seed: int, scale: float = 0.02):
 
 @pytest.mark.vllm_alone
 def test_weight_update_through_the_reloader_is_followed_and_holds_requests(vllm_server, trainer_model, tmp_path):
-    """``VLLMReloader``: pause (wait) → load on every worker → reset prefix cache → resume.
+    """``VLLMReloader`` in mode ``wait``: pause → load on every worker → reset prefix cache → resume.
     A stream running when the reload starts finishes on the old weights; a request sent while
     the server is paused is held and answered on the new ones; nothing fails."""
     new_model = _perturbed(trainer_model, seed=11)
@@ -172,7 +172,8 @@ def _reload_while_serving(vllm_server, trainer_model, new_model, checkpoint) -> 
         stream = slow.chat(prompt, stream=True, **fields(max_tokens=32, seed=3))
         chunks = [next(stream)]
         result: dict = {}
-        loading = threading.Thread(target=lambda: result.setdefault("reload", reloader.reload(str(checkpoint), 1)))
+        loading = threading.Thread(target=lambda: result.setdefault(
+            "reload", reloader.reload(str(checkpoint), 1, mode="wait")))
         loading.start()
         deadline = time.monotonic() + 60
         while not vllm_server.client.request("GET", "/is_paused").get("is_paused"):
@@ -202,3 +203,66 @@ def _reload_while_serving(vllm_server, trainer_model, new_model, checkpoint) -> 
     old_diff = (recompute(trainer_model, prompt_ids, new_ids) - new_lps).abs().max().item()
     print(f"after reload: max |Δ| vs new weights {new_diff:.2e}, vs old weights {old_diff:.2e}")
     assert new_diff < 1e-3 and old_diff > 1e-2
+
+
+@pytest.mark.vllm_alone
+@pytest.mark.parametrize("clear_cache", [True, False])
+def test_keep_update_continues_a_running_stream_on_the_new_weights(vllm_server, trainer_model, tmp_path, clear_cache):
+    """``VLLMReloader`` in mode ``keep`` (``/pause?mode=keep&clear_cache=…``): a stream running when
+    the update starts is neither drained nor cut; the gateway's stamping (each chunk's arrival
+    against the recorded pause, ``app.versions.from_arrivals``) splits it into a version-0 head that
+    the old weights sampled and a version-1 tail that the new weights sampled.  With clear_cache
+    the tail's logprobs are the new weights' over the whole context; without it the KV of the head
+    stays stale and the tail differs from a fresh recompute."""
+    from app import versions, weight_gate
+
+    new_model = _perturbed(trainer_model, seed=12)
+    checkpoint = save_weights(new_model, tmp_path / "step-1", {"policy_version": 1})
+    weight_gate.get_redis().delete(weight_gate.updates_key(vllm_server.url))
+    client = EngineClient(vllm_server.url, timeout=600)
+    reloader = VLLMReloader(vllm_server.url)
+    try:
+        stream = client.chat(PROMPTS[2], stream=True, **fields(max_tokens=160, seed=4))
+        chunks, arrivals, ids = [], [], []
+        started = threading.Event()
+
+        def read() -> None:  # read as the gateway does: all the time, stamping each chunk's arrival
+            for chunk in stream:
+                chunks.append(chunk)
+                new_ids = [t for ch in chunk["choices"] for t in ch.get("token_ids") or []]
+                if new_ids:
+                    arrivals.append((len(ids), time.time()))
+                    ids.extend(new_ids)
+                if len(ids) >= 8:
+                    started.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert started.wait(300), "the stream did not start"
+        receipt = reloader.reload(str(checkpoint), 1, mode="keep", recompute_kv=clear_cache)
+        reader.join(600)
+        restore = VLLMReloader(vllm_server.url)
+        try:
+            restore.reload(str(vllm_server.model_dir), 0)
+        finally:
+            restore.close()
+    finally:
+        client.close()
+        reloader.close()
+    assert receipt["paused"] is True and receipt["mode"] == "keep"
+    assert len(ids) == 160 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    lps = torch.tensor([e["logprob"] for c in chunks for ch in c["choices"] if ch.get("logprobs")
+                        for e in ch["logprobs"]["content"]])
+    runs = versions.from_arrivals(arrivals, len(ids), weight_gate.recorded_updates(vllm_server.url)[:1], 0)
+    assert len(runs) == 2 and runs[0] == [0, 0] and runs[1][1] == 1, runs
+    switch = runs[1][0]
+    assert 8 <= switch < 160, runs
+    prompt_ids = chunks[0]["prompt_token_ids"]
+    head = (recompute(trainer_model, prompt_ids, ids[:switch]) - lps[:switch]).abs().max().item()
+    tail = (recompute(new_model, prompt_ids, ids)[switch:] - lps[switch:]).abs().max().item()
+    print(f"\nvLLM keep (clear_cache={clear_cache}) at token {switch}: head vs old {head:.2e}, tail vs new {tail:.2e}")
+    assert head < 1e-3
+    if clear_cache:
+        assert tail < 1e-3
+    else:
+        assert tail > 1e-3  # the tail attended to KV the old weights computed
