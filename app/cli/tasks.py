@@ -38,6 +38,8 @@ def cmd_validate(args) -> int:
                     print(f"       - {problem}")
             else:
                 print(f"ok   {check.instance_id}: gold resolves, empty does not ({check.seconds:.0f} s)")
+            for note in check.surface_notes:  # what the grader put back or kept, and why
+                print(f"       · {note}")
             sys.stdout.flush()
 
     checks = validate_instances(records, jobs=args.jobs, timeout_s=args.timeout, on_result=show)

@@ -17,11 +17,11 @@ Steps (as swebench 5.0.2's `run_instance`, without docker):
      every pytest configuration file whole (`setup.cfg` and `pyproject.toml` included), and by
      pytest's import rules against the trees and the test environment (probed before the
      patch is applied): `__init__.py` files on the test path, new modules that shadow an
-     importable one, the test helpers the instance's tests import (`app.grading.surface`).
+     importable one (`app.grading.surface`), the test code the instance's tests import (`app.grading.testcode`).
      The tests run under the base commit's test harness whatever form the patch took
      (`report["reverted_files"]`).  A kept Python file that newly reaches into the test
      framework (`_pytest`, pytest hooks, unittest internals, `sys.modules` or builtins
-     writes: `surface.framework_reach`) grades unresolved, the findings in `report["tampering"]`:
+     writes: `reach.framework_reach`) grades unresolved, the findings in `report["tampering"]`:
      the tests run in the process the code under test runs in, so no report it prints can be
      trusted once that code reaches into it.
   5. Run the record's `eval_script` (exit-code lines inserted as v5's `make_test_spec`
@@ -50,21 +50,20 @@ import os
 import re
 import time
 import uuid
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Callable
 
 import redis as redis_lib
 
 from app.config import Settings, get_settings
 from app.redis_client import get_redis
-from app.grading import surface
+from app.grading import reach, surface, testcode
 from app.grading.patching import (
     APPLY_CMDS,
     PatchReadError,
     apply_script,
     drop_test_changes,
     read_patch,
-    harness_change_reason,
     files_of_test_ids,
 )
 from app.runtimes.errors import RuntimeSetupError
@@ -77,7 +76,7 @@ from app.tasksets.schema import InstanceRecord
 
 log = logging.getLogger(__name__)
 
-CACHE_PREFIX = "turnstile:grade:v2"  # v2: the test-surface rules of app.grading.surface
+CACHE_PREFIX = "turnstile:grade:v3"  # v3: test code is what pytest collects and only the tests use (testcode)
 CACHE_TTL_S = 30 * 24 * 3600
 GRADING_DIR = "/run/turnstile/grading"
 _OUTCOME_FIELDS = ("instance_id", "patch", "test_patch", "eval_script", "test_cmd", "test_files", "FAIL_TO_PASS",
@@ -94,7 +93,9 @@ class GradeResult:
     report: swebench's per-instance report (`patch_successfully_applied`, `resolved`,
       `tests_status` {FAIL_TO_PASS, PASS_TO_PASS, FAIL_TO_FAIL, PASS_TO_FAIL → {success, failure}})
       plus `apply` {applied, method, reason}, `dropped_test_files` (dropped from the patch),
-      `reverted_files` {path: reason} (put back to the base after applying), `tests_missing`
+      `reverted_files` {path: reason} (put back to the base after applying), `test_surface`
+      {layout: {decided, rule, collected_test_files, test_dirs, library_roots}, reverted: {path:
+      {rule, why}}, kept: {path: why it is library code}}, `tests_missing`
       {FAIL_TO_PASS, PASS_TO_PASS → ids absent from the test log}, `patch_sha256`,
       `confined`, `timings` (seconds).
     log_path: the grading log (apply output + eval script output), or None.
@@ -264,7 +265,7 @@ def apply_then_eval(rt: Any, command: Callable[[str], str | list[str]], mounts: 
     (`probe_test_env`).  Updates `apply_info` (applied, method or reason),
     `report_extra["reverted_files"]` (test-harness files the patch touched, restored after it
     applied: `_restore_test_harness`) and `report_extra["tampering"]` ({path: findings} of kept
-    files that reach into the test framework: `surface.framework_reach`; any finding grades the
+    files that reach into the test framework: `reach.framework_reach`; any finding grades the
     patch unresolved), appends each script's output to `parts`, and returns the monotonic time
     the apply step ended (the eval step is timed from there).
     """
@@ -275,7 +276,9 @@ def apply_then_eval(rt: Any, command: Callable[[str], str | list[str]], mounts: 
         parts.append(res.stdout)
         if res.ok:
             apply_info.update(applied=True, method=res.stdout.strip().splitlines()[-1].partition("(")[2].rstrip(")"))
-            report_extra["reverted_files"] = _restore_test_harness(rt, protected, env, test_patch)
+            report_extra["test_surface"] = {}
+            report_extra["reverted_files"] = _restore_test_harness(rt, protected, env, test_patch,
+                                                                   report_extra["test_surface"])
             report_extra["tampering"] = find_tampering(rt, protected, env)
         else:
             apply_info.update(applied=False, reason=apply_failure_reason(res.exit_code, res.stdout, log_path))
@@ -370,7 +373,7 @@ def apply_failure_reason(exit_code: int, output: str, log_path: Path, max_lines:
 
 
 def _restore_test_harness(rt: Any, protected: set[str], env: surface.EnvNames | None = None,
-                          test_patch: str = "") -> dict[str, str]:
+                          test_patch: str = "", surface_report: dict | None = None) -> dict[str, str]:
     """Put back the base's version of every test-harness file the applied patch changed.
 
     Reads what really changed from the runtime's hardened `git diff` of the workspace
@@ -378,7 +381,10 @@ def _restore_test_harness(rt: Any, protected: set[str], env: surface.EnvNames | 
     past the filter.  Judged by name (`patching.harness_change_reason`) and against the trees
     and the test environment `env` (`app.grading.surface`): every pytest configuration file
     whole, `__init__.py` files on the test path, new modules that shadow an importable one,
-    the test helpers the instance's tests import.  Returns {path: reason}.  Raises
+    the test code the instance's tests import (`testcode`: what pytest collects and only the tests
+    use; library code is kept wherever it lives).  Returns {path: reason}; fills `surface_report`
+    with the layout, each put-back path's rule and why, and the library modules kept
+    (`report["test_surface"]`).  Raises
     `RuntimeSetupError` when the files cannot be put back (infrastructure: the grade is not a score).
     """
     base = Path(rt.describe()["base_repo"])
@@ -386,18 +392,10 @@ def _restore_test_harness(rt: Any, protected: set[str], env: surface.EnvNames | 
     changes = read_patch(rt.patch()).files
     changed = {p for change in changes for p in change.paths}
     trees = surface.Trees.scan(base, rt.base_commit, rt.workspace, protected)
-    roots = trees.import_roots(env, rt.workdir)
-    reasons: dict[str, str] = {}
-    for path in sorted(changed):
-        reason = harness_change_reason(path, protected)
-        if reason is None and PurePosixPath(path).name in surface.CONFIG_FILES:
-            reason = "pytest configuration"  # put back whole: nothing parsed, no parser to disagree with
-        reason = reason or surface.init_reason(trees, path) or surface.shadow_reason(trees, path, env, roots)
-        if reason:
-            reasons[path] = reason
-    for path, reason in surface.helper_reasons(trees, changed - set(reasons), roots,
-                                               surface.test_patch_additions(test_patch)).items():
-        reasons.setdefault(path, reason)
+    reasons, report = testcode.put_back(trees, testcode.Layout.read(trees, env, rt.workdir), changed, env,
+                                        protected, test_patch)
+    if surface_report is not None:
+        surface_report.update(report)
     if not reasons:
         return reasons
     in_base = [p for p in reasons
@@ -417,7 +415,7 @@ def _restore_test_harness(rt: Any, protected: set[str], env: surface.EnvNames | 
 def find_tampering(rt: Any, protected: set[str], env: surface.EnvNames | None = None) -> dict[str, list[str]]:
     """{path: findings} for the Python files the applied patch still changes (after
     `_restore_test_harness`) that newly reach into the test framework or the interpreter
-    (`surface.framework_reach`).  Any entry grades the patch unresolved.
+    (`reach.framework_reach`).  Any entry grades the patch unresolved.
 
     A new file counts only when something can import it: a changed file or a file of the base
     names it in an import (`surface.imported_new_files`); a new module nothing imports never runs.
@@ -432,7 +430,7 @@ def find_tampering(rt: Any, protected: set[str], env: surface.EnvNames | None = 
     for path in kept:
         if not trees.in_base(path) and path not in reachable:
             continue
-        found = surface.framework_reach(trees.text(path, base=True), trees.text(path), own)
+        found = reach.framework_reach(trees.text(path, base=True), trees.text(path), own)
         if found:
             out[path] = found
     return out

@@ -1,4 +1,4 @@
-"""What of an applied patch the test run would load, judged by pytest's and Python's own import rules.
+"""The trees a grade compares and the rules of pytest's import machinery: what of an applied patch the test run would load.
 
 `patching.harness_change_reason` judges a path by its name alone.  This module judges the
 applied tree against the base tree, the instance's test files and the test environment:
@@ -21,28 +21,18 @@ applied tree against the base tree, the instance's test files and the test envir
   importable in the test environment (its interpreter's `sys.stdlib_module_names`,
   `sys.builtin_module_names`, every module on its `sys.path`, every top-level name of its
   installed distributions: `probe_script`) replaces that module, and is put back.
-* **test helpers**: modules the instance's test files (and the conftests on their path)
-  import, found with `ast`: a module with a test-like path (`tests/helpers.py`,
-  `pkg/testing.py`, followed through its own imports) is reverted with the test files, and
-  so is a module where the patch changes a checking function the tests import by name
-  (`raises`, `assert_*`, `check_*`) that no library module uses (`from toolz.utils import
-  raises`: the library uses `no_default` from there, never `raises`).
-* **framework reach** (`framework_reach`): pytest runs the tests in the process the code under
-  test runs in, so whatever that code does to pytest's objects is what the report shows.  A
-  Python file the patch keeps is read with `ast`, and what it newly does (compared with the
-  base version) that reaches into the test framework or the interpreter is listed: importing
-  `_pytest`, `pytest` or `pluggy`; `unittest` beyond `unittest.mock`; defining pytest hooks
-  (`pytest_*`) or `pytest_plugins`; writing `sys.modules`, `sys.meta_path`, `sys.path_hooks` or
-  builtins; reading interpreter frames or the garbage collector's object lists; tracing
-  hooks; `os._exit` and `atexit`; code or module names built at run time (`exec`, `eval`,
-  `__import__` of a non-constant).  Any such finding grades the patch unresolved, with the
-  finding recorded (`report["tampering"]`).  A framework the repository itself provides
-  (pytest's own repository) is not counted.
+* **test code the tests import** (`app.grading.testcode`): test-support modules and test
+  helpers in library code, decided by what pytest collects and what only the tests use; library
+  code is kept whatever its path looks like.
+* **framework reach** (`app.grading.reach`): kept code that newly reaches into the test
+  framework or the interpreter grades the patch unresolved.
+
+The import graph these rules walk is `app.grading.imports`.
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
+import fnmatch
 import json
 import os
 import re
@@ -59,8 +49,6 @@ PROBE_MARKER = "TURNSTILE-TEST-ENV "
 # place for a project's tests, which pytest imports by path.)
 _NOT_SHADOWS = frozenset({"test", "__pycache__", "__main__"})
 _SKIP_DIRS = frozenset({".git", "__pycache__", "node_modules", ".tox", ".nox", ".venv", "venv", ".eggs"})
-_TESTISH_PARTS = frozenset({"test", "tests", "testing"})
-_TESTISH_STEMS = frozenset({"testing", "tests", "test", "conftest", "fixtures", "testutils", "test_utils", "testlib"})
 
 
 def probe_script() -> str:
@@ -77,12 +65,14 @@ for entry in sys.path:
         names.update(n for n in os.listdir(entry) if n.isidentifier() and os.path.isdir(os.path.join(entry, n)))
     except OSError:
         pass
+dists = set()
 try:
     import importlib.metadata as md
-    names.update(md.packages_distributions())
+    dists = set(md.packages_distributions())
+    names.update(dists)
 except Exception:
     pass
-print("''' + PROBE_MARKER + r'''" + json.dumps({"names": sorted(names), "path": sys.path,
+print("''' + PROBE_MARKER + r'''" + json.dumps({"names": sorted(names), "path": sys.path, "dists": sorted(dists),
                                                "version": list(sys.version_info[:3])}))
 '''
 
@@ -97,6 +87,7 @@ class EnvNames:
     names: frozenset[str]
     path: tuple[str, ...] = ()
     probed: bool = False
+    dist_names: frozenset[str] = frozenset()  # top-level names installed distributions provide
 
     @classmethod
     def fallback(cls) -> "EnvNames":
@@ -110,7 +101,8 @@ class EnvNames:
                 try:
                     data = json.loads(line[len(PROBE_MARKER):])
                     names = frozenset(str(n) for n in data["names"]) | cls.fallback().names
-                    return cls(names, tuple(str(p) for p in data.get("path", [])), True)
+                    return cls(names, tuple(str(p) for p in data.get("path", [])), True,
+                               frozenset(str(n) for n in data.get("dists", [])))
                 except (ValueError, KeyError, TypeError):
                     break
         return cls.fallback()
@@ -119,8 +111,25 @@ class EnvNames:
 # --- the trees ----------------------------------------------------------------------------------
 
 
+DEFAULT_PYTHON_FILES = ("test_*.py", "*_test.py")  # pytest's default `python_files`
+
+
 def _is_test_module(name: str) -> bool:
     return name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py"))
+
+
+def collects(patterns: Iterable[str], path: str) -> bool:
+    """Whether pytest's `python_files` `patterns` match `path` (relative to the rootdir).
+
+    As `_pytest.pathlib.fnmatch_ex`: a pattern without a `/` is matched against the file name,
+    one with a `/` against the path, anchored at any folder (`testing/python/*.py`)."""
+    for pattern in patterns:
+        if "/" not in pattern:
+            if fnmatch.fnmatch(PurePosixPath(path).name, pattern):
+                return True
+        elif fnmatch.fnmatch("/" + path, "*/" + pattern.lstrip("/")):
+            return True
+    return False
 
 
 @dataclasses.dataclass
@@ -136,6 +145,8 @@ class Trees:
     dirs: set[str] = dataclasses.field(default_factory=set)         # every folder of it ("" = the root)
     test_files: set[str] = dataclasses.field(default_factory=set)   # test modules, conftests, protected
     py_files: list[str] = dataclasses.field(default_factory=list)   # every .py file of the base
+    collected: set[str] = dataclasses.field(default_factory=set)    # test files pytest collects, protected ones
+    python_files: list[str] = dataclasses.field(default_factory=list)  # pytest's `python_files` patterns
 
     @classmethod
     def scan(cls, base: Path, commit: str, tree: Path, protected: Iterable[str]) -> "Trees":
@@ -144,13 +155,17 @@ class Trees:
         listing = git(base, "ls-tree", "-r", "-z", "--name-only", commit, stage="grade").stdout
         t.files = {f for f in listing.split("\0") if f}
         t.dirs = {""} | {str(d) for f in t.files for d in PurePosixPath(f).parents if str(d) != "."}
+        t.python_files = t.config_patterns("python_files") or list(DEFAULT_PYTHON_FILES)
         for path in sorted(t.files):
             name = PurePosixPath(path).name
             if name.endswith(".py") and not (_SKIP_DIRS & set(PurePosixPath(path).parts[:-1])):
                 t.py_files.append(path)
-                if name == "conftest.py" or _is_test_module(name):
+                if _is_test_module(name) or collects(t.python_files, path):
+                    t.collected.add(path)
+                if name == "conftest.py":
                     t.test_files.add(path)
-        t.test_files |= {p for p in t.protected if p.endswith(".py")}
+        t.collected |= {p for p in t.protected if p.endswith(".py") and PurePosixPath(p).name != "conftest.py"}
+        t.test_files |= t.collected
         return t
 
     def in_base(self, path: str) -> bool:
@@ -197,9 +212,9 @@ class Trees:
         return {("" if str(PurePosixPath(f).parent) == "." else str(PurePosixPath(f).parent)) for f in self.test_files
                 if PurePosixPath(f).name == "conftest.py" or _is_test_module(PurePosixPath(f).name)}
 
-    def config_pythonpath(self) -> list[str]:
-        """The `pythonpath` entries of the base's root pytest configuration (pytest puts them first on
-        sys.path: https://docs.pytest.org/en/stable/reference/reference.html#confval-pythonpath).
+    def config_value(self, key: str) -> str | list[str] | None:
+        """The value of `key` in the base's root pytest configuration (the first file of pytest's order
+        that holds a pytest table: https://docs.pytest.org/en/stable/reference/customize.html), or None.
         The base is trusted, so the standard library's parsers are enough here."""
         import configparser
         import tomllib
@@ -208,36 +223,54 @@ class Trees:
             text = self.text(name, base=True)
             if text is None:
                 continue
-            value = None
             try:
                 if name == "pyproject.toml":
                     table = tomllib.loads(text).get("tool", {}).get("pytest", {})
                     if not table:
                         continue  # pytest passes over a pyproject.toml without its table
-                    value = table.get("ini_options", {}).get("pythonpath", table.get("pythonpath"))
-                else:
-                    cp = configparser.ConfigParser(interpolation=None, strict=False)
-                    cp.read_string(text)
-                    section = {"setup.cfg": "tool:pytest"}.get(name, "pytest")
-                    value = cp.get(section, "pythonpath", fallback=None) if cp.has_section(section) else None
-                    if value is None and not cp.has_section(section):
-                        continue
+                    return table.get("ini_options", {}).get(key, table.get(key))
+                cp = configparser.ConfigParser(interpolation=None, strict=False)
+                cp.read_string(text)
+                section = {"setup.cfg": "tool:pytest"}.get(name, "pytest")
+                if not cp.has_section(section):
+                    continue
+                return cp.get(section, key, fallback=None)
             except (configparser.Error, tomllib.TOMLDecodeError, AttributeError):
                 continue
-            entries = value.split() if isinstance(value, str) else [str(v) for v in value or []]
-            return [e.strip("/") if e not in (".", "./") else "" for e in entries]
-        return []
+        return None
 
-    def import_roots(self, env: EnvNames, repo_inside: str) -> list[str]:
-        """Folders of the repository on the test run's `sys.path`: the root, each test file's and
-        conftest's base folder, and the environment's own entries inside the repository (editable installs)."""
-        roots = ["", *self.config_pythonpath(), *sorted({self.basedir(f) for f in self.test_files})]
+    def config_patterns(self, key: str) -> list[str]:
+        """`config_value(key)` as a list of words (ini values are split on whitespace, as pytest's `args` type)."""
+        value = self.config_value(key)
+        return value.split() if isinstance(value, str) else [str(v) for v in value or []]
+
+    def config_pythonpath(self) -> list[str]:
+        """The `pythonpath` entries of the base's root pytest configuration (pytest puts them first on
+        sys.path: https://docs.pytest.org/en/stable/reference/reference.html#confval-pythonpath)."""
+        return [e.strip("/") if e not in (".", "./") else "" for e in self.config_patterns("pythonpath")]
+
+    def env_roots(self, env: EnvNames, repo_inside: str) -> list[str]:
+        """The test environment's `sys.path` entries inside the repository (editable installs), relative."""
+        out = []
         inside = PurePosixPath(repo_inside)
         for entry in env.path:
             p = PurePosixPath(entry)
             if p == inside or inside in p.parents:
                 rel = str(p.relative_to(inside))
-                roots.append("" if rel == "." else rel)
+                out.append("" if rel == "." else rel)
+        return out
+
+    def import_roots(self, env: EnvNames, repo_inside: str) -> list[str]:
+        """Folders of the repository on the test run's `sys.path`: the root, each test file's and
+        conftest's base folder, and the environment's own entries inside the repository (editable installs)."""
+        roots = ["", *self.config_pythonpath(), *sorted({self.basedir(f) for f in self.test_files}),
+                 *self.env_roots(env, repo_inside)]
+        return list(dict.fromkeys(roots))
+
+    def library_roots(self, env: EnvNames, repo_inside: str) -> list[str]:
+        """Folders the package under test is imported from: the root, the configuration's `pythonpath`,
+        the environment's entries inside the repository, and `src/` (setuptools' src layout)."""
+        roots = ["", *self.config_pythonpath(), *self.env_roots(env, repo_inside), *(["src"] if "src" in self.dirs else [])]
         return list(dict.fromkeys(roots))
 
 
@@ -295,176 +328,6 @@ def shadow_reason(trees: Trees, path: str, env: EnvNames, roots: list[str]) -> s
     return None
 
 
-def is_testish(path: str) -> bool:
-    """A path that names test code: a `test`/`tests`/`testing` folder or a test-like module name."""
-    p = PurePosixPath(path)
-    stem = p.name[:-3] if p.name.endswith(".py") else p.name
-    if stem == "__init__":
-        stem = p.parent.name
-    return bool(_TESTISH_PARTS & set(p.parts[:-1])) or stem in _TESTISH_STEMS or stem.startswith("test_") \
-        or stem.endswith(("_test", "_tests", "_testing"))
-
-
-def _parse(text: str | None) -> ast.Module | None:
-    if text is None:
-        return None
-    try:
-        return ast.parse(text)
-    except (SyntaxError, ValueError):
-        return None
-
-
-def _test_source(trees: Trees, test_patch_added: dict[str, str], path: str) -> list[ast.Module]:
-    """The parsed versions of a test file: the base's, and the lines `test_patch` adds to it."""
-    out = []
-    for text in (trees.text(path, base=True), test_patch_added.get(path)):
-        tree = _parse(text)
-        if tree is None and text:  # lines added to a file: read the import lines one by one
-            lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith(("import ", "from "))]
-            tree = _parse("\n".join(ln for ln in lines if _parse(ln) is not None))
-        if tree is not None:
-            out.append(tree)
-    return out
-
-
-def _resolve(trees: Trees, dotted: str, roots: list[str]) -> str | None:
-    parts = dotted.split(".")
-    for root in roots:
-        base = PurePosixPath(root) if root else PurePosixPath()
-        for cand in (base.joinpath(*parts).with_suffix(".py") if parts else None,
-                     base.joinpath(*parts, "__init__.py")):
-            if cand is not None and trees.exists(str(cand)):
-                return str(cand)
-    return None
-
-
-def _imports(trees: Trees, module: ast.Module, path: str, roots: list[str]) -> list[tuple[str, list[str]]]:
-    """(workspace file, names imported from it by name) for each import of `module` that resolves
-    to a file of the repository."""
-    out: list[tuple[str, list[str]]] = []
-    own = [trees.basedir(path), *roots]
-    pkg = PurePosixPath(path).parent.parts
-    for node in ast.walk(module):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                hit = _resolve(trees, alias.name, own)
-                if hit:
-                    out.append((hit, []))
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                anchor = pkg[: len(pkg) - (node.level - 1)] if node.level - 1 <= len(pkg) else ()
-                dotted_parts = [*anchor, *(node.module.split(".") if node.module else [])]
-                search = [""]
-            else:
-                dotted_parts = node.module.split(".") if node.module else []
-                search = own
-            dotted = ".".join(dotted_parts)
-            hit = _resolve(trees, dotted, search) if dotted else None
-            if hit:
-                out.append((hit, [a.name for a in node.names]))
-            for alias in node.names:  # `from pkg import submodule`
-                sub = _resolve(trees, f"{dotted}.{alias.name}" if dotted else alias.name, search)
-                if sub:
-                    out.append((sub, []))
-    return out
-
-
-def _definition(module: ast.Module | None, name: str) -> str | None:
-    if module is None:
-        return None
-    for node in module.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
-            return ast.dump(node)
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-                return ast.dump(node)
-    return None
-
-
-def _library_uses(trees: Trees, name: str, skip: str) -> bool:
-    """Whether a non-test module of the base (other than `skip`) refers to `name` (`git grep`
-    finds the candidates, `ast` confirms)."""
-    res = git(trees.base, "grep", "-l", "-w", "-e", name, trees.commit, "--", "*.py", check=False)
-    for line in res.stdout.splitlines():
-        path = line.split(":", 1)[1] if line.startswith(trees.commit + ":") else line
-        if path == skip or path in trees.test_files or is_testish(path):
-            continue
-        module = _parse(trees.text(path, base=True))
-        if module is None:
-            return True
-        for node in ast.walk(module):
-            if (isinstance(node, ast.Name) and node.id == name) or (isinstance(node, ast.Attribute) and node.attr == name) \
-                    or (isinstance(node, ast.alias) and name in (node.name, node.asname)):
-                return True
-    return False
-
-
-# Names of functions whose job is to check (`raises`, `assert_equal`, `check_output_matches`): the
-# tests' tools, not the code they test.  A public function the tests call (`slugify`) is not one.
-_CHECKER = re.compile(r"^_*(assert|raises|check|expect|verify|fails?_|must|should|eq_|ok_|approx|compare)|assert|raises",
-                      re.I)
-
-
-def helper_reasons(trees: Trees, changed: set[str], roots: list[str], test_patch_added: dict[str, str]) -> dict[str, str]:
-    """{changed module: reason} for the test helpers the instance's tests import (module docstring)."""
-    sources = sorted(p for p in trees.protected if p.endswith(".py"))
-    conftests = {f for f in trees.test_files if PurePosixPath(f).name == "conftest.py"}
-    dirs = {str(d) for s in sources for d in PurePosixPath(s).parents}
-    sources += sorted(c for c in conftests if str(PurePosixPath(c).parent) in dirs)
-    reasons: dict[str, str] = {}
-    seen, queue = set(sources), [(s, s) for s in sources]
-    by_name: dict[str, dict[str, str]] = {}  # module -> {name: importing test file}
-    while queue:
-        path, origin = queue.pop()
-        modules = _test_source(trees, test_patch_added, path) if path in trees.protected else \
-            [m for m in (_parse(trees.text(path, base=True)), _parse(trees.text(path))) if m is not None]
-        for module in modules:
-            for hit, names in _imports(trees, module, path, roots):
-                if hit in trees.test_files or hit == path:
-                    continue
-                if is_testish(hit):
-                    if hit in changed:
-                        reasons.setdefault(hit, f"test helper imported by {origin}")
-                    if hit not in seen:
-                        seen.add(hit)
-                        queue.append((hit, origin))
-                elif path in trees.test_files:
-                    for n in names:
-                        by_name.setdefault(hit, {}).setdefault(n, path)
-    for module_path, names in by_name.items():
-        if module_path not in changed or module_path in reasons:
-            continue
-        before, after = _parse(trees.text(module_path, base=True)), _parse(trees.text(module_path))
-        for name, origin in sorted(names.items()):
-            if name == "*" or _definition(before, name) == _definition(after, name):
-                continue
-            if _definition(before, name) is None and _definition(after, name) is None:
-                continue
-            if _CHECKER.search(name) and not _library_uses(trees, name, module_path):
-                reasons[module_path] = f"changes test helper `{name}`, which {origin} imports and no library module uses"
-                break
-    return reasons
-
-
-def test_patch_additions(test_patch: str) -> dict[str, str]:
-    """{path: the text of the lines `test_patch` adds to it} (for the imports of new tests)."""
-    from app.grading.patching import PatchReadError, read_patch
-
-    out: dict[str, str] = {}
-    if not test_patch or not test_patch.strip():
-        return out
-    try:
-        files = read_patch(test_patch).files
-    except PatchReadError:
-        return out
-    for f in files:
-        if f.new is None:
-            continue
-        added = [ln[1:] for ln in f.text.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
-        out[f.new] = "\n".join(added) + "\n"
-    return out
-
 
 def own_top_names(trees: Trees, roots: list[str]) -> set[str]:
     """Top-level modules and packages the base repository itself provides (at `roots` and `src/`)."""
@@ -508,212 +371,3 @@ def imported_new_files(trees: Trees, kept: list[str]) -> set[str]:
                for line in res.stdout.splitlines()):
             out.add(path)
     return out
-
-
-# --- framework reach ----------------------------------------------------------------------------
-
-FRAMEWORKS = ("_pytest", "pytest", "pluggy")
-_BUILTINS = frozenset({"builtins", "__builtins__", "__builtin__"})
-_SYS_IMPORT_STATE = frozenset({"sys.modules", "sys.meta_path", "sys.path_hooks", "sys.path_importer_cache"})
-_MUTATORS = frozenset({"update", "setdefault", "pop", "popitem", "clear", "__setitem__", "__delitem__", "insert",
-                       "append", "extend", "remove"})
-_INTERNALS = {
-    "sys._getframe": "reads interpreter frames", "sys._current_frames": "reads interpreter frames",
-    "inspect.currentframe": "reads interpreter frames", "inspect.stack": "reads interpreter frames",
-    "inspect.getouterframes": "reads interpreter frames", "inspect.trace": "reads interpreter frames",
-    "sys.settrace": "installs a tracing hook", "sys.setprofile": "installs a tracing hook",
-    "threading.settrace": "installs a tracing hook", "threading.setprofile": "installs a tracing hook",
-    "sys.monitoring": "installs a tracing hook", "sys.addaudithook": "installs an audit hook",
-    "gc.get_objects": "walks the garbage collector's objects", "gc.get_referrers": "walks the garbage collector's objects",
-    "gc.get_referents": "walks the garbage collector's objects",
-    "os._exit": "exits the interpreter past the test runner", "atexit.register": "runs code after the test runner",
-    "sys.__stdout__": "writes past the test runner's output capture",
-    "sys.__stderr__": "writes past the test runner's output capture",
-}
-_FRAME_ATTRS = frozenset({"f_back", "f_globals", "f_locals", "f_builtins", "tb_frame", "gi_frame", "cr_frame", "ag_frame"})
-_HOOK_STRING = re.compile(r"^(_pytest(\.\w+)*|pytest\.\w+(\.\w+)*|pluggy(\.\w+)*|pytest_\w+|unittest\.(?!mock\b)\w+(\.\w+)*)$")
-
-
-def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
-    parts: list[str] = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    parts.append(aliases.get(node.id, node.id))
-    return ".".join(reversed(parts))
-
-
-class _Reach(ast.NodeVisitor):
-    def __init__(self, own: set[str], depth: int = 0):
-        self.own, self.depth = own, depth
-        self.aliases: dict[str, str] = {}
-        self.found: set[str] = set()
-
-    def module(self, name: str, names: Iterable[str] = ()) -> None:
-        top, _, rest = name.partition(".")
-        if top in self.own:
-            return
-        if top in FRAMEWORKS:
-            self.found.add(f"imports the test framework ({name})")
-        elif top == "unittest":
-            sub = rest.split(".")[0] if rest else None
-            if sub and sub != "mock" or (not sub and any(n != "mock" for n in names)) or (not sub and not names):
-                self.found.add(f"imports unittest internals ({name}{' ' + ', '.join(names) if names else ''})")
-        elif top == "ctypes":
-            self.found.add("imports ctypes (raw memory access)")
-        elif top == "sys":
-            for n in names:
-                key = f"sys.{n}"
-                if key in _SYS_IMPORT_STATE:
-                    self.found.add(f"imports {key}")
-                elif key in _INTERNALS:
-                    self.found.add(f"{_INTERNALS[key]} ({key})")
-        elif top in ("inspect", "gc", "os", "atexit", "threading"):
-            for n in names:
-                key = f"{top}.{n}"
-                if key in _INTERNALS:
-                    self.found.add(f"{_INTERNALS[key]} ({key})")
-
-    def visit_Import(self, node: ast.Import) -> None:
-        for a in node.names:
-            self.module(a.name)
-            if a.asname:
-                self.aliases[a.asname] = a.name
-        self.generic_visit(node)
-
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        if not node.level and node.module:
-            self.module(node.module, [a.name for a in node.names])
-            for a in node.names:
-                self.aliases[a.asname or a.name] = f"{node.module}.{a.name}"
-        self.generic_visit(node)
-
-    def _def(self, node) -> None:
-        if node.name.startswith("pytest_") and not self.own & set(FRAMEWORKS):  # pytest's own repository
-            self.found.add(f"defines a pytest hook ({node.name})")
-        self.generic_visit(node)
-
-    visit_FunctionDef = visit_AsyncFunctionDef = _def
-
-    def visit_Name(self, node: ast.Name) -> None:
-        if node.id == "pytest_plugins" and isinstance(node.ctx, ast.Store):
-            self.found.add("sets pytest_plugins")
-        dotted = self.aliases.get(node.id)
-        if dotted:
-            self._dotted_use(dotted, node.ctx)
-
-    def _dotted_use(self, dotted: str, ctx: ast.expr_context) -> None:
-        top = dotted.split(".")[0]
-        if top in self.own:
-            return
-        if top in _BUILTINS and isinstance(ctx, (ast.Store, ast.Del)) and "." in dotted:
-            self.found.add(f"assigns builtins ({dotted})")
-        if top == "unittest" and len(dotted.split(".")) > 1 and dotted.split(".")[1] != "mock":
-            self.found.add(f"reaches into unittest ({'.'.join(dotted.split('.')[:3])})")
-        if top in FRAMEWORKS:
-            self.found.add(f"reaches into the test framework ({'.'.join(dotted.split('.')[:3])})")
-        for key, what in _INTERNALS.items():
-            if dotted == key or dotted.startswith(key + "."):
-                self.found.add(f"{what} ({key})")
-        if isinstance(ctx, (ast.Store, ast.Del)) and any(dotted == k or dotted.startswith(k + ".") for k in _SYS_IMPORT_STATE):
-            self.found.add(f"writes {'.'.join(dotted.split('.')[:2])}")
-
-    def visit_Attribute(self, node: ast.Attribute) -> None:
-        if node.attr in _FRAME_ATTRS:
-            self.found.add(f"reads interpreter frames (.{node.attr})")
-        dotted = _dotted(node, self.aliases)
-        if dotted:
-            self._dotted_use(dotted, node.ctx)
-            if isinstance(node.ctx, ast.Load):
-                return  # its prefix is a part of this chain, judged once
-        self.generic_visit(node)
-
-    def visit_Subscript(self, node: ast.Subscript) -> None:
-        target = _dotted(node.value, self.aliases)
-        if isinstance(node.ctx, (ast.Store, ast.Del)) and target:
-            if target in _SYS_IMPORT_STATE:
-                self.found.add(f"writes {target}")
-            if target.split(".")[0] in _BUILTINS:
-                self.found.add(f"assigns builtins ({target}[...])")
-        if isinstance(node.ctx, ast.Load) and target == "sys.modules" and not (
-                isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
-            self.found.add("reads sys.modules with a key built at run time")
-        if isinstance(node.ctx, (ast.Store, ast.Del)) and isinstance(node.value, ast.Call):
-            inner = _dotted(node.value.func, self.aliases)
-            if inner == "vars" and node.value.args and (_dotted(node.value.args[0], self.aliases) or "").split(".")[0] in _BUILTINS:
-                self.found.add("assigns builtins (vars(builtins)[...])")
-        self.generic_visit(node)
-
-    def visit_Call(self, node: ast.Call) -> None:
-        func = _dotted(node.func, self.aliases) or ""
-        first = node.args[0] if node.args else None
-        const = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
-        if func in ("setattr", "delattr") and first is not None:
-            target = _dotted(first, self.aliases) or ""
-            if target.split(".")[0] in _BUILTINS:
-                self.found.add(f"assigns builtins ({func}({target}, ...))")
-            if target in _SYS_IMPORT_STATE or target == "sys":
-                self.found.add(f"writes {target} ({func})")
-            if target.split(".")[0] in FRAMEWORKS + ("unittest",) and target.split(".")[0] not in self.own:
-                self.found.add(f"patches the test framework ({func}({target}, ...))")
-        head, _, method = func.rpartition(".")
-        if method in _MUTATORS and (head in _SYS_IMPORT_STATE or head.split(".")[0] in _BUILTINS):
-            self.found.add(f"writes {head} (.{method})")
-        if func in ("sys.modules.values", "sys.modules.items", "sys.modules.copy", "sys.modules.keys"):
-            self.found.add(f"walks sys.modules ({func})")
-        if func == "sys.modules.get" and const is None:
-            self.found.add("reads sys.modules with a key built at run time")
-        if func == "sys.modules.get" and const is not None:
-            self.module(const)
-        if func in ("__import__", "importlib.import_module", "importlib.__import__", "builtins.__import__"):
-            if const is not None:
-                self.module(const)
-            else:
-                self.found.add(f"imports a module named at run time ({func})")
-        if func in ("exec", "eval", "compile", "builtins.exec", "builtins.eval"):
-            if const is not None and self.depth < 3:
-                inner = _parse(const)
-                if inner is not None:
-                    sub = _Reach(self.own, self.depth + 1)
-                    sub.aliases = dict(self.aliases)
-                    sub.visit(inner)
-                    self.found |= sub.found
-            elif const is None:
-                self.found.add(f"runs code built at run time ({func})")
-        if func == "vars" and first is not None and (_dotted(first, self.aliases) or "").split(".")[0] in _BUILTINS:
-            self.found.add("reaches builtins' namespace (vars(builtins))")
-        self.generic_visit(node)
-
-    def visit_Constant(self, node: ast.Constant) -> None:
-        if isinstance(node.value, str) and node.value in _FRAME_ATTRS:
-            self.found.add(f"reads interpreter frames ({node.value!r})")
-        if isinstance(node.value, str) and len(node.value) < 200 and _HOOK_STRING.match(node.value):
-            top = node.value.split(".")[0]
-            if top not in self.own:
-                self.found.add(f"names the test framework in a string ({node.value!r})")
-
-
-def reach_findings(text: str | None, own: set[str]) -> set[str] | None:
-    """What `text` (Python source) does that reaches into the test framework or the interpreter
-    (module docstring); None when it does not parse."""
-    module = _parse(text)
-    if module is None:
-        return None
-    visitor = _Reach(own)
-    visitor.visit(module)
-    return visitor.found
-
-
-def framework_reach(base_text: str | None, new_text: str | None, own: set[str] = frozenset()) -> list[str]:
-    """The findings of `new_text` that `base_text` (None: a new file) does not have, sorted.
-
-    `own`: top-level names the repository provides itself (its own `_pytest`, say), never counted.
-    A new text that does not parse has no findings (Python cannot import it either).
-    """
-    after = reach_findings(new_text, set(own))
-    if not after:
-        return []
-    before = reach_findings(base_text, set(own)) or set()
-    return sorted(after - before)

@@ -49,12 +49,31 @@ class InstanceCheck:
                 f"reaches into the test framework: {tampering}" if tampering else None) or (
                 f"reward {self.gold.reward}" if "reward_file" in self.gold.report
                 else f"failing: {', '.join(failing[:5]) or 'no test ran'}")
+            put_back = (self.gold.report.get("reverted_files") or {})
+            if put_back:
+                reason += "; put back: " + ", ".join(f"{p} ({r})" for p, r in put_back.items())
             out.append(f"cannot be solved: the gold patch does not resolve it ({reason}; log {self.gold.log_path})")
         if self.empty.resolved:
             out.append(f"an empty patch resolves it (log {self.empty.log_path})")
         for field, ids in self.gold.report.get("tests_missing", {}).items():
             if ids:
                 out.append(f"{len(ids)} {field} id(s) never appear in the gold run's test log: {', '.join(ids[:5])}")
+        return out
+
+
+    @property
+    def surface_notes(self) -> list[str]:
+        """What the grader put back of the gold patch and why, rule by rule, the library modules it
+        kept, and an undecided test layout (`report["test_surface"]`); [] when there is nothing to say."""
+        surface = (self.gold.report.get("test_surface") or {}) if self.gold is not None else {}
+        out = []
+        layout = surface.get("layout") or {}
+        if layout and not layout.get("decided"):
+            out.append(f"test layout undecided: {layout.get('rule')}")
+        for path, entry in (surface.get("reverted") or {}).items():
+            out.append(f"gold: put back {path} [{entry.get('rule')}]: {entry.get('why')}")
+        for path, why in (surface.get("kept") or {}).items():
+            out.append(f"gold: kept {path}: {why}")
         return out
 
 

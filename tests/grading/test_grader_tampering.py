@@ -76,7 +76,7 @@ KINDS = {
     "test_helper_edited": ("toolz_helper", {"toolz/utils.py": ("replace", "def raises(err, lamda):\n    try:\n"
                                                                "        lamda()\n        return False\n    except err:\n"
                                                                "        return True\n", FORGED_RAISES)},
-                           "reverted_files", "toolz/utils.py", "changes test helper `raises`"),
+                           "reverted_files", "toolz/utils.py", "test helper in library code: changes `raises`"),
 }
 
 

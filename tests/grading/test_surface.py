@@ -1,4 +1,4 @@
-"""The test-surface rules of `app.grading.surface` on small git trees, and `framework_reach` on source texts.
+"""The test-surface rules of `app.grading.surface` on small git trees, and `reach.framework_reach` on source texts.
 
 The trees are real git repositories (the rules read the base from git, the applied tree from disk);
 the end-to-end grades of each kind on real instances are in test_grader_tampering.py.
@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from app.grading import surface
-from app.grading.surface import EnvNames, Trees, framework_reach
+from app.grading.reach import framework_reach
+from app.grading.surface import EnvNames, Trees
 
 
 def _repo(root, files):
@@ -112,38 +113,6 @@ def test_the_probe_reads_the_interpreters_names(tmp_path):
     env = EnvNames.from_output("noise\n" + out)
     assert env.probed and {"json", "sys", "pytest", "_pytest", "pluggy", "iniconfig"} <= env.names
     assert not EnvNames.from_output("no probe line").probed
-
-
-def test_helpers_the_tests_import_are_found(trees):
-    for path in ("pkg/testing.py", "pkg/tests/helpers.py", "tests/helpers_top.py"):
-        _write(trees, path, "def check(x):\n    return True\ndef h():\n    return 1\nX = 2\n")
-    changed = {"pkg/testing.py", "pkg/tests/helpers.py", "tests/helpers_top.py"}
-    reasons = surface.helper_reasons(trees, changed, trees.import_roots(EnvNames.fallback(), "/testbed"), {})
-    assert set(reasons) == changed and all("test helper" in r for r in reasons.values())
-
-
-def test_a_test_only_name_in_a_library_module_is_a_helper(trees):
-    roots = trees.import_roots(EnvNames.fallback(), "/testbed")
-    # `raises` is imported by the tests and used by no library module: a helper.
-    text = trees.text("pkg/utils.py", base=True)
-    _write(trees, "pkg/utils.py", text.replace("    return False\n", "    return True\n"))
-    assert "changes test helper `raises`" in surface.helper_reasons(trees, {"pkg/utils.py"}, roots, {})["pkg/utils.py"]
-    # `no_default` is library code (pkg/core.py uses it): a fix there is kept.
-    _write(trees, "pkg/utils.py", text.replace("no_default = object()", "no_default = object()  # sentinel\nY = 1"))
-    assert surface.helper_reasons(trees, {"pkg/utils.py"}, roots, {}) == {}
-    # A public function the tests import by name (`f`, used by no other module) is code under test.
-    _write(trees, "pkg/core.py", trees.text("pkg/core.py", base=True).replace("return x", "return x or 0"))
-    assert surface.helper_reasons(trees, {"pkg/core.py"}, roots, {}) == {}
-
-
-def test_test_patch_imports_count(trees):
-    added = surface.test_patch_additions(
-        "diff --git a/test_root.py b/test_root.py\n--- a/test_root.py\n+++ b/test_root.py\n@@ -1,2 +1,3 @@\n"
-        "+from tests.helpers_top import X\n def test_r():\n     pass\n")
-    assert added == {"test_root.py": "from tests.helpers_top import X\n"}
-    _write(trees, "tests/helpers_top.py", "X = 3\n")
-    reasons = surface.helper_reasons(trees, {"tests/helpers_top.py"}, [""], added)
-    assert "tests/helpers_top.py" in reasons
 
 
 REPORT_HACK = """import _pytest.reports as _r

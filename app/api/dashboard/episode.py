@@ -46,6 +46,23 @@ def grading_tests(report: dict | None) -> list[dict]:
     return rows
 
 
+def grading_surface(report: dict | None) -> dict:
+    """What the grader put back of the patch and what it kept as library code, rule by rule.
+
+    From `report["test_surface"]` ({layout, reverted: {path: {rule, why}}, kept: {path: why}});
+    reports written before it have only `reverted_files` {path: reason}, shown with no rule.
+    Returns {"rows": [{path, action ("put back" | "kept"), rule, why}], "undecided": the rule's
+    words when the test layout could not be decided, else None}."""
+    report = report or {}
+    surface = report.get("test_surface") or {}
+    reverted = surface.get("reverted") or {p: {"rule": "", "why": r} for p, r in (report.get("reverted_files") or {}).items()}
+    rows = [{"path": p, "action": "put back", "rule": e.get("rule") or "", "why": e.get("why") or ""}
+            for p, e in reverted.items()]
+    rows += [{"path": p, "action": "kept", "rule": "library code", "why": why} for p, why in (surface.get("kept") or {}).items()]
+    layout = surface.get("layout") or {}
+    return {"rows": rows, "undecided": layout.get("rule") if layout and not layout.get("decided") else None}
+
+
 def diff_lines(patch: str | None) -> list[tuple[str, str]]:
     """(css class, line) for each line of a unified diff."""
     out = []
@@ -180,6 +197,7 @@ def episode_detail(s: Session, episode_id: int) -> dict | None:
         "duration_s": seconds_between(e.started_at, e.rollout_finished_at or e.finished_at),
         "grade_s": seconds_between(e.rollout_finished_at, e.finished_at),
         "report": e.grading_report or {}, "tests": grading_tests(e.grading_report),
+        "surface": grading_surface(e.grading_report),
         "diff": diff_lines(e.patch), "logs": harness_logs(run.id, e.id),
         "calls": conversation(comps), "sequences": sequences, "builder": builder,
         "merge": (e.merge_stats or {}), "decoded": decode is not None, "seq_of": seq_of,
