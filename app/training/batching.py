@@ -67,7 +67,9 @@ class MicroBatch:
     None and `segment_lengths` (tokens of each packed sequence, in row order).  Per trainable token (N of them): `rows`,
     `cols` int64 [N] (position predicting it), `targets` int64 [N], `rollout_logprobs`
     float32 [N], `advantages` float32 [N], `weights` float32 [N] (loss aggregation weights),
-    `sequence_index` int64 [N] (index into the step's sequence list).  With a sampling
+    `sequence_index` int64 [N] (index into the step's sequence list), `token_lag` int64 [N]
+    (policy versions by which the weights that sampled the token lag the trainer's:
+    `StepSequence.token_lags`, else its sequence's `policy_lag`).  With a sampling
     transform on any of its sequences (else all four None): `temperature` float32 [N],
     `support` int64 [N], `top_k` int64 [N], `top_p` float32 [N] (`SequenceTransform`; identity
     values for tokens of sequences without one), what `app.engines.transform.processed_logprobs` takes.
@@ -88,6 +90,7 @@ class MicroBatch:
     tokens: int  # real tokens, padding excluded
     padded_tokens: int  # B * T
     position_ids: torch.Tensor | None = None
+    token_lag: torch.Tensor | None = None  # int64 [N]; set by make_micro_batches
     segment_lengths: tuple[int, ...] | None = None
     temperature: torch.Tensor | None = None
     support: torch.Tensor | None = None
@@ -191,6 +194,17 @@ def _transform_tensors(sequences, indices, positions: list[torch.Tensor]) -> dic
     return {name: torch.cat(values) for name, values in parts.items()}
 
 
+def _token_lags(seq: StepSequence, positions: torch.Tensor) -> torch.Tensor:
+    """The lag (int64) of each trainable position of `seq`: its `token_lags`, else its `policy_lag`.
+    Raises ValueError when `token_lags` is not one entry per token."""
+    if seq.token_lags is None:
+        return torch.full((positions.numel(),), int(seq.policy_lag), dtype=torch.long)
+    if len(seq.token_lags) != len(seq.token_ids):
+        raise ValueError(f"token_lags holds {len(seq.token_lags)} entries for {len(seq.token_ids)} tokens "
+                         f"(episode {seq.episode_id})")
+    return torch.tensor(list(seq.token_lags), dtype=torch.long)[positions]
+
+
 def _trainable_positions(seq: StepSequence) -> torch.Tensor:
     mask = torch.tensor(list(seq.loss_mask), dtype=torch.bool)
     positions = torch.nonzero(mask, as_tuple=True)[0]
@@ -201,7 +215,7 @@ def _trainable_positions(seq: StepSequence) -> torch.Tensor:
 
 def _tensorize_packed(sequences, indices, aggregation, step_tokens, step_samples, totals) -> MicroBatch:
     ids, pos, cols, targets, rollout, advantages, seq_index, lengths = [], [], [], [], [], [], [], []
-    trainable = []
+    trainable, lags = [], []
     offset = 0
     for i in indices:
         seq = sequences[i]
@@ -216,6 +230,7 @@ def _tensorize_packed(sequences, indices, aggregation, step_tokens, step_samples
         rollout.append(torch.tensor(list(seq.logprobs), dtype=torch.float32)[positions])
         advantages.append(torch.full((positions.numel(),), float(seq.advantage), dtype=torch.float32))
         seq_index.append(torch.full_like(positions, i))
+        lags.append(_token_lags(seq, positions))
         lengths.append(int(positions.numel()))
         offset += n
     weights = torch.tensor(aggregation_weights(lengths, aggregation, step_tokens, step_samples,
@@ -234,6 +249,7 @@ def _tensorize_packed(sequences, indices, aggregation, step_tokens, step_samples
         tokens=offset,
         padded_tokens=offset,
         position_ids=torch.cat(pos).unsqueeze(0),
+        token_lag=torch.cat(lags),
         segment_lengths=tuple(len(sequences[i].token_ids) for i in indices),
         **_transform_tensors(sequences, indices, trainable),
     )
@@ -244,7 +260,7 @@ def _tensorize(sequences, indices, aggregation, step_tokens, step_samples, total
     input_ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(indices), width), dtype=torch.long)
     rows, cols, targets, rollout, advantages, seq_index, lengths = [], [], [], [], [], [], []
-    trainable = []
+    trainable, lags = [], []
     tokens = 0
     for row, i in enumerate(indices):
         seq = sequences[i]
@@ -260,6 +276,7 @@ def _tensorize(sequences, indices, aggregation, step_tokens, step_samples, total
         rollout.append(torch.tensor(list(seq.logprobs), dtype=torch.float32)[positions])
         advantages.append(torch.full((positions.numel(),), float(seq.advantage), dtype=torch.float32))
         seq_index.append(torch.full_like(positions, i))
+        lags.append(_token_lags(seq, positions))
         lengths.append(int(positions.numel()))
     weights = torch.tensor(aggregation_weights(lengths, aggregation, step_tokens, step_samples,
                                                [totals[i] for i in indices]), dtype=torch.float32)
@@ -275,6 +292,7 @@ def _tensorize(sequences, indices, aggregation, step_tokens, step_samples, total
         sequence_index=torch.cat(seq_index),
         tokens=tokens,
         padded_tokens=len(indices) * width,
+        token_lag=torch.cat(lags),
         **_transform_tensors(sequences, indices, trainable),
     )
 

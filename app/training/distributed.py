@@ -62,6 +62,12 @@ class RankGroup:
         dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return out.cpu()
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (pickled), in rank order, on every rank."""
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
     def barrier(self) -> None:
         dist.barrier()
 

@@ -10,6 +10,9 @@ The objective implemented here, per trainable token t of a sequence from episode
     kl_t   = exp(d_t) - d_t - 1   ("k3", default)  or  d_t^2 / 2   ("k2")   (optional)
     loss_t = w_t * pg_t + beta * kl_t
 
+w_t is token TIS by default; `app.training.correction` gives the other off-policy corrections
+(a chain-level weight, and masks m_t that drop a token's loss_t: loss_t = m_t * (...)).
+
 * Group advantage A_i = (R_i - mean_g R) / std_g R: DeepSeekMath, Shao et al. 2024,
   "Pushing the Limits of Mathematical Reasoning in Open Language Models", arXiv:2402.03300,
   §4.1.2 (outcome supervision).  Leave-one-out baseline: Ahmadian et al. 2024 (RLOO,
@@ -53,12 +56,15 @@ All tensors are 1-D over the trainable tokens of a micro-batch, shape [N], float
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from app.advantages import group_advantages  # noqa: F401 (torch-free, shared with the dashboard)
 from app.runconfig import ADVANTAGE_MODES, KL_ESTIMATORS, LOSS_AGGREGATIONS  # noqa: F401 (re-exported for callers)
+
+if TYPE_CHECKING:
+    from app.training.correction import TokenCorrection
 
 
 @dataclass
@@ -86,6 +92,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    correction: "TokenCorrection | None" = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The GRPO loss of one micro-batch (see the module docstring for the formula).
 
@@ -96,7 +103,9 @@ def policy_loss(
     for sequence-level, per episode; see `aggregation_weights`), `ref_logprobs` (reference model, only
     with `kl_coef` > 0).  `kl_estimator` is "k3" (gradient of the forward KL) or "k2" (gradient of
 the reverse KL); `LossStats.kl` sums k3's value either way.  `tis_cap` None disables importance
-correction.  Raises ValueError for an unknown `kl_estimator`.  Returns the scalar
+correction.  `correction` (`app.training.correction.token_correction`), when given, replaces
+token TIS: its `weight` is w_t and a token it does not `keep` adds nothing (the caller's `weights`
+exclude it from the denominator).  Raises ValueError for an unknown `kl_estimator`.  Returns the scalar
     loss `sum(weights * loss_t)`; summing it over the step's micro-batches gives the step's
     aggregated loss exactly, so gradient accumulation is plain `backward()` per micro-batch.
     """
@@ -108,7 +117,10 @@ correction.  Raises ValueError for an unknown `kl_estimator`.  Returns the scala
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     pg = -torch.minimum(unclipped, clipped)
-    if tis_cap is not None:
+    if correction is not None:
+        tis = correction.weight
+        truncated = correction.truncated.float().sum().item()
+    elif tis_cap is not None:
         raw = torch.exp(old - rollout_logprobs.detach())
         tis = torch.clamp(raw, max=tis_cap)
         truncated = (raw > tis_cap).float().sum().item()
@@ -123,6 +135,8 @@ correction.  Raises ValueError for an unknown `kl_estimator`.  Returns the scala
         penalty = k3 if kl_estimator == "k3" else 0.5 * delta * delta
         per_token = per_token + kl_coef * penalty
         kl_sum = k3.detach().sum().item()
+    if correction is not None:  # where(), not a product: a masked token's inf or NaN must not reach the sum
+        per_token = torch.where(correction.keep, per_token, torch.zeros_like(per_token))
     loss = (per_token * weights).sum()
     with torch.no_grad():
         is_clipped = ((ratio < 1.0 - clip_low) & (advantages < 0)) | ((ratio > 1.0 + clip_high) & (advantages > 0))

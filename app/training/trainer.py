@@ -6,13 +6,14 @@ policy: k3 or k2, `TrainingConfig.kl_estimator`).  One call of `Trainer.update` 
 
     length check: no sequence beyond max_sequence_tokens (raises before any forward)
     micro-batches (packed or padded, token budget)  app.training.batching
-    ├─ [several updates only] no-grad pass: old logprobs for every micro-batch
+    ├─ [several updates, or an off-policy mask] no-grad pass: old logprobs for every
+    │  micro-batch; masks re-weight the step over its kept tokens  app.training.correction
     └─ per update: forward → loss → backward per micro-batch (gradient accumulation),
        clip the global grad norm, AdamW step
 
 With the default single update per step the pre-update logprobs are the forward pass's own
-detached values (ratio = 1, the PPO clip is inactive, TIS still re-weights); the first
-forward is also where the trainer-vs-rollout logprob gap is measured.
+detached values (ratio = 1, the PPO clip is inactive, the off-policy weight still re-weights);
+the first forward is also where the trainer-vs-rollout logprob gap is measured.
 Checkpoints (`save`/`load`) hold the weights the engines load and the optimizer state.
 
 Memory per token: no KV cache in training forwards, the LM head only at sampled positions in
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from app.training import distributed, head, memory, packing, policy
+from app.training import correction, distributed, head, memory, packing, policy
 from app.training.batching import (MicroBatch, StepSequence, make_micro_batches, padding_fraction,
                                    zero_advantage_indices)
 from app.runconfig import TrainingConfig
@@ -240,11 +241,15 @@ class Trainer:
         Metrics: loss, clip_fraction, kl (mean k3 value, an estimate of KL(policy || ref), whichever estimator is in the loss; 0 when off), tis_weight_mean,
         tis_truncated_fraction, ratio_mean, topk_forward_kl (distillation to a teacher's top-k:
         mean KL(q || student) per scored token, None without), logprob_gap_max_abs / logprob_gap_mean_abs
-        (|trainer - rollout| before the update over the sampled tokens of on-policy sequences,
-        `policy_lag` 0: the sampling-vs-training mismatch alone), logprob_gap_stale_max_abs /
-        logprob_gap_stale_mean_abs and tokens_stale (the same over sequences sampled by older
-        weights: the mismatch plus the policy's change since, which TIS corrects; each gap None
-        when the step had no such token),
+        (|trainer - rollout| before the update over the sampled tokens sampled by the trainer's
+        own weights, lag 0: the sampling-vs-training mismatch alone), logprob_gap_stale_max_abs /
+        logprob_gap_stale_mean_abs and tokens_stale (the same over tokens sampled by older
+        weights, `MicroBatch.token_lag` > 0: the mismatch plus the policy's change since, which
+        the off-policy correction corrects; each gap None when the step had no such token),
+        off_policy (`app.training.correction.CorrectionStats.metrics`: shares of tokens and chains
+        masked, ratio quantiles, the weights' effective sample size, the gap by lag 0 / 1 / 2+;
+        always, whatever the correction; tis_weight_mean and tis_truncated_fraction are those of
+        the chosen weight, token or chain),
         micro_batches_zero_advantage (forward only: their gradient is exactly zero), grad_norm (largest
         pre-clip norm), tokens_trained, tokens_processed (real tokens through the model),
         padded_tokens, sequences, micro_batches, optimizer_updates, update_time_s,
@@ -257,11 +262,15 @@ class Trainer:
         self.check_lengths(sequences)
         # Chains with advantage 0 everywhere add exactly 0 to the loss and its gradient: with one update
         # per step and no KL term they are left out before any forward pass (`skip_zero_advantage`).
+        # A mask must see every chain: it may drop their tokens from the denominator.
+        masking = correction.needs_masks_first(cfg)
         skip = (zero_advantage_indices(sequences) if cfg.skip_zero_advantage and cfg.kl_coef == 0
-                and not cfg.gradient_accumulation_steps else set())
+                and not cfg.gradient_accumulation_steps and not masking else set())
         batches = make_micro_batches(sequences, cfg.micro_batch_tokens, cfg.loss_aggregation, self.pad_id, self.packing,
                                      leave_out=skip)
         batches = apply_token_advantages(batches, sequences)  # on-policy distillation: A_t per token
+        if correction.sequence_level(cfg):
+            correction.check_whole_chains(batches, sequences)
         for mb in batches:
             if mb.teacher_top_ids is not None and int(mb.teacher_top_ids.max()) >= self.shape.vocab:
                 raise ValueError(f"the teacher's top-k holds token id {int(mb.teacher_top_ids.max())}, outside the "
@@ -285,11 +294,17 @@ class Trainer:
         chunks = [batches[i : i + per_update] for i in range(0, len(batches), per_update)]
         shares = [self._share(chunk) for chunk in chunks]
         # With several updates per step, later updates see moved weights: their PPO ratio
-        # needs logprobs from before the first update, so compute them all first.
-        old = [[self._logprobs(mb, grad=False).float() for mb, _real in share] for share in shares] if len(chunks) > 1 else None
-        lags = torch.tensor([seq.policy_lag for seq in sequences], dtype=torch.int64)
-        gaps = ([_gap(o, mb, lags) for olds, share in zip(old, shares)
+        # needs logprobs from before the first update, so compute them all first.  A mask
+        # needs them too: masked tokens leave the step's denominator (app.training.correction).
+        old = ([[self._logprobs(mb, grad=False).float() for mb, _real in share] for share in shares]
+               if len(chunks) > 1 or masking else None)
+        gaps = ([_gap(o, mb) for olds, share in zip(old, shares)
                  for o, (mb, real) in zip(olds, share) if real] if old else [])
+        stats_off = correction.CorrectionStats()
+        # per update and micro-batch of this rank's share its TokenCorrection; with masks, per
+        # update its sum of weights over the kept tokens of all ranks
+        fixes, update_weights = (correction.correct_all(old, shares, sequences, cfg, stats_off, self.group)
+                                 if old is not None else (None, None))
         totals = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "tis": 0.0, "tis_truncated": 0.0, "ratio": 0.0,
                   "topk_kl": 0.0, "topk_tokens": 0.0}
         grad_norm = 0.0
@@ -298,7 +313,10 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             # Each update is the aggregated mean over its own micro-batches.
             # (with chains left out, the whole step's weights, which sum to 1, are still the denominator)
-            scale = 1.0 if skip else 1.0 / float(sum(mb.weights.sum() for mb in chunk))
+            if update_weights is not None:  # over the kept tokens (0: all of this update is masked)
+                scale = 1.0 / update_weights[u] if update_weights[u] > 0 else 0.0
+            else:
+                scale = 1.0 if skip else 1.0 / float(sum(mb.weights.sum() for mb in chunk))
             for j, ((mb, real), backward) in enumerate(zip(share, self._needs_backward(share))):
                 if not backward:
                     # Zero advantage and no KL: this micro-batch's loss and gradient are exactly
@@ -306,7 +324,9 @@ class Trainer:
                     if old is None:
                         values = self._logprobs(mb, grad=False).float()
                         if real:
-                            gaps.append(_gap(values, mb, lags))
+                            gaps.append(_gap(values, mb))
+                            stats_off.add(correction.token_correction(values, mb.rollout_logprobs, mb.sequence_index,
+                                                                      cfg), mb)
                     skipped += int(real)
                     continue
                 top_logprobs = None
@@ -315,8 +335,13 @@ class Trainer:
                     logprobs = logprobs.float()
                 else:
                     logprobs = self._logprobs(mb, grad=True).float()
-                if old is None and real:
-                    gaps.append(_gap(logprobs.detach(), mb, lags))
+                if fixes is not None:
+                    fix = fixes[u][j]
+                else:  # one update, no mask: old is this forward's own detached logprobs
+                    fix = correction.token_correction(logprobs.detach(), mb.rollout_logprobs, mb.sequence_index, cfg)
+                    if real:
+                        gaps.append(_gap(logprobs.detach(), mb))
+                        stats_off.add(fix, mb)
                 loss, stats = policy_loss(
                     logprobs,
                     old[u][j] if old is not None else logprobs.detach(),
@@ -329,6 +354,7 @@ class Trainer:
                     ref_logprobs=self._reference_logprobs(mb),
                     kl_coef=cfg.kl_coef,
                     kl_estimator=cfg.kl_estimator,
+                    correction=fix,
                 )
                 if top_logprobs is not None:
                     topk_kl = topk_forward_kl(top_logprobs, top_log_rest, mb.teacher_top_logprobs, mb.teacher_top_rows)
@@ -389,6 +415,7 @@ class Trainer:
             "logprob_gap_stale_max_abs": stale_max if stale_count else None,
             "logprob_gap_stale_mean_abs": stale_sum / stale_count if stale_count else None,
             "tokens_stale": stale_count,
+            "off_policy": stats_off.metrics(self.group),
             "grad_norm": grad_norm,
             "optimizer_updates": len(chunks),
             "micro_batches_zero_advantage": skipped,
@@ -565,8 +592,7 @@ def _write_json(path: Path, data: dict) -> None:
         os.fsync(handle.fileno())
 
 
-def _gap(logprobs: torch.Tensor, mb: MicroBatch, lags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gap(logprobs: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """|trainer - rollout| logprob (float [N], nats) of micro-batch `mb`'s sampled tokens, and
-    which of them belong to sequences sampled by older weights (bool [N], from `lags` int64
-    [sequences], each sequence's `policy_lag`)."""
-    return (logprobs - mb.rollout_logprobs).abs(), lags[mb.sequence_index.cpu()] > 0
+    which of them were sampled by older weights (bool [N], `mb.token_lag` > 0)."""
+    return (logprobs - mb.rollout_logprobs).abs(), mb.token_lag.to(logprobs.device) > 0
