@@ -16,16 +16,20 @@ from typing import Any, Callable, Sequence
 
 from app.runtimes.errors import RuntimeSetupError
 
-# The tools each grader runs inside the image (besides what the task's own scripts need).
-REQUIRED_TOOLS = {
+# The tools each grader runs inside the image (besides what the task's own scripts need).  A
+# tuple is a choice: the apply chain (`patching.apply_script`) tries `git apply`, then
+# `patch --batch --forward --fuzz=5`, which only GNU patch takes (busybox's rejects --batch), so
+# an image with neither git nor GNU patch fails every patch: a verifier error, not a score of 0.
+# Harbor's test.sh is run by the image's bash directly (`app.grading.harbor`), no `timeout`.
+APPLIERS = ("git", "gnu-patch")
+TOOL_PATH = (  # the folders a tool is looked for in, as a default PATH has them
+    "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+REQUIRED_TOOLS: dict[str, tuple[str | tuple[str, ...], ...]] = {
     "swebench": ("bash", "git"),
     "rebench": ("bash", "git"),
     "r2egym": ("bash", "git"),
-    "harbor": ("bash", "timeout"),
+    "harbor": ("bash", APPLIERS),
 }
-_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
-
-
 class VerifierError(RuntimeSetupError):
     """The grade could not be judged (`verifier_error`): never a reward of 0; the episode is masked."""
 
@@ -33,22 +37,40 @@ class VerifierError(RuntimeSetupError):
         super().__init__("verifier_error", message)
 
 
-def missing_tools(resolve: Callable[[str], Path | None], tools: Sequence[str], path: Sequence[str] = _PATH) -> list[str]:
-    """The names in `tools` found in none of the `path` folders of an image.
+def missing_tools(resolve: Callable[[str], Path | None], tools: Sequence[str | tuple[str, ...]],
+                  path: Sequence[str] = TOOL_PATH) -> list[str]:
+    """The requirements in `tools` that no file in the `path` folders of an image meets, as words
+    ("git", "git or GNU patch").  A tuple is met by any one of its tools; "gnu-patch" is a `patch`
+    whose binary is GNU patch's (`is_gnu_patch`), not busybox's or another that rejects `--batch`.
 
     `resolve(inside_path)` gives the host path of an image path (links resolved inside the
     rootfs, e.g. `rootfs.resolve_inside` bound to one rootfs) or None.
     """
+    def found(tool: str) -> bool:
+        name = "patch" if tool == "gnu-patch" else tool
+        hits = [h for d in path if (h := resolve(f"{d}/{name}")) is not None and h.is_file()]
+        return any(is_gnu_patch(h) for h in hits) if tool == "gnu-patch" else bool(hits)
+
     out = []
-    for tool in tools:
-        hits = [resolve(f"{d}/{tool}") for d in path]
-        if not any(h is not None and h.is_file() for h in hits):
-            out.append(tool)
+    for need in tools:
+        choice = (need,) if isinstance(need, str) else need
+        if not any(found(t) for t in choice):
+            out.append(" or ".join("GNU patch" if t == "gnu-patch" else t for t in choice))
     return out
 
 
-def read_reward(verifier_dir: Path) -> tuple[float, dict[str, Any]]:
-    """(reward, details) from a Harbor verifier's `reward.txt` (a number) or `reward.json`.
+def is_gnu_patch(binary: Path) -> bool:
+    """True when the executable `binary` (a host path inside a rootfs) is GNU patch: its
+    `--version` banner "GNU patch" is in the file (busybox's applet has no such string)."""
+    try:
+        return b"GNU patch" in binary.read_bytes()
+    except OSError:
+        return False
+
+
+def read_reward(verifier_dir: Path, name: str | None = None) -> tuple[float, dict[str, Any]]:
+    """(reward, details) from a Harbor verifier's `reward.txt` (a number) or `reward.json`; with
+    `name`, from that one only (the file the verifier was seen writing).
 
     `reward.json` is `{"reward": x}` or several named rewards (harbor-rewardkit): the one named
     `reward` is used, or the only one.  Raises `VerifierError` when neither file exists, when
@@ -59,14 +81,16 @@ def read_reward(verifier_dir: Path) -> tuple[float, dict[str, Any]]:
     for f in (txt, js):
         if f.is_symlink() or (f.exists() and not f.is_file()):
             raise VerifierError(f"{f.name} in the verifier's output is not a plain file")
-    if txt.is_file():
+    if name not in (None, "reward.txt", "reward.json"):
+        raise ValueError(f"no reward file is named {name!r}")
+    if txt.is_file() and name in (None, "reward.txt"):
         text = txt.read_text(encoding="utf-8", errors="replace").strip()
         try:
             value = float(text)
         except ValueError:
             raise VerifierError(f"reward.txt holds {text[:80]!r}, not a number") from None
         details: dict[str, Any] = {"file": "reward.txt"}
-    elif js.is_file():
+    elif js.is_file() and name in (None, "reward.json"):
         try:
             data = json.loads(js.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
