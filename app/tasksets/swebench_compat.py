@@ -58,29 +58,60 @@ def parser_names() -> frozenset[str]:
     return frozenset(importlib.import_module("swebench.harness.log_parsers").PARSER_REGISTRY)
 
 
-def unmatchable_test_ids(record: Any) -> list[tuple[str, str]]:
-    """Problems with the record's test ids that its pytest log parser can never match.
+# The line each parser's log format prints for a passing and for a failing test, by the name of
+# the parser *function* (swebench's per-repo names are aliases of these: `parse_log_flask` is
+# `parse_log_pytest`, `parse_log_astropy` is `parse_log_pytest_v2`, `parse_log_requests` is
+# `parse_log_pytest_options`, ...).  Sources: pytest's `-rA` summary; Django's runner at
+# verbosity 2 (`name (module.Class) ... ok`); sympy's `bin/test` (`test_name ok`, `test_name F`);
+# `go test -v` (`--- PASS: TestName (0.00s)`); `cargo test` (`test name ... ok`).
+_PYTEST_LINES = ("PASSED {id}", "FAILED {id} - AssertionError")
+LOG_LINES = {
+    "parse_log_pytest": _PYTEST_LINES, "parse_log_pytest_v2": _PYTEST_LINES,
+    "parse_log_pytest_options": _PYTEST_LINES, "parse_log_matplotlib": _PYTEST_LINES,
+    "parse_log_seaborn": _PYTEST_LINES,
+    "parse_log_django": ("{id} ... ok", "{id} ... FAIL"),
+    "parse_log_sympy": ("{id} ok", "{id} F"),
+    "parse_log_gotest": ("--- PASS: {id} (0.00s)", "--- FAIL: {id} (0.00s)"),
+    "parse_log_cargo": ("test {id} ... ok", "test {id} ... FAILED"),
+}
 
-    Each FAIL_TO_PASS / PASS_TO_PASS id is written as pytest's `-rA` summary writes it
-    (`PASSED <id>`, `FAILED <id> - <message>`) and read back with the record's own parser
+
+def log_lines(parser: str) -> tuple[str, str] | None:
+    """(passing line, failing line) templates (`{id}`) of the log format the swebench parser
+    named `parser` reads, found through the function the name stands for; None for a format
+    with no template here."""
+    _register_harness_stub()
+    func = importlib.import_module("swebench.harness.log_parsers").PARSER_REGISTRY[parser]
+    return LOG_LINES.get(getattr(func, "__name__", ""))
+
+
+def unmatchable_test_ids(record: Any) -> list[tuple[str, str]]:
+    """Problems with the record's test ids that its log parser can never match.
+
+    Each FAIL_TO_PASS / PASS_TO_PASS id is written as its test runner writes a passing and a
+    failing test (`LOG_LINES`, chosen by the parser function, so every per-repo alias is
+    checked as the function it is) and read back with the record's own parser
     (`swebench.harness.log_parsers`).  An id that does not come back as `PASSED` can never
     count as passing: the instance cannot be solved (e.g. `parse_log_pytest_v2` collapses
-    runs of spaces).  Under `fail_only` an id that does not come back as `FAILED` counts as
-    passing while it fails (a FAILED line is cut at its first " - ").  Returns one
-    (field, message) per such id; [] for parsers of other log formats, which are not checked.
+    runs of spaces, `parse_log_matplotlib` and `parse_log_seaborn` cut an id at its first space).
+    Under `fail_only` an id that does not come back as `FAILED` counts as passing while it fails
+    (a pytest FAILED line is cut at its first " - ").  Returns one (field, message) per such id;
+    [] for a parser whose log format has no template here (`log_lines` is None: JavaScript,
+    Java, Ruby, PHP and C runners), which is not checked.
     """
-    if not record.log_parser.startswith("parse_log_pytest"):
+    lines = log_lines(record.log_parser)
+    if lines is None:
         return []
-    _register_harness_stub()
+    passed_line, failed_line = lines
     parse = importlib.import_module("swebench.harness.log_parsers").PARSER_REGISTRY[record.log_parser]
     problems = []
     for field in ("FAIL_TO_PASS", "PASS_TO_PASS"):
         for test_id in getattr(record, field):
-            passed = parse(f"PASSED {test_id}", None)
+            passed = parse(passed_line.format(id=test_id), None)
             if passed.get(test_id) != "PASSED":
                 problems.append((field, f"id {test_id!r} is read back by {record.log_parser} as "
                                         f"{sorted(passed)!r}, so it can never pass"))
-            elif record.eval_type == "fail_only" and parse(f"FAILED {test_id} - AssertionError", None).get(test_id) != "FAILED":
+            elif record.eval_type == "fail_only" and parse(failed_line.format(id=test_id), None).get(test_id) != "FAILED":
                 problems.append((field, f"id {test_id!r}: a failing run is read by {record.log_parser} under "
                                         f"a different id, and fail_only would count it as passed"))
     return problems
