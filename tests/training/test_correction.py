@@ -308,3 +308,52 @@ def test_trainer_several_updates_a_wholly_masked_update_steps_with_zero_gradient
     assert math.isfinite(metrics["loss"]) and metrics["off_policy"]["sequences_masked_fraction"] == pytest.approx(1 / 3)
     norms = [sum(float(g.abs().sum()) for g in grads) for grads in captured]
     assert sorted(n == 0.0 for n in norms) == [False, False, True]
+
+
+def test_a_steps_off_policy_metrics_reach_the_run_page_charts_and_tensorboard(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    from app import config as settings
+    from app.api.dashboard.charts import step_charts
+    from app.paths import RunPaths
+    from app.tables import TrainingStep
+    from app.training.steps import _log_tensorboard
+
+    seqs = chains(2)
+    lags = [0] * 4 + [1] * 5 + [3] * 5
+    seqs[1] = StepSequence(seqs[1].token_ids, seqs[1].loss_mask, seqs[1].logprobs, -0.5, 1, policy_lag=3,
+                           token_lags=lags)
+    cfg = config(["geo_mask", "token_tis"])
+    metrics, _ = step_grads(cfg, lambda t: on_policy(t, seqs, lambda i, p: 0.2 * lags[p] if i == 1 else 0.0))
+    off = metrics["off_policy"]
+    assert off["sequences_masked_fraction"] == 0.5 and off["tokens_lag1"] == 5 and off["tokens_lag2plus"] == 5
+    run_config = {"training": cfg.to_dict()}
+    charts, _missing = step_charts([TrainingStep(step=0, status="completed", metrics=metrics)], run_config)
+    by_title = {c["title"]: c for c in charts}
+    lag_chart = by_title["logprob gap by lag (mean |Δ|, nats)"]
+    assert [s["label"] for s in lag_chart["series"]] == ["lag 0", "lag 1", "lag 2+"]
+    assert lag_chart["series"][2]["values"] == [pytest.approx(0.6, abs=1e-5)]
+    masked = by_title["off-policy masked (fraction)"]
+    assert masked["series"][1]["values"] == [0.5] and masked["range"] == [0.0, 1.0]
+    assert len(by_title["off-policy ratio exp(old - rollout)"]["series"]) == 5
+    # an IcePop-only run has no importance weight: its weight charts say so instead of charting 1.0
+    bare = {"training": config("icepop").to_dict()}
+    charts, _ = step_charts([TrainingStep(step=0, status="completed", metrics=metrics)], bare)
+    ess = next(c for c in charts if c["title"].startswith("off-policy weights"))
+    assert ess["series"][0]["values"] == [None] and "no importance weight" in ess["not_computed"]
+
+    monkeypatch.setenv("TURNSTILE_VAR_DIR", str(tmp_path / "var"))
+    settings.reset_settings()
+    try:
+        _log_tensorboard(9, 0, metrics)
+        found = {}
+        for path in RunPaths(9).tensorboard.glob("events.out.tfevents*"):
+            for event in EventFileLoader(str(path)).Load():
+                for value in event.summary.value:
+                    found[value.tag] = float(tensor_util.make_ndarray(value.tensor))
+    finally:
+        settings.reset_settings()
+    assert found["train/off_policy/tokens_masked_fraction"] == pytest.approx(off["tokens_masked_fraction"])
+    assert found["train/off_policy/logprob_gap_lag1_mean_abs"] == pytest.approx(0.2, abs=1e-5)
+    assert found["train/loss"] == pytest.approx(metrics["loss"])

@@ -2,7 +2,7 @@
 
 A chart is {id, title, x: [step], series: [{label, values}], band, range, not_computed}.
 `values` hold None where a step has no value: the metric is absent (never recorded) or was
-not computed (KL with `kl_coef` 0, the TIS terms with `tis_cap` unset, every loss term of a
+not computed (KL with `kl_coef` 0, the importance-weight terms without a weight, every loss term of a
 step whose batches held no trainable token).  The browser shows None as "not computed",
 never as a measured 0: the trainer writes 0.0 for such terms, so the zero is replaced here.
 `range` [0, 1] pins the y axis of rates and rewards, so a 4% dip does not fill the chart.
@@ -18,8 +18,12 @@ RATE = (0.0, 1.0)
 
 # Metrics the trainer's update computes (`Trainer.update`): none of them exists for a step whose
 # batches held no trainable token (`optimizer_updates` 0; the trainer still writes loss 0.0).
+OFF_POLICY = ("tokens_masked_fraction", "sequences_masked_fraction", "ratio_min", "ratio_p01", "ratio_p50",
+              "ratio_p99", "ratio_max", "weight_ess_fraction", "logprob_gap_lag0_mean_abs",
+              "logprob_gap_lag1_mean_abs", "logprob_gap_lag2plus_mean_abs")
 UPDATE_METRICS = {"loss", "kl", "clip_fraction", "grad_norm", "tis_weight_mean", "tis_truncated_fraction",
-                  "ratio_mean", "logprob_gap_max_abs", "logprob_gap_mean_abs", "logprob_gap_stale_max_abs"}
+                  "ratio_mean", "logprob_gap_max_abs", "logprob_gap_mean_abs", "logprob_gap_stale_max_abs",
+                  *(f"off_policy.{name}" for name in OFF_POLICY)}
 
 
 def metric(m: Metrics | None, path: str) -> float | None:
@@ -37,8 +41,10 @@ def not_computed(config: dict, path: str) -> str | None:
     training = (config or {}).get("training") or {}
     if path == "kl" and not training.get("kl_coef"):
         return "kl_coef is 0"
-    if path in ("tis_weight_mean", "tis_truncated_fraction") and training.get("tis_cap", 2.0) is None:
-        return "tis_cap is unset (no importance correction)"
+    if path in ("tis_weight_mean", "tis_truncated_fraction", "off_policy.weight_ess_fraction"):
+        chosen = training.get("off_policy_correction") or ["token_tis"]  # runs stored before it: token TIS
+        if "seq_tis" not in chosen and ("token_tis" not in chosen or training.get("tis_cap", 2.0) is None):
+            return "no importance weight (off_policy_correction has no token_tis or seq_tis, or tis_cap is unset)"
     return None
 
 
@@ -82,6 +88,17 @@ CHARTS: list[tuple[str, Series, dict]] = [
     ("trainer vs rollout logprob gap (nats)", [("max |Δ| on-policy", "logprob_gap_max_abs"),
                                                ("mean |Δ| on-policy", "logprob_gap_mean_abs"),
                                                ("max |Δ| older weights", "logprob_gap_stale_max_abs")], {}),
+    # Off-policy correction (training.off_policy_correction; app.training.correction), always measured.
+    ("off-policy masked (fraction)", [("tokens", "off_policy.tokens_masked_fraction"),
+                                      ("chains", "off_policy.sequences_masked_fraction")], {"range": RATE}),
+    ("off-policy ratio exp(old - rollout)", [("min", "off_policy.ratio_min"), ("p01", "off_policy.ratio_p01"),
+                                             ("p50", "off_policy.ratio_p50"), ("p99", "off_policy.ratio_p99"),
+                                             ("max", "off_policy.ratio_max")], {}),
+    ("off-policy weights: effective sample size (fraction)", [("ESS", "off_policy.weight_ess_fraction")],
+     {"range": RATE}),
+    ("logprob gap by lag (mean |Δ|, nats)", [("lag 0", "off_policy.logprob_gap_lag0_mean_abs"),
+                                             ("lag 1", "off_policy.logprob_gap_lag1_mean_abs"),
+                                             ("lag 2+", "off_policy.logprob_gap_lag2plus_mean_abs")], {}),
     ("response length (sampled tokens per episode)", [("sampled", _per_episode("merge.trainable_tokens"))], {}),
     ("entropy", [("entropy", "entropy")], {}),
     ("tokens trained", [("trained", "tokens_trained"), ("processed", "tokens_processed")], {}),
