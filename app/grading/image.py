@@ -22,10 +22,22 @@ the applied tree still changes, swebench's report), with the runtime an `OciRunt
 
 Every grade runs with no network.  An image without the tools the grader runs
 (`verifier.REQUIRED_TOOLS`) raises `VerifierError` (masked, never reward 0).
+
+swebench's eval scripts reinstall the package before the tests (`python -m pip install -e .`,
+`python setup.py develop`, `python -m pip install .`: the spec's `install` line), which needs
+the network (build isolation fetches setuptools) and a writable env, and a grade has neither
+(the image is read-only).  `offline_eval_script` handles that step: where the image's
+`testbed` env already has the repository installed in develop mode (an `.egg-link`, `.pth` or
+`__editable__` file naming it, as SWE-bench images are built), the step is dropped, since the
+tests import the patched copy itself; otherwise it is run offline (`--no-index --no-deps
+--no-build-isolation`) into a scratch `--target` put first on PYTHONPATH.  What was done is in
+the report (`eval_install`).  A patch to compiled code (C, Cython) is then not rebuilt where
+the image installed in develop mode: swebench's own reinstall would have rebuilt it.
 """
 from __future__ import annotations
 
 import functools
+import re
 import shlex
 import time
 from pathlib import Path, PurePosixPath
@@ -36,6 +48,7 @@ from app.grading.grader import (GRADING_DIR, GradeResult, _result, apply_then_ev
                                 grade_log_path, patch_sha256)
 from app.grading.patching import APPLIED_MARKER, PatchReadError, apply_script, drop_test_changes, files_of_test_ids, read_patch
 from app.grading.verifier import REQUIRED_TOOLS, VerifierError, missing_tools, r2e_match, r2e_test_id, rebench_match
+from app.runtimes.oci_sandbox import TESTBED_ENV
 from app.runtimes.paths import RuntimePaths
 from app.runtimes.sandbox import Mount
 from app.tasksets.formats.r2egym import RUNNER
@@ -117,7 +130,10 @@ def grade_in_image(record: InstanceRecord, patch: str, *, settings: Settings, ti
         (gdir / "patch.diff").write_text(kept, encoding="utf-8", errors="surrogateescape")
         applier = rebench_apply_script if record.grader == "rebench" else apply_script
         (gdir / "apply.sh").write_text(applier(f"{GRADING_DIR}/patch.diff", strip))
-        (gdir / "eval.sh").write_text(spec.eval_script if record.grader != "r2egym" else r2e_eval_script(record))
+        script = spec.eval_script
+        if record.grader == "swebench":
+            script, extra["eval_install"] = offline_eval_script(script, rt.rootfs, record.repo_dir)
+        (gdir / "eval.sh").write_text(script if record.grader != "r2egym" else r2e_eval_script(record))
         mounts = [Mount(gdir, GRADING_DIR, False)]
         t2 = apply_then_eval(rt, lambda script: f"bash {GRADING_DIR}/{script} 2>&1", mounts, kept, protected,
                              log_path, timeout_s, apply_info, extra, parts, record.test_patch)
@@ -130,6 +146,55 @@ def grade_in_image(record: InstanceRecord, patch: str, *, settings: Settings, ti
     if record.grader in ("rebench", "r2egym"):
         _rejudge(record, spec, log_path, result)
     return result
+
+
+_INSTALL = re.compile(r"^\s*(?:python\d*(?:\.\d+)?\s+-m\s+)?pip\s+install\s|^\s*python\d*(?:\.\d+)?\s+setup\.py\s+(develop|install)\b")
+REINSTALL_TARGET = "/tmp/turnstile-reinstall"
+
+
+def develop_install(rootfs: Path, repo_dir: str) -> str | None:
+    """The file of the image's `testbed` env that installs `repo_dir` in develop mode (an
+    `.egg-link`, or a `.pth` naming the folder), or None."""
+    from app.runtimes.rootfs import resolve_inside
+
+    lib = resolve_inside(rootfs, f"{TESTBED_ENV}/lib")
+    if lib is None or not lib.is_dir():
+        return None
+    for site in sorted(lib.glob("python*/site-packages")):
+        for f in [*sorted(site.glob("*.egg-link")), *sorted(site.glob("*.pth"))]:
+            if f.is_symlink() or not f.is_file() or f.stat().st_size > 1 << 20:
+                continue
+            if any(line.strip().rstrip("/") == repo_dir.rstrip("/")
+                   for line in f.read_text(encoding="utf-8", errors="replace").splitlines()):
+                return str(f.relative_to(rootfs))
+        for f in sorted(site.glob("__editable__*")):
+            if f.is_file() and not f.is_symlink() and repo_dir in f.read_text(encoding="utf-8", errors="replace"):
+                return str(f.relative_to(rootfs))
+    return None
+
+
+def offline_eval_script(script: str, rootfs: Path, repo_dir: str) -> tuple[str, list[dict[str, str]]]:
+    """(`script` with its reinstall lines made offline, what was done per line) (module docstring).
+    Only lines before swebench's `>>>>> Start Test Output` marker are touched."""
+    out, done, before_tests = [], [], True
+    develop = None
+    for line in script.split("\n"):
+        if ">>>>> Start Test Output" in line:
+            before_tests = False
+        if before_tests and _INSTALL.match(line):
+            develop = develop or develop_install(rootfs, repo_dir)
+            if develop:
+                done.append({"command": line.strip(), "action": f"dropped: the image installs {repo_dir} in "
+                                                                 f"develop mode (/{develop})"})
+                out.append(": " + shlex.quote(f"turnstile: dropped {line.strip()} (develop install in the image)"))
+                continue
+            cmd = (f"python -m pip install --no-index --no-deps --no-build-isolation --upgrade "
+                   f"--target {REINSTALL_TARGET} . && export PYTHONPATH={REINSTALL_TARGET}${{PYTHONPATH:+:$PYTHONPATH}}")
+            done.append({"command": line.strip(), "action": f"offline into {REINSTALL_TARGET}: {cmd}"})
+            out.append(cmd)
+            continue
+        out.append(line)
+    return "\n".join(out), done
 
 
 def hidden_in_repo(record: InstanceRecord) -> list[str]:
