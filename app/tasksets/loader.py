@@ -7,6 +7,9 @@ Named sets:
   * `family`: `data/tasks/family.jsonl`, bundled, written by `python -m app.tasksets.family`
     (160 one-line bugs of eight kinds in fourteen generated packages, split train / held-out at
     random and an out-of-family split of kinds absent from train).
+  * `layouts`: `data/tasks/layouts.jsonl`, bundled, written by `python -m app.cli.layouts_build`
+    (bugs in library code at test-looking paths of six real sdists: click, flask, werkzeug,
+    tornado, pint, Jinja2).
   * `swebench-real`: `../shared/tasks/swebench-real.jsonl` relative to the repository
     root; never copied into the project, so it exists only where that folder does.
   * anything else is a path: a `.jsonl`/`.json`/`.parquet` file, or a folder in the HF
@@ -45,6 +48,7 @@ NAMED_SETS = {
     "synthetic": BUNDLED_DIR / "synthetic.jsonl",
     "starter": BUNDLED_DIR / "starter.jsonl",
     "family": BUNDLED_DIR / "family.jsonl",
+    "layouts": BUNDLED_DIR / "layouts.jsonl",
     "swebench-real": SHARED_TASKS_DIR / "swebench-real.jsonl",
 }
 
