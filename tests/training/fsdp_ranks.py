@@ -29,6 +29,13 @@ def config() -> TrainingConfig:
                           max_grad_norm=0.3)
 
 
+def masked_config() -> TrainingConfig:
+    """`config` with an IcePop mask and per-episode aggregation: the kept-token counts that set
+    the step's weights are summed over the ranks (app.training.correction.mask_weights)."""
+    return config().model_copy(update={"off_policy_correction": ["icepop", "token_tis"], "icepop_bounds": [0.15, 2.0],
+                                       "loss_aggregation": "sequence"})
+
+
 def step_sequences(seed: int) -> list[StepSequence]:
     """Five sequences packing into three micro-batches ([100], [90+30], [80+40] tokens), so
     that rank 1 gets a zero-weight filler; the 100-token one has advantage 0 (its backward
@@ -62,9 +69,11 @@ def main(out: Path) -> None:
         state = resumed.load(out / "step1")
         second = resumed.update(step_sequences(2))
         resumed.save(out / "step2", {"policy_version": 2})
+        del resumed
+        masked = Trainer.from_spec(masked_config(), "tiny").update(step_sequences(3))
     finally:
         stop_followers(group)
-    (out / "metrics.json").write_text(json.dumps({"first": first, "second": second, "state": state}))
+    (out / "metrics.json").write_text(json.dumps({"first": first, "second": second, "state": state, "masked": masked}))
 
 
 if __name__ == "__main__":

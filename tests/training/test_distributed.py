@@ -34,6 +34,13 @@ def _assert_same_weights(model, folder: Path, lr: float) -> None:
         assert (exported[name] - value).abs().mean() <= 0.01 * lr, name
 
 
+def _assert_same_metrics(got: dict, want: dict) -> None:
+    """The same keys, None where the other is None, numbers within float summation noise."""
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key] == (None if value is None else pytest.approx(value, rel=1e-5, abs=1e-7)), key
+
+
 def test_fsdp2_two_ranks_step_equals_single_process_and_resumes_from_sharded_checkpoint(tmp_path):
     ranks = _ranks_module()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -65,6 +72,15 @@ def test_fsdp2_two_ranks_step_equals_single_process_and_resumes_from_sharded_che
         assert dist_metrics["micro_batches_zero_advantage"] <= alone["micro_batches_zero_advantage"]
         for key in ("logprob_gap_max_abs", "logprob_gap_mean_abs", "clip_fraction", "tis_weight_mean", "ratio_mean"):
             assert dist_metrics[key] == pytest.approx(alone[key], rel=1e-5, abs=1e-7), key
+        # every rank's tokens in the quantiles and shares (gathered), not rank 0's alone
+        _assert_same_metrics(dist_metrics["off_policy"], alone["off_policy"])
+    # A mask under FSDP: the kept tokens of both ranks set every weight, as in one process.
+    masked = result["masked"]
+    alone_masked = Trainer(ranks.masked_config(), build_tiny_model(seed=0)).update(ranks.step_sequences(3))
+    assert 0 < alone_masked["off_policy"]["tokens_masked_fraction"] < 1
+    _assert_same_metrics(masked["off_policy"], alone_masked["off_policy"])
+    assert masked["loss"] == pytest.approx(alone_masked["loss"], rel=1e-5, abs=1e-7)
+    assert masked["grad_norm"] == pytest.approx(alone_masked["grad_norm"], rel=1e-5)
     assert alone_first["micro_batches_zero_advantage"] == 1
     # Sharded state (resumable) next to the one-file model the engines load.
     assert (tmp_path / "step1" / "sharded" / ".metadata").is_file()
