@@ -51,6 +51,7 @@ for bit the weight it was before this module.  A chain's geometric mean uses the
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -253,4 +254,5 @@ class CorrectionStats:
             count = int(where.sum())
             out[f"tokens_{name}"] = count
             out[f"logprob_gap_{name}_mean_abs"] = float(gap[where].mean()) if count else None
-        return out
+        # NaN and inf as None: JSON and PostgreSQL's JSONB refuse them (an engine's -inf logprob)
+        return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()}
