@@ -28,7 +28,8 @@ Library code (never put back by rule 4, whatever its path looks like):
   `pint/testsuite/`, `src/cachetools/test/utils.py` beside `tests/`;
 * a module directly at a library root that also holds collected tests (a one-module
   distribution with its tests beside it) when an installed distribution provides its name
-  (`importlib.metadata.packages_distributions`, probed in the test environment);
+  (`importlib.metadata.packages_distributions`, probed in the test environment), or when a
+  collected test file beside it is named for it (`calc.py` beside `test_calc.py`, installed or not);
 * a module inside a test directory that library code imports (its package's own code uses
   it, so it ships as part of the package: `numpy/testing/_private/utils.py`-style).
 
@@ -176,6 +177,11 @@ class Layout:
         if pkg is not None and test_dir == pkg[0] and _folder(path) == pkg[0]:
             if pkg[1] in self.env.dist_names:
                 return f"library code: top-level module `{pkg[1]}` of an installed distribution"
+            named = {f"test_{pkg[1]}.py", f"{pkg[1]}_test.py"}
+            if any(PurePosixPath(f).name in named and _folder(f) == pkg[0] for f in self.trees.collected):
+                # A one-module project with its tests beside it (`calc.py` + `test_calc.py`) need not
+                # be installed to be the code under test: a correct fix there must never be reverted.
+                return f"library code: top-level module `{pkg[1]}`, the module its test file is named for"
             if not self.env.probed and not is_testish(path):
                 return (f"library code: top-level module `{pkg[1]}` (test environment not probed: "
                         f"judged by its name)")
