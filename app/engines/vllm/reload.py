@@ -103,14 +103,6 @@ class VLLMReloader:
         return {"policy_version": self.policy_version, "paused": paused, "mode": mode if paused else None,
                 "load_s": round(time.perf_counter() - started, 3), "workers": workers}
 
-    def supports_pause(self) -> bool:
-        """Whether the server has the pause routes (``GET /is_paused`` answers)."""
-        try:
-            self._client.request("GET", "/is_paused")
-            return True
-        except EngineHTTPError:
-            return False
-
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory for a colocated trainer (level 1: offload weights, drop KV cache)."""
         self._post("sleep", "/sleep", level=level)
