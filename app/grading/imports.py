@@ -8,6 +8,7 @@ imports are anchored at the module's own package.  `test_patch_additions` reads 
 from __future__ import annotations
 
 import ast
+import threading
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -15,12 +16,24 @@ if TYPE_CHECKING:
     from app.grading.surface import Trees
 
 
+# CPython 3.11 before 3.11.8 keeps the AST converter's recursion depth in interpreter-wide state, so
+# two threads in `ast.parse` at once can fail with "SystemError: AST constructor recursion depth
+# mismatch" (https://github.com/python/cpython/issues/106905).  Graders run in threads
+# (`validate_instances(jobs=...)`), so every parse of the grading package goes through this lock.
+_PARSE_LOCK = threading.Lock()
+
+
 def parse(text: str | None) -> ast.Module | None:
+    """`ast.parse(text)`, or None for no text or text that does not parse (SyntaxError, ValueError).
+
+    Thread-safe: parses are serialised (see `_PARSE_LOCK`).
+    """
     if text is None:
         return None
     try:
-        return ast.parse(text)
-    except (SyntaxError, ValueError):
+        with _PARSE_LOCK:
+            return ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError):
         return None
 
 
