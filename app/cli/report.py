@@ -44,6 +44,13 @@ def solved_of(summary: Mapping | None) -> dict[str, bool]:
     return dict(found if found is not None else summary.get("pass_at_k") or {})
 
 
+def _lag_split(off_policy: Mapping | None) -> str:
+    """Trained tokens by how many policy versions their sampling weights lag the trainer's,
+    "lag 0 / 1 / 2+" (`CorrectionStats.metrics`' `tokens_lag*`); "-" where the step has none."""
+    counts = [(off_policy or {}).get(f"tokens_lag{k}") for k in ("0", "1", "2plus")]
+    return "/".join(str(c) for c in counts) if any(c is not None for c in counts) else "-"
+
+
 def render_summary(run: dict, console: Console) -> None:
     """Print the summary of a finished run (API shape): steps, solved instances, totals."""
     summary = run.get("summary") or {}
@@ -57,7 +64,7 @@ def render_summary(run: dict, console: Console) -> None:
         # reward over every drawn episode beside the trained ones' (which are mixed by construction).
         filtering = any(st.get("groups_filtered") for st in summary["steps"])
         for col in ("step", "ver", "eps", "reward", *(("filtered", "drawn reward") if filtering else ()),
-                    "resolved", "loss", "lp gap", "lp gap older", "tokens", "train s"):
+                    "resolved", "loss", "lp gap", "lp gap older", "tokens", "lag 0/1/2+", "train s"):
             table.add_column(col)
         for st in summary["steps"]:
             m = st.get("metrics") or {}
@@ -65,7 +72,7 @@ def render_summary(run: dict, console: Console) -> None:
             table.add_row(str(st["step"]), _fmt(st.get("policy_version")), _fmt(st.get("episodes")),
                           _fmt(st.get("reward_mean")), *drawn, _fmt(st.get("resolved_rate")), _fmt(m.get("loss"), ".4f"),
                           _fmt(m.get("logprob_gap_max_abs"), ".1e"), _fmt(m.get("logprob_gap_stale_max_abs"), ".1e"),
-                          _fmt(m.get("tokens_trained")), _fmt(st.get("train_s"), ".1f"))
+                          _fmt(m.get("tokens_trained")), _lag_split(m.get("off_policy")), _fmt(st.get("train_s"), ".1f"))
         console.print(table)
     solved = solved_of(summary)
     if solved and run["kind"] != "train":

@@ -42,3 +42,17 @@ def test_comparison_table_shows_pass_at_1_intervals_and_wilson_of_the_pooled_sam
     assert "held-out pass@1: run 1 (before) vs run 2 (after)" in text
     assert f"{result.before}" in text and f"{result.difference}" in text
     assert "1/4 [0.046, 0.699]" in text and "3/4 [0.301, 0.954]" in text  # Wilson 95% of 1 and 3 of 4
+
+
+def test_train_summary_splits_each_step_s_tokens_by_lag_and_marks_steps_without_one():
+    steps = [{"step": 1, "policy_version": 1, "metrics": {"off_policy": {"tokens_lag0": 120, "tokens_lag1": 30,
+                                                                         "tokens_lag2plus": 4}}},
+             {"step": 2, "policy_version": 2, "metrics": {"loss": 0.1}}]  # a step stored before the split
+    run = {"id": 5, "kind": "train", "status": "completed", "config": {"harness": "h", "model": {"name": "m"}},
+           "summary": {"steps": steps}}
+    lines = _text(run=run).splitlines()
+    assert any("lag 0/1/2+" in line for line in lines)
+    row1 = next(line for line in lines if line.lstrip("│ ").startswith("1 "))
+    row2 = next(line for line in lines if line.lstrip("│ ").startswith("2 "))
+    assert "120/30/4" in row1
+    assert "120/30/4" not in row2 and " - " in row2
