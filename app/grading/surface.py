@@ -184,11 +184,18 @@ class Trees:
                 return None
             res = git(self.base, "cat-file", "blob", f"{self.commit}:{path}", check=False)
             return res.stdout if res.returncode == 0 else None
-        full = self.tree / path
-        if full.is_symlink() or not full.is_file():
+        # The applied tree is the agent's: any component of `path` may be a link, to the host's
+        # files included.  Only a path that resolves to itself inside the tree is read (no link
+        # anywhere on it, no `..`), so the grader never reads a host file through the workspace.
+        root = self.tree.resolve()
+        try:
+            real = (root / path).resolve(strict=True)
+        except (OSError, RuntimeError):  # absent, or a link loop
+            return None
+        if real != root / path or not real.is_file():
             return None
         try:
-            return full.read_text(encoding="utf-8", errors="replace")
+            return real.read_text(encoding="utf-8", errors="replace")
         except OSError:
             return None
 

@@ -190,3 +190,18 @@ def test_pytest_tables_are_read_with_pytests_parsers():
 def test_every_file_pytest_reads_as_configuration_is_named():
     assert surface.CONFIG_FILES >= {"pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini",
                                     "setup.cfg", "pyproject.toml"}
+
+
+def test_the_applied_tree_is_never_read_through_a_link(trees, tmp_path):
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "secret.py").write_text("TOKEN = 'host'\n")
+    (trees.tree / "pkg" / "linked").symlink_to(host)            # a folder link on the way
+    (trees.tree / "pkg" / "direct.py").symlink_to(host / "secret.py")  # a file link
+    (trees.tree / "loop").symlink_to(trees.tree / "loop")
+    assert (trees.tree / "pkg" / "linked" / "secret.py").read_text()  # the OS would follow it
+    assert trees.text("pkg/linked/secret.py") is None
+    assert trees.text("pkg/direct.py") is None
+    assert trees.text("../host/secret.py") is None
+    assert trees.text("loop/x.py") is None
+    assert trees.text("pkg/core.py").startswith("from pkg.utils")   # plain files still read
