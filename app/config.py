@@ -269,6 +269,11 @@ class Settings(BaseSettings):
         description="How a new checkpoint reaches an embedded engine: `path` (the engine reads the trainer's "
                     "folder: one machine or a shared volume), `push` (sent over HTTP with SHA-256 digests), "
                     "`auto` (push to an engine whose URL is not a loopback address).")
+    weight_pause_timeout_s: float = Field(
+        300.0, gt=0, allow_inf_nan=False, **_env("TURNSTILE_WEIGHT_PAUSE_TIMEOUT_S"),
+        description="Longest a vLLM engine stays paused for one weight update, seconds: the reloader resumes it "
+                    "when the load or the prefix-cache reset takes longer, and the watchdog resumes a server whose "
+                    "recorded pause is older (a trainer killed mid-update).")
     host_name: str = Field(default_factory=socket.gethostname, min_length=1,
                            max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", **_env("TURNSTILE_HOST_NAME"),
                            description="This machine's name in per-host Celery queues: a runtime prepared here is "
