@@ -27,6 +27,9 @@ same image.  Remove `refs/<key>.json` (or the whole cache) to re-resolve a moved
 The cache never holds more than `TURNSTILE_IMAGE_CACHE_BYTES` once an unpack ends: least
 recently used images that no runtime uses are removed; an image that cannot fit even then is
 removed again and the prepare fails with `RuntimeSetupError("image cache")`.
+
+`pull_image` is the same pull and unpack for a node's operator (`turnstile images pull`, `tasks
+prefetch`), reporting each stage to a callback; `ImageCache.listing()` is what the cache holds.
 """
 from __future__ import annotations
 
@@ -35,13 +38,14 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from app.config import Settings, get_settings
 from app.runtimes.errors import RuntimeSetupError
@@ -163,7 +167,8 @@ class ImageCache:
 
     # --- the one public entry -------------------------------------------------------------
 
-    def ensure(self, ref: str, user: str | None = None, user_root: Path | None = None) -> Image:
+    def ensure(self, ref: str, user: str | None = None, user_root: Path | None = None,
+               on_stage: Callable[[str], None] | None = None) -> Image:
         """The image `ref` unpacked on this node: from the cache when there (no registry call),
         else pulled and unpacked once, however many processes ask at the same time.
 
@@ -171,8 +176,11 @@ class ImageCache:
         evicted while that folder exists, until `release(digest, user)`.  Raises
         `RuntimeSetupError("image")` with skopeo's or umoci's own message when the pull or
         unpack fails (a missing image or tag gives the registry's answer), and
-        `RuntimeSetupError("image cache")` when the image cannot fit the cache.
+        `RuntimeSetupError("image cache")` when the image cannot fit the cache.  `on_stage` is
+        told "resolving", then "pulling" and "unpacking" only when the node lacks the image.
         """
+        stage = on_stage or (lambda _name: None)
+        stage("resolving")
         reference = parse_reference(ref)
         ref_file = self.root / "refs" / f"{reference.key}.json"
         digest = _read_digest(ref_file)
@@ -182,7 +190,9 @@ class ImageCache:
             digest = _read_digest(ref_file)
             if digest is None or not self._complete(digest):
                 try:
+                    stage("pulling")
                     digest = self._pull(reference)
+                    stage("unpacking")
                     self._unpack(reference, digest)
                 finally:  # the pulled layout is only needed to unpack; a failed pull leaves nothing
                     remove_tree(self.root / "layouts" / reference.key)
@@ -274,8 +284,12 @@ class ImageCache:
             raise RuntimeSetupError("image", f"{what}: {argv[0]} took longer than "
                                              f"{self.settings.image_pull_timeout_s} s (TURNSTILE_IMAGE_PULL_TIMEOUT_S)") from None
         if proc.returncode != 0:
-            raise RuntimeSetupError("image", f"{what}: {argv[0]} exited {proc.returncode}: "
-                                             f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
+            text = (proc.stderr or proc.stdout).strip()
+            # skopeo logs its error as logrus does (`time="…" level=fatal msg="…"`): keep its message.
+            if found := re.search(r'level=fatal msg="((?:[^"\\]|\\.)*)"', text):
+                with contextlib.suppress(ValueError):
+                    text = json.loads(f'"{found.group(1)}"')
+            raise RuntimeSetupError("image", f"{what}: {argv[0]} exited {proc.returncode}: {text[-2000:]}")
 
     # --- the cache itself -------------------------------------------------------------------
 
@@ -308,6 +322,16 @@ class ImageCache:
             out.append(("sha256:" + bundle.name, size, last, _in_use(bundle)))
         return out
 
+    def listing(self) -> list[CachedImage]:
+        """Every complete image, most recently used first, with the references pinned to it."""
+        refs: dict[str, list[str]] = {}
+        for ref_file in sorted((self.root / "refs").glob("*.json")):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                pin = json.loads(ref_file.read_text())
+                refs.setdefault(pin["digest"], []).append(pin["ref"])
+        return sorted((CachedImage(d, tuple(refs.get(d, ())), size, last, busy) for d, size, last, busy in self.entries()),
+                      key=lambda c: -c.last_used)
+
     def total_bytes(self) -> int:
         return sum(size for _d, size, _t, _u in self.entries())
 
@@ -336,6 +360,54 @@ class ImageCache:
             with contextlib.suppress(OSError):
                 if now - child.stat().st_mtime > max_age_s:
                     remove_tree(child)
+
+
+@dataclass(frozen=True)
+class CachedImage:
+    """One image of `ImageCache.listing()`: `refs` pinned to its `digest` on this node (none for an
+    image only reached by a reference since re-pinned), `size_bytes`, `last_used` (Unix time), and
+    `in_use` (a live runtime holds it)."""
+
+    digest: str
+    refs: tuple[str, ...]
+    size_bytes: int
+    last_used: float
+    in_use: bool
+
+
+@dataclass(frozen=True)
+class PullEvent:
+    """One step of `pull_image` for `ref`: `stage` "resolving" (the reference parsed, this node's pin
+    read), "pulling" (skopeo copy), "unpacking" (umoci), "done" (`digest`, `size_bytes` unpacked,
+    `cached`: no tool ran) or "failed" (`error`: skopeo's, umoci's or the cache's message)."""
+
+    ref: str
+    stage: str
+    digest: str | None = None
+    size_bytes: int | None = None
+    cached: bool = False
+    error: str | None = None
+
+
+def pull_image(ref: str, cache: ImageCache | None = None,
+               on_event: Callable[[PullEvent], None] | None = None) -> Image:
+    """Pull and unpack `ref` into this node's cache (`ImageCache.ensure`, no runtime user), telling
+    `on_event` each stage, then "done" or "failed".  A cache hit asks no registry and runs no tool.
+    Raises `RuntimeSetupError` as `ensure` does (after the "failed" event)."""
+    notify = on_event or (lambda _event: None)
+    stages: list[str] = []
+
+    def stage(name: str) -> None:
+        stages.append(name)
+        notify(PullEvent(ref, name))
+
+    try:
+        image = (cache or ImageCache()).ensure(ref, on_stage=stage)
+    except RuntimeSetupError as exc:
+        notify(PullEvent(ref, "failed", error=str(exc)))
+        raise
+    notify(PullEvent(ref, "done", image.digest, image.size_bytes, cached="pulling" not in stages))
+    return image
 
 
 def _read_digest(ref_file: Path) -> str | None:
