@@ -3,8 +3,8 @@
 Talks to the REST API (TURNSTILE_API_URL), so it works against a remote deployment as well as
 the local one.  Settings, `.env` included, come from `app.config` like in every other process.
 Each command module has a `register(sub)` that adds its sub-commands; they share
-`app.cli.client` (API client, run configs, following runs) and `app.cli.report` (what is
-printed), never each other.
+`app.cli.client` (API client, run configs, following runs), `app.cli.report` (what is
+printed) and `app.cli.pulls` (image pulls with progress), never each other.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sys
 from app.cli import compare as compare_cmds
 from app.cli import deploy as deploy_cmds
 from app.cli import harness as harness_cmds
+from app.cli import images as images_cmds
 from app.cli import learning as learning_cmds
 from app.cli import model as model_cmds
 from app.cli import runs as runs_cmds
@@ -28,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The `turnstile` parser: every command module's sub-commands, in help order."""
     parser = argparse.ArgumentParser(prog=PROG, description="Turnstile: GRPO for unmodified coding agents")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (runs_cmds, compare_cmds, model_cmds, tasks_cmds, learning_cmds, token_cmds, harness_cmds, deploy_cmds):
+    for module in (runs_cmds, compare_cmds, model_cmds, tasks_cmds, images_cmds, learning_cmds, token_cmds, harness_cmds,
+                   deploy_cmds):
         module.register(sub)
     return parser
 

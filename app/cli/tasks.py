@@ -1,5 +1,6 @@
 """`turnstile tasks list [SET]`: the named task sets, or one set's instances; `turnstile tasks validate SET`:
-grade every instance's gold patch and an empty patch, list the bad ones.
+grade every instance's gold patch and an empty patch, list the bad ones; `turnstile tasks prefetch SET`:
+pull every image the set's instances name into this node's image cache.
 
 Both read the task set on this machine (the files the workers read), not through the API.
 """
@@ -15,13 +16,7 @@ def cmd_validate(args) -> int:
     from app.tasksets import load_task_set
 
     task_set = load_task_set(args.task_set)
-    records = task_set.instances
-    if args.instances:
-        wanted = [i.strip() for i in args.instances.split(",") if i.strip()]
-        unknown = [i for i in wanted if i not in task_set.by_id()]
-        if unknown:
-            raise ValueError(f"task set {task_set.name!r} has no instance {', '.join(map(repr, unknown))}")
-        records = [task_set.get(i) for i in wanted]
+    records = _selected(task_set, args.instances)
     print(f"validating {len(records)} instance(s) of {task_set.name} ({task_set.path}): gold patch and empty patch, "
           f"{args.jobs} at a time", flush=True)
     print(f"formats: {', '.join(f'{k} {v}' for k, v in task_set.formats.items())}")
@@ -52,6 +47,37 @@ def cmd_validate(args) -> int:
           f"solved by an empty patch: {len(free)}{' (' + ', '.join(free) + ')' if free else ''}; "
           f"not graded: {len(errors)}{' (' + ', '.join(errors) + ')' if errors else ''}")
     return 1 if bad else 0
+
+
+def _selected(task_set, instances: str | None) -> list:
+    """The records of `task_set` named by `instances` (comma-separated ids), all when None; raises
+    ValueError naming the ids the set lacks."""
+    if not instances:
+        return list(task_set.instances)
+    wanted = [i.strip() for i in instances.split(",") if i.strip()]
+    unknown = [i for i in wanted if i not in task_set.by_id()]
+    if unknown:
+        raise ValueError(f"task set {task_set.name!r} has no instance {', '.join(map(repr, unknown))}")
+    return [task_set.get(i) for i in wanted]
+
+
+def cmd_prefetch(args) -> int:
+    """Pull each distinct image of the set's instances (the `image` an `oci` runtime is prepared
+    from: `OciRuntime.prepare` takes `record.image`); instances that name none run on the local
+    runtime and need nothing pulled."""
+    from app.cli.pulls import pull_all
+    from app.cli.report import make_console
+    from app.tasksets import load_task_set
+
+    console = make_console()
+    task_set = load_task_set(args.task_set)
+    records = _selected(task_set, args.instances)
+    images = list(dict.fromkeys(r.image for r in records if r.image))
+    bare = sum(1 for r in records if not r.image)
+    console.print(f"{len(images)} distinct image(s) for {len(records)} instance(s) of {task_set.name}"
+                  + (f"; {bare} instance(s) name no image (local runtime: nothing to pull)" if bare else ""),
+                  markup=False, highlight=False)
+    return 1 if pull_all(images, console, jobs=args.jobs) else 0
 
 
 def cmd_list(args) -> int:
@@ -107,3 +133,9 @@ def register(sub) -> None:
     v.add_argument("--jobs", type=_positive, default=2, help="grades run at once (default 2)")
     v.add_argument("--timeout", type=_positive, default=1800, help="seconds allowed for one grade's tests (default 1800)")
     v.set_defaults(handler=cmd_validate)
+    pf = tsub.add_parser("prefetch", help="pull every image the set's instances name into this node's image cache "
+                                          "(exit 1 if any failed)")
+    pf.add_argument("task_set", metavar="SET", help="a named task set or a path")
+    pf.add_argument("--instances", help="comma-separated instance ids (default: all)")
+    pf.add_argument("--jobs", type=_positive, default=2, help="images pulled at once (default 2)")
+    pf.set_defaults(handler=cmd_prefetch)
