@@ -37,6 +37,7 @@ the image installed in develop mode: swebench's own reinstall would have rebuilt
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shlex
 import time
@@ -160,7 +161,12 @@ def develop_install(rootfs: Path, repo_dir: str) -> str | None:
     lib = resolve_inside(rootfs, f"{TESTBED_ENV}/lib")
     if lib is None or not lib.is_dir():
         return None
-    for site in sorted(lib.glob("python*/site-packages")):
+    # Each site-packages is resolved inside the image too: a `pythonX.Y` link pointing out of the
+    # rootfs would otherwise be followed by the host's glob (and its files read on the host).
+    inside = "/" + str(lib.relative_to(rootfs))
+    sites = (resolve_inside(rootfs, f"{inside}/{name}/site-packages") for name in sorted(os.listdir(lib))
+             if name.startswith("python"))
+    for site in (s for s in sites if s is not None and s.is_dir()):
         for f in [*sorted(site.glob("*.egg-link")), *sorted(site.glob("*.pth"))]:
             if f.is_symlink() or not f.is_file() or f.stat().st_size > 1 << 20:
                 continue

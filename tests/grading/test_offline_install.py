@@ -70,3 +70,18 @@ def test_the_fixture_grade_reports_what_it_did_with_the_step(tmp_path):
     assert result.report["eval_install"] == [{"command": "python -m pip install .", "action": (
         "dropped: the image installs /testbed in develop mode "
         "(/opt/miniconda3/envs/testbed/lib/python3.11/site-packages/requests.egg-link)")}]
+
+
+def test_a_site_packages_link_is_followed_inside_the_image_never_on_the_host(tmp_path):
+    root = env(tmp_path, None)
+    lib = root / "opt/miniconda3/envs/testbed/lib"
+    host = tmp_path / "host-python"          # a host folder an image's link names absolutely
+    (host / "site-packages").mkdir(parents=True)
+    (host / "site-packages" / "evil.egg-link").write_text("/testbed\n")
+    (lib / "python3.10").symlink_to(host)
+    assert develop_install(root, "/testbed") is None   # the host's folder is not the image's
+    # The same absolute link resolved inside the image: /opt/... of the rootfs, which holds the egg-link.
+    (root / "opt/inner/site-packages").mkdir(parents=True)
+    (root / "opt/inner/site-packages" / "pkg.egg-link").write_text("/testbed\n")
+    (lib / "python3.11").symlink_to("/opt/inner")
+    assert develop_install(root, "/testbed") == "opt/inner/site-packages/pkg.egg-link"
