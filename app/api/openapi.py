@@ -81,7 +81,13 @@ def openapi_spec() -> dict:
                                                    "parameters": [_id_param("episode_id")], "responses": {"200": _json("#/components/schemas/Episode", "the episode"), "404": err}}},
             "/api/runs/{run_id}/export": {"get": {"summary": "Stream the run's episodes, completions and trajectories as JSON lines.",
                                                   "parameters": [_id_param("run_id")],
-                                                  "responses": {"200": {"description": "JSONL", "content": {"application/x-ndjson": {"schema": {"type": "string"}}}}, "404": err}}},
+                                                  "description": "One `ExportLine` per episode, as it is read.  Completions and trajectories give the "
+                                                                 "policy version of every token (`token_policy_versions`) and, where recorded, "
+                                                                 "the KV version (`token_kv_versions`).",
+                                                  # JSONL has no schema of its own in OpenAPI 3.1 (3.2's `itemSchema`): each line's is named here
+                                                  "responses": {"200": {"description": "JSONL, one `ExportLine` per line", "content": {"application/x-ndjson": {
+                                                      "schema": {"type": "string"}, "x-line-schema": {"$ref": "#/components/schemas/ExportLine"}}}},
+                                                      "404": err}}},
         },
         "components": {
             "schemas": {

@@ -6,7 +6,6 @@ Status always comes from SQL, never from Celery results.
 """
 from __future__ import annotations
 
-import json
 import math
 from typing import Iterator
 
@@ -17,9 +16,10 @@ from sqlalchemy import Integer, cast, func, select
 from app.api import problems
 from app.api.errors import ApiError
 from app.api.openapi import openapi_spec
-from app.api.schemas import Health
+from app.api.schemas import ExportLine, ExportTrajectory, Health
 from app.api.serialize import completion_to_dict, episode_to_dict, run_to_dict
 from app.api.tokenizer import decoder_for
+from app.api.token_versions import trajectory_versions
 from app.db import new_session, session_scope
 from app.tables import EPISODE_STATES, Completion, Episode, Run, TrainingStep, Trajectory, utcnow
 from app.runconfig import RunConfig
@@ -260,7 +260,11 @@ def get_episode(episode_id: int):
 
 
 def _export_lines(run_id: int) -> Iterator[str]:
-    """One JSON line per episode: messages of its last call, completions with token ids, trajectories."""
+    """One JSON line per episode (`app.api.schemas.ExportLine`): messages of its last call,
+    completions with token ids, trajectories.  Completions and trajectories carry the policy
+    version of every token (`token_policy_versions`, parallel to `sampled_ids` and `token_ids`)
+    and, where a completion recorded KV older than its weights, `token_kv_versions`, decoded
+    from the stored runs (`app.api.token_versions`)."""
     session = new_session()
     try:
         ids = session.scalars(select(Episode.id).where(Episode.run_id == run_id).order_by(Episode.id)).all()
@@ -275,21 +279,19 @@ def _export_lines(run_id: int) -> Iterator[str]:
             record["messages"] = _messages_of(usable[-1] if usable else None,
                                               ep.run.run_config().model.name)
             record["completions"] = comps
-            record["trajectories"] = [
-                {
-                    "builder": t.builder,
-                    "chain_index": t.chain_index,
-                    "token_ids": t.token_ids,
-                    "loss_mask": t.loss_mask,
-                    "logprobs": t.logprobs,
-                    "completion_ids": t.completion_ids,
-                }
-                for t in trajs
-            ]
-            yield json.dumps(record) + "\n"
+            kv_runs = {c.id: c.kv_versions for c in ep.completions if c.kv_versions}
+            record["trajectories"] = [_export_trajectory(t, kv_runs) for t in trajs]
+            yield ExportLine(**record).model_dump_json() + "\n"
             session.expunge_all()
     finally:
         session.close()
+
+
+def _export_trajectory(t: Trajectory, kv_runs: dict) -> ExportTrajectory:
+    policy, kv = trajectory_versions(t, kv_runs)
+    return ExportTrajectory(builder=t.builder, chain_index=t.chain_index, token_ids=t.token_ids,
+                            loss_mask=t.loss_mask, logprobs=t.logprobs, completion_ids=t.completion_ids,
+                            token_policy_versions=policy, token_kv_versions=kv)
 
 
 def _messages_of(completion: Completion | None, model_name: str | None) -> list | None:

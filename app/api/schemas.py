@@ -102,6 +102,13 @@ class Completion(_Out):
     prompt_ids: list[int] | None = None
     sampled_ids: list[int] | None = None
     logprobs: list[float] | None = None
+    token_policy_versions: list[int | None] | None = Field(
+        None, description="The policy version that sampled each token of `sampled_ids` ([S]; decoded from the "
+                          "stored runs: several versions when an in-flight weight update landed mid-completion; "
+                          "every entry `policy_version` on rows recorded before per-token capture)")
+    token_kv_versions: list[int | None] | None = Field(
+        None, description="The oldest version of the KV cache each sampled token attended to ([S]); null when "
+                          "none was older than `token_policy_versions` (a `keep` update without KV recompute)")
 
 
 class Episode(_Out):
@@ -138,4 +145,32 @@ class EpisodeList(_Out):
     episodes: list[Episode]
 
 
-RESPONSE_MODELS = (Health, LiveStats, Step, Run, Completion, Episode, RunList, EpisodeList)
+class ExportTrajectory(_Out):
+    """One trained sequence of an episode in `GET /api/runs/{run_id}/export`; every list is one
+    entry per position ([T])."""
+
+    builder: str
+    chain_index: int
+    token_ids: list[int]
+    loss_mask: list[int] = Field(description="1 where the policy sampled the token, 0 on context")
+    logprobs: list[float] = Field(description="rollout logprob (nats) where `loss_mask` is 1, 0.0 elsewhere")
+    completion_ids: list[Any] = Field(description="the completions merged into the sequence, in order")
+    token_policy_versions: list[int | None] = Field(
+        description="the policy version that sampled each token; null on context positions (`loss_mask` 0)")
+    token_kv_versions: list[int | None] | None = Field(
+        description="the oldest KV version each sampled token attended to (null on context); null as a whole "
+                    "when no merged completion recorded KV older than its weights")
+
+
+class ExportLine(Episode):
+    """One line of `GET /api/runs/{run_id}/export`: the episode, its conversation for SFT, its
+    completions with token ids and its trajectories."""
+
+    completions: list[Completion] = Field(description="every call the episode made, with its token ids")
+    messages: list[dict[str, Any]] | None = Field(
+        description="the last usable call's messages (Chat Completions form) plus its sampled answer")
+    trajectories: list[ExportTrajectory]
+
+
+RESPONSE_MODELS = (Health, LiveStats, Step, Run, Completion, Episode, RunList, EpisodeList, ExportTrajectory,
+                   ExportLine)

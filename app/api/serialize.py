@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 from app.api import schemas
+from app.api.token_versions import completion_versions
 from app.config import get_settings
 from app.tables import Completion, Episode, Run, TrainingStep, aware_utc, utcnow
 
@@ -108,12 +109,15 @@ def completion_to_dict(c: Completion, with_tokens: bool = True) -> dict:
         "created_at": _ts(c.created_at),
     }
     if with_tokens:
+        policy, kv = completion_versions(c)
         out.update(
             normalized_request=c.normalized_request,
             response=c.response,
             prompt_ids=c.prompt_ids,
             sampled_ids=c.sampled_ids,
             logprobs=c.logprobs,
+            token_policy_versions=policy if c.sampled_ids is not None else None,
+            token_kv_versions=kv,
         )
     return schemas.Completion(**out).model_dump(mode="json")
 
