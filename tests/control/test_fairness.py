@@ -12,13 +12,11 @@ the test is about the scheduling alone.
 """
 from __future__ import annotations
 
-import time
-
 from sqlalchemy import func, select
 
 from app import create_app
 from app.db import session_scope
-from app.tables import Episode, Run, TrainingStep, aware_utc
+from app.tables import Episode, Run, TrainingStep, aware_utc, utcnow
 from support import api_client, celery_worker_args, wait_for
 from support.faults import postgres_process_env
 
@@ -104,11 +102,30 @@ def test_a_run_with_a_thousand_queued_episodes_does_not_hold_back_another_runs_s
              what=lambda: f"the flood to go on\n{logs()}")
 
 
+def _rollouts(run_id: int) -> list[tuple]:
+    """(started_at, rollout_finished_at or None) of each of the run's rollouts a worker claimed."""
+    with session_scope() as s:
+        rows = s.execute(select(Episode.started_at, Episode.rollout_finished_at)
+                         .where(Episode.run_id == run_id, Episode.started_at.is_not(None))).all()
+    return [(aware_utc(a), aware_utc(b) if b is not None else None) for a, b in rows]
+
+
+def _in_flight(rollouts: list[tuple], t) -> int:
+    """How many of `rollouts` a worker was running at instant `t`."""
+    return sum(1 for a, b in rollouts if a <= t and (b is None or b > t))
+
+
 def test_two_runs_share_the_rollout_workers_by_their_weights(postgres, redis_db, spawn, monkeypatch):
     """Two runs that each want 4 rollouts at once on workers that run 4 (`TURNSTILE_ROLLOUT_CAPACITY`)
     share them 3:1 by `scheduling.share` once both are under way (`app.control.shares`): the first
     run, alone at first, had all 4 and gives one back as its rollouts finish; from then on neither
-    run ever has more in flight than its share, and both keep rolling out."""
+    run ever has more in flight than its share, and both keep rolling out.
+
+    Counted in events, not seconds: the window is the light run's next LIGHT_ROLLOUTS rollouts,
+    however long a loaded box takes over them; the caps are checked at every rollout a worker
+    started in it (from the rows' own start and finish stamps) and at every poll of the rows'
+    states, and the slots granted over the window split by weight."""
+    light_rollouts = 4
     monkeypatch.setenv("TURNSTILE_ROLLOUT_CAPACITY", "4")
     workers = [spawn(celery_worker_args("control,prepare,grade", concurrency=2, name="cpu"), postgres, "cpu"),
                spawn(celery_worker_args("rollout", concurrency=4, name="rollout"), postgres, "rollout")]
@@ -117,7 +134,7 @@ def test_two_runs_share_the_rollout_workers_by_their_weights(postgres, redis_db,
         return "\n".join(f"--- {w.log_path.name}\n{w.output()[-2500:]}" for w in workers)
 
     def weighted(share: float) -> dict:
-        cfg = _train(tasks=100, episode_s=0.8)
+        cfg = _train(tasks=100, episode_s=0.8)  # 200 episodes each: neither runs out in the window
         cfg["scheduling"] = {**cfg["scheduling"], "share": share}
         return cfg
 
@@ -129,11 +146,28 @@ def test_two_runs_share_the_rollout_workers_by_their_weights(postgres, redis_db,
              what=lambda: f"the second run's first rollout\n{logs()}")
     wait_for(lambda: _count(heavy, Episode.status == "running") <= 3, 60, interval=0.1,
              what=lambda: f"the first run to fall to its share\n{logs()}")
-    done_before = (_count(heavy, Episode.status == "completed"), _count(light, Episode.status == "completed"))
+    # From here on the first run's dispatched rollouts never exceed 3: every later start is inside.
+    shared_from = utcnow()
     samples = []
-    for _ in range(60):  # 6 s, several turnovers of 0.8 s rollouts
+
+    def light_went_on() -> bool:  # a state poll each time: both runs' dispatched rollouts ("running")
         samples.append((_count(heavy, Episode.status == "running"), _count(light, Episode.status == "running")))
-        time.sleep(0.1)
-    done_after = (_count(heavy, Episode.status == "completed"), _count(light, Episode.status == "completed"))
+        return _count(light, Episode.started_at > shared_from,
+                      Episode.rollout_finished_at.is_not(None)) >= light_rollouts
+
+    # The timeout only guards against a hang; the assertions below count rollouts.
+    wait_for(light_went_on, 300, interval=0.1, what=lambda: f"the second run's next rollouts\n{logs()}")
     assert max(h for h, _ in samples) <= 3 and max(ln for _, ln in samples) <= 1, samples
-    assert done_after[0] - done_before[0] >= 3 and done_after[1] - done_before[1] >= 1, (done_before, done_after)
+
+    mine, theirs = _rollouts(heavy), _rollouts(light)
+    starts = sorted(a for a, _ in mine + theirs if a > shared_from)
+    window_end = sorted(a for a, _ in theirs if a > shared_from)[light_rollouts - 1]
+    at_each_start = [(_in_flight(mine, t), _in_flight(theirs, t)) for t in starts]
+    assert max(h for h, _ in at_each_start) <= 3 and max(ln for _, ln in at_each_start) <= 1, at_each_start
+    granted = (sum(1 for a, _ in mine if shared_from < a <= window_end),
+               sum(1 for a, _ in theirs if shared_from < a <= window_end))
+    print(f"\nrollouts started while the runs shared the workers (heavy, light): {granted}; "
+          f"in flight at each start: {at_each_start}")
+    # 3:1 by weight while both 0.8 s rollouts turn over; at least 2:1 leaves room for a heavy
+    # slot that sits empty while its next episode is still being prepared on a loaded box.
+    assert granted[1] == light_rollouts and granted[0] >= 2 * granted[1], granted
