@@ -8,6 +8,10 @@ keep-alives) until the key is gone; requests already running finish on the old
 weights and keep the old version stamp.  Held requests and held seconds are
 counted per engine, so runs can report how long harness calls waited, and so is the
 number of requests being held right now.
+
+A vLLM engine's pause for a weight update is recorded too (`record_pause`, one hash of every
+engine paused now), before it is asked for and until `/resume` answered, so a pause whose
+reloader died is found and ended by the watchdog (`app.control.engine_pauses`).
 """
 from __future__ import annotations
 
@@ -72,6 +76,43 @@ def record_update(engine_url: str, policy_version: int, paused_at: float, resume
     pipe.rpush(updates_key(engine_url), f"{int(policy_version)} {(paused_at + resumed_at) / 2:.6f}")
     pipe.ltrim(updates_key(engine_url), -UPDATES_KEPT, -1)
     pipe.execute()
+
+
+PAUSES_KEY = "turnstile:engine:pauses"  # hash: engine url -> "<policy version> <paused at>" while paused
+
+
+def record_pause(engine_url: str, policy_version: int, paused_at: float) -> str:
+    """Note, before asking it, that `engine_url` (vLLM) is being paused at `paused_at` (wall-clock
+    seconds) to load `policy_version`; returns the stored value, for `clear_pause`.  Written before
+    the pause so that no pause goes unrecorded, whatever kills the reloader after it: the watchdog
+    resumes an engine whose record is older than `weight_pause_timeout_s`
+    (`app.control.engine_pauses`).  Redis errors propagate (a pause nobody could undo is not started)."""
+    value = f"{int(policy_version)} {paused_at:.6f}"
+    _redis().hset(PAUSES_KEY, engine_url.rstrip("/"), value)
+    return value
+
+
+_CLEAR_IF_SAME = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+"""
+
+
+def clear_pause(engine_url: str, value: str) -> bool:
+    """Forget the engine's pause record if it is still `value` (a newer update's record stays);
+    True when it was removed.  Compare and delete run in one Lua script (atomic in Redis)."""
+    return bool(_redis().eval(_CLEAR_IF_SAME, 1, PAUSES_KEY, engine_url.rstrip("/"), value))
+
+
+def recorded_pauses() -> dict[str, tuple[int, float, str]]:
+    """`{engine url: (policy version, paused at, stored value)}` of every pause not yet known to
+    have ended.  Redis errors propagate."""
+    out = {}
+    for url, raw in _redis().hgetall(PAUSES_KEY).items():
+        value = raw.decode()
+        version, paused_at = value.split()
+        out[url.decode()] = (int(version), float(paused_at), value)
+    return out
 
 
 def recorded_updates(engine_url: str) -> list[tuple[int, float]]:

@@ -10,7 +10,7 @@ from celery import shared_task
 from celery.signals import beat_init
 
 from app.config import get_settings
-from app.control import engine_resync, runs, scheduler, watchdog as control_watchdog
+from app.control import engine_pauses, engine_resync, runs, scheduler, watchdog as control_watchdog
 from app.db import session_scope
 from app.retry import TRANSIENT_ERRORS, is_transient, retry_transient
 from app.tables import TrainingStep, utcnow
@@ -53,7 +53,8 @@ WATCHDOG_LOCK = "turnstile:watchdog:lock"
 def watchdog() -> dict:
     """Periodic backstop (Celery beat): rebuild Redis state from SQL, re-dispatch episode stages
     whose lease expired, re-send orphaned training steps, tick running runs, sweep runtimes, put
-    restarted engines back on their run's newest weights.
+    restarted engines back on their run's newest weights, resume vLLM engines a weight update
+    left paused past `weight_pause_timeout_s` (`app.control.engine_pauses`).
 
     One pass at a time across every process (the Redis lock `WATCHDOG_LOCK`): a second beat, or a
     message redelivered while a pass runs, finds the lock taken and returns `{"skipped": ...}`,
@@ -78,7 +79,7 @@ def _watchdog_pass() -> dict:
     send(plan)
     return {"resent": plan.train, "ticked": plan.tick, "restarted": plan.start, "episodes": report,
             "runtimes_removed": control_watchdog.sweep_runtimes(),
-            "engines_resynced": engine_resync.resync_engines()}
+            "engines_resynced": engine_resync.resync_engines(), "engines_resumed": engine_pauses.resume_stale_pauses()}
 
 
 @shared_task(name="control.step_failed")
