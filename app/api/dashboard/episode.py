@@ -5,7 +5,7 @@ and the token view of each trained sequence.  Nothing here renders HTML.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -15,7 +15,8 @@ from app.proxy.apis import REGISTRY
 from app.api.dashboard.data import seconds_between
 from app.api.dashboard.groups import episode_group
 from app.api.tokenizer import decoder_for
-from app.tables import Completion, Episode, Trajectory
+from app.api.token_versions import lag_class, trajectory_versions
+from app.tables import Completion, Episode, TrainingStep, Trajectory
 
 LOG_TAIL_BYTES = 64 * 1024
 LOG_TAIL_LINES = 200
@@ -149,19 +150,26 @@ def logprob_colour(logprob: float) -> str:
     return f"hsl({120 * p:.0f}, 75%, 80%)"
 
 
-def token_view(traj: Trajectory, decode) -> list[dict]:
+def token_view(traj: Trajectory, decode, kv_runs: Mapping[Any, Any] | None = None,
+               reference: int | None = None) -> list[dict]:
     """A trajectory as display pieces: runs of context tokens (mask 0) as one grey piece each,
-    every sampled token (mask 1) as its own piece coloured by its rollout logprob.  `call`
-    marks where a completion's sampled span starts (index into `traj.completion_ids`)."""
+    every sampled token (mask 1) as its own piece with two colourings: `colour` by its rollout
+    logprob, `lag` (a `token_versions.lag_class`) by how many versions the weights that sampled
+    it (`version`; `kv_version`, the oldest KV it attended to) lag `reference`.  `call` marks
+    where a completion's sampled span starts (index into `traj.completion_ids`).  `kv_runs`:
+    the merged completions' `kv_versions` by id (`token_versions.trajectory_versions`)."""
     ids, mask, lps = list(traj.token_ids), list(traj.loss_mask), list(traj.logprobs)
     starts = {int(a): i for i, (a, _b) in enumerate((traj.meta or {}).get("spans") or [])}
+    versions, kv = trajectory_versions(traj, kv_runs or {})
     pieces: list[dict] = []
     i = 0
     while i < len(ids):
         if mask[i]:
             text = decode([ids[i]]) if decode else f"⟨{ids[i]}⟩"
             pieces.append({"sampled": True, "text": text, "id": ids[i], "logprob": lps[i],
-                           "colour": logprob_colour(lps[i]), "call": starts.get(i)})
+                           "colour": logprob_colour(lps[i]), "call": starts.get(i), "version": versions[i],
+                           "kv_version": kv[i] if kv is not None else versions[i],
+                           "lag": lag_class(versions[i], reference)})
             i += 1
             continue
         j = i
@@ -171,6 +179,32 @@ def token_view(traj: Trajectory, decode) -> list[dict]:
         pieces.append({"sampled": False, "text": text, "n": j - i, "start": i})
         i = j
     return pieces
+
+
+def version_reference(s: Session, episode: Episode, group: dict, trajs: list[Trajectory]) -> tuple[int | None, str]:
+    """The version the token view's lags count from, and the words that say which it is.
+
+    For sequences a completed step trained: the weights the trainer held for that step, one
+    before the version it produced (`TrainingStep.policy_version` is the version after the
+    update), the reference its per-token lags had in training (`app.training.steps.token_lags`).
+    Otherwise (not trained, or not yet): the newest version that sampled any of the tokens."""
+    if group.get("trained"):
+        step = s.scalar(select(TrainingStep).where(TrainingStep.run_id == episode.run_id,
+                                                   TrainingStep.step == group["step"]))
+        if step is not None and step.policy_version is not None:
+            return step.policy_version - 1, f"the weights step {step.step} trained"
+    seen = [v for t in trajs for v in trajectory_versions(t, {})[0] if v is not None]
+    if not seen:
+        return None, "no version recorded"
+    return max(seen), "the newest version that sampled these tokens"
+
+
+def version_legend(sequences: list[dict], reference: int | None) -> list[dict]:
+    """The versions the token view shows, newest first: [{version, lag (int or None), cls}]."""
+    shown = {p["version"] for sq in sequences for p in sq["pieces"] if p["sampled"]}
+    return [{"version": v, "lag": reference - v if v is not None and reference is not None else None,
+             "cls": lag_class(v, reference)}
+            for v in sorted(shown, key=lambda v: (v is None, -(v or 0)))]
 
 
 def episode_detail(s: Session, episode_id: int) -> dict | None:
@@ -184,13 +218,16 @@ def episode_detail(s: Session, episode_id: int) -> dict | None:
     trajs = s.scalars(select(Trajectory).where(Trajectory.episode_id == episode_id)
                       .order_by(Trajectory.builder, Trajectory.chain_index)).all()
     decode = _decoder((cfg.get("model") or {}).get("name")) if trajs else None
+    comps = list(e.completions)
+    group = episode_group(s, e)
+    reference, reference_why = version_reference(s, e, group, list(trajs))
+    kv_runs = {c.id: c.kv_versions for c in comps if c.kv_versions}
     sequences = []
     for t in trajs:
         sampled = [lp for lp, m in zip(t.logprobs, t.loss_mask) if m]
-        sequences.append({"traj": t, "pieces": token_view(t, decode), "tokens": len(t.token_ids),
+        sequences.append({"traj": t, "pieces": token_view(t, decode, kv_runs, reference), "tokens": len(t.token_ids),
                           "sampled": len(sampled), "mean_logprob": sum(sampled) / len(sampled) if sampled else None,
                           "completion_ids": t.completion_ids})
-    comps = list(e.completions)
     seq_of = {c.id: c.seq for c in comps}
     return {
         "episode": e, "run": run, "config": cfg, "instance": e.instance.instance_id if e.instance else None,
@@ -201,7 +238,8 @@ def episode_detail(s: Session, episode_id: int) -> dict | None:
         "diff": diff_lines(e.patch), "logs": harness_logs(run.id, e.id),
         "calls": conversation(comps), "sequences": sequences, "builder": builder,
         "merge": (e.merge_stats or {}), "decoded": decode is not None, "seq_of": seq_of,
-        "group": episode_group(s, e),
+        "group": group, "reference": reference, "reference_why": reference_why,
+        "versions": version_legend(sequences, reference),
     }
 
 
