@@ -82,8 +82,12 @@ class Arm:
             while time.monotonic() < self.stop_at:
                 asked, during = time.perf_counter(), self.updating.is_set()
                 first, arrivals, count, finish = None, [], 0, None
+                # No per-request seed: vLLM 0.32's CPU build rewinds a seeded request's generator when it
+                # discards a partial prefill's token (`gen.set_offset`), which CPU generators do not
+                # have, and the engine dies ("CPU Generator does not use offset"); a keep update with
+                # clear_cache re-prefills 16 long contexts in chunks, which is where it happened here.
                 for chunk in engine.chat(PROMPT, stream=True, model="policy", max_tokens=self.args.tokens,
-                                         temperature=1.0, seed=index, ignore_eos=True, return_token_ids=True):
+                                         temperature=1.0, ignore_eos=True, return_token_ids=True):
                     for choice in chunk.get("choices", []):
                         ids = choice.get("token_ids") or []
                         if ids:
