@@ -9,7 +9,9 @@
       update     Trainer.update: one GRPO step
       checkpoint <var_dir>/runs/<run>/checkpoints/step_<k>/, atomic (app.training.checkpoints)
       sync       every engine loads the new weights (app.training.weight_sync)
-      record     TrainingStep completed with metrics; Run.policy_version bumped; TensorBoard
+      record     TrainingStep completed with metrics; Run.policy_version bumped; TensorBoard.
+                 An engine that did not load them fails the step by name instead
+                 (`WeightSyncError`, error "weight sync failed: <url>: <reason>"), and the run with it
 
 Steps are numbered from 0 as the scheduler creates them; the policy version after step k is
 the loaded state's version + 1 (k + 1 when steps run in order from the base model).
@@ -51,6 +53,18 @@ log = logging.getLogger(__name__)
 
 class StepError(RuntimeError):
     """A step that cannot run: it failed before, or the checkpoint it must resume from is missing."""
+
+
+class WeightSyncError(StepError):
+    """The step trained and wrote its checkpoint, but an engine did not load the new weights (after
+    `push_weights`' retries): the step is recorded `failed` with this message as its `error`."""
+
+
+def weight_sync_error(results: dict[str, str]) -> str | None:
+    """`"weight sync failed: <url>: <reason>; …"` for the engines of `results` (`push_weights`'
+    `{url: "ok" | "error: …"}`) that did not load; None when all did."""
+    failed = [f"{url}: {result.removeprefix('error: ')}" for url, result in sorted(results.items()) if result != "ok"]
+    return ("weight sync failed: " + "; ".join(failed))[:2000] if failed else None
 
 
 @dataclass
@@ -145,7 +159,8 @@ def train_step(run_id: int, step: int, episode_ids: list[int] | None = None) -> 
     returns its stored metrics without doing anything; while another process holds the run's
     training lock it returns `{"skipped": …}`.  Raises `LookupError` (unknown run or
     episode), `ValueError` (bad training config, no episodes), `StepError` (see the class).
-    On an error the row keeps status `training` with `error` set, so calling again resumes.
+    On an error the row keeps status `training` with `error` set, so calling again resumes;
+    except `WeightSyncError`, which is recorded on the row as `failed` (its checkpoint kept).
     """
     with checkpoints.run_lock(run_id) as acquired:
         if not acquired:
@@ -254,23 +269,28 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
                                               mode=update_mode, recompute_kv=recompute_kv)
     metrics["engine_sync_time_s"] = time.perf_counter() - synced
     # Engines that did not load the new weights (after push_weights' retries) keep serving the old
-    # version and stamp it on their completions; the scheduler judges staleness by those stamps.
+    # version (under every update mode: a failed load changes nothing) and stamp it on their
+    # completions; the step fails by name, and with it the run (`scheduler._maybe_finish`).
     metrics["engine_sync_failed"] = sorted(url for url, result in metrics["engine_sync"].items() if result != "ok")
-    if metrics["engine_sync_failed"]:
-        log.error("run=%s step=%s policy_version=%s engines still serve older weights: %s", run_id, step,
-                  policy_version, metrics["engine_sync_failed"])
+    sync_error = weight_sync_error(metrics["engine_sync"])
+    if sync_error:
+        log.error("run=%s step=%s policy_version=%s %s", run_id, step, policy_version, sync_error)
 
     with session_scope() as s:
         row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.step == step))
-        if not transition(s, TrainingStep, row.id, "completed", expect=("training",),
+        if not transition(s, TrainingStep, row.id, "failed" if sync_error else "completed", expect=("training",),
                           metrics={**(row.metrics or {}), **metrics},  # keep the scheduler's metrics
-                          policy_version=policy_version, checkpoint_path=str(path), finished_at=utcnow(), error=None):
+                          policy_version=policy_version, checkpoint_path=str(path), finished_at=utcnow(),
+                          error=sync_error):
             log.warning("run=%s step=%s left `training` while it ran (now %s); its checkpoint stays", run_id, step,
                         row.status)
-        s.execute(update(Run).where(Run.id == run_id, Run.policy_version < policy_version)
-                  .values(policy_version=policy_version))
+        if not sync_error:
+            s.execute(update(Run).where(Run.id == run_id, Run.policy_version < policy_version)
+                      .values(policy_version=policy_version))
     _log_tensorboard(run_id, step, metrics, run_cfg.model_dump(mode="json"))
     checkpoints.prune_checkpoints(run_id)
+    if sync_error:
+        raise WeightSyncError(sync_error)
     log.info("run=%s step=%s policy_version=%s loss=%.4g tokens=%s time=%.1fs", run_id, step, policy_version,
              metrics.get("loss") or 0.0, metrics.get("tokens_trained"), time.perf_counter() - start)
     return metrics

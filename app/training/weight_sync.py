@@ -51,12 +51,12 @@ def push_weights(engine_urls: list[str], path: Path, policy_version: int, *, tim
     received it over HTTP, and the watchdog can tell whether a restarted engine still serves them.
 
     Each engine gets up to `attempts` tries (connection errors, 5xx, a wrong version in the
-    answer) with a short backoff; a failure is reported, not raised, because the checkpoint
-    is already the durable result of the step and the engine stamps the version it actually
-    serves on every token, so stale samples stay visible to the trainer (TIS) and the
-    scheduler (staleness).  `engine_kind` "vllm" reloads through vLLM's dev-mode endpoints
-    (`app.engines.vllm.VLLMReloader`: pause in `mode`, load on every worker, reset the prefix
-    cache, resume).
+    answer) with a short backoff; a failure is reported per engine, not raised, so every engine
+    is tried and the caller sees which loaded: a training step then fails by name
+    (`app.training.steps.WeightSyncError`), while its checkpoint stays the durable result and a
+    failed engine keeps serving (and stamping) the old version.  `engine_kind` "vllm" reloads
+    through vLLM's dev-mode endpoints (`app.engines.vllm.VLLMReloader`: pause in `mode`, load on
+    every worker, reset the prefix cache, resume; the pause ends whatever the load does).
     """
     results: dict[str, str] = {}
     update = {"mode": mode, "recompute_kv": recompute_kv}

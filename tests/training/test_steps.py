@@ -161,15 +161,39 @@ def test_failed_step_keeps_its_row_with_the_error_and_bad_config_is_reported(var
         steps.train_step(other, 0, good)
 
 
-def test_unreachable_engine_is_shown_on_the_step_and_keeps_its_version(var_dir, data):
-    """A weight sync that fails after its retries completes the step (the checkpoint is the durable
-    result) but names the engine on the step; nothing claims the engine serves the new version."""
+def test_a_failed_weight_sync_fails_the_step_and_the_run_by_name(var_dir, data, engine, redis_db):
+    """Under `keep` (the default mode), an engine that does not load the step's weights after its
+    retries fails the step by name: status `failed`, error "weight sync failed: <url>: <reason>",
+    shown by the REST API, and the run fails with it at its next tick.  The checkpoint stays; the
+    engine that did load is named ok; the run's version is not moved to weights a failed engine
+    does not serve; running the step again does not retrain it."""
+    from app import create_app
+    from app.control import scheduler
+    from support import api_client
+
     dead = "http://127.0.0.1:9"  # discard port: nothing listens, connections are refused at once
-    run_id = data.run([dead])
+    run_id = data.run([engine.url, dead])
     episode_ids = data.group(run_id, 0, [1.0, 0.0], seed=1)
-    metrics = steps.train_step(run_id, 0, episode_ids)
-    assert metrics["engine_sync_failed"] == [dead]
-    assert metrics["engine_sync"][dead].startswith("error:")
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        assert run.run_config().model.weight_update_mode == "keep"
+        run.summary = {"instance_ids": [s.get(Episode, episode_ids[0]).instance_id]}  # started: the scheduler plans it
+    with pytest.raises(steps.WeightSyncError, match=r"^weight sync failed: http://127\.0\.0\.1:9: \S") as err:
+        steps.train_step(run_id, 0, episode_ids)
+    assert engine.url not in str(err.value)
+    assert engine.loaded == [(str(RunPaths(run_id).checkpoint(0) / "model"), 1)]  # the live engine loaded it
     with session_scope() as s:
         row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id))
-        assert row.status == "completed" and row.metrics["engine_sync_failed"] == [dead]
+        assert row.status == "failed" and row.error == str(err.value)
+        assert row.metrics["engine_sync_failed"] == [dead] and row.metrics["engine_sync"][engine.url] == "ok"
+        assert row.checkpoint_path == str(RunPaths(run_id).checkpoint(0)) and row.policy_version == 1
+        assert s.get(Run, run_id).policy_version == 0
+    with pytest.raises(steps.StepError, match="failed before: weight sync failed"):
+        steps.train_step(run_id, 0)
+
+    client = api_client(create_app({"TESTING": True}))
+    shown = client.get(f"/api/runs/{run_id}").get_json()
+    assert [(st["status"], st["error"]) for st in shown["steps"]] == [("failed", str(err.value))]
+    scheduler.tick(run_id)
+    shown = client.get(f"/api/runs/{run_id}").get_json()
+    assert shown["status"] == "failed" and shown["error"] == f"training step 0 failed: {err.value}"

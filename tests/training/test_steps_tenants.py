@@ -10,11 +10,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from sqlalchemy import select
 
 from app.db import session_scope
 from app.engines.lora_format import content_hash
 from app.proxy.sessions import current_adapter
-from app.tables import Run
+from app.tables import Run, TrainingStep
 from app.training import steps
 
 
@@ -185,9 +186,11 @@ def test_a_lora_step_puts_a_restarted_engine_back_on_the_runs_start_before_its_a
     assert adapter_path == "/v1/load_lora_adapter" and adapter["lora_name"] == metrics["adapter"]
     adapter_engine.forget()  # restarted again, and now it refuses the base: no adapter goes on the wrong one
     adapter_engine.refuse_weights = True
-    metrics = steps.train_step(a, 2, data.group(a, 2, [1.0, 0.0], seed=3))
-    assert metrics["engine_sync"][adapter_engine.url].startswith("error")
-    assert metrics["engine_sync_failed"] == [adapter_engine.url]
+    with pytest.raises(steps.WeightSyncError, match=f"^weight sync failed: {adapter_engine.url}: "):
+        steps.train_step(a, 2, data.group(a, 2, [1.0, 0.0], seed=3))  # the step fails by name
+    with session_scope() as s:
+        row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == a, TrainingStep.step == 2))
+        assert row.status == "failed" and row.metrics["engine_sync_failed"] == [adapter_engine.url]
     assert [path for path, _body in adapter_engine.calls[adapter_engine.since:]] == ["/v1/load_weights"]
 
 

@@ -10,13 +10,16 @@ import flask
 import httpx
 import pytest
 import torch
+from sqlalchemy import select
 from werkzeug.serving import make_server
 
 from app import config
+from app.db import session_scope
 from app.engines.embedded.server import create_engine_app
 from app.engines.embedded.uploads import upload_root
 from app.engines.modeling import read_state_dict
 from app.engines.client import weights_label
+from app.tables import TrainingStep
 from app.training import steps, weight_sync
 from support import AUTH, API_TOKEN
 
@@ -79,7 +82,11 @@ def test_a_digest_mismatch_is_refused_by_the_engine_and_the_step_says_so(pushed_
 
     monkeypatch.setattr(weight_sync, "checkpoint_digests", one_wrong)
     run_id = data.run([pushed_engine.url])
-    metrics = steps.train_step(run_id, 0, data.group(run_id, 0, [1.0, 0.0], seed=1))
+    with pytest.raises(steps.WeightSyncError) as failed:  # the step fails by name
+        steps.train_step(run_id, 0, data.group(run_id, 0, [1.0, 0.0], seed=1))
+    assert str(failed.value).startswith(f"weight sync failed: {pushed_engine.url}: PUT /v1/checkpoints/1/")
+    with session_scope() as s:
+        metrics = s.scalar(select(TrainingStep.metrics).where(TrainingStep.run_id == run_id))
     result = metrics["engine_sync"][pushed_engine.url]
     assert result.startswith("error: PUT /v1/checkpoints/1/model.safetensors: 400 ")
     assert "sha256 mismatch" in result and "refused" in result and "0" * 64 in result
