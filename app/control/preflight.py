@@ -46,6 +46,42 @@ def check_prompt_fits(cfg: RunConfig) -> tuple[str, str] | None:
                        f"harnesses that fit (minimum prompt tokens): {', '.join(fitting) or 'none'}")
 
 
+PROBE_TIMEOUT_S = 5.0  # run creation waits at most this per engine for its answer
+
+
+def check_pause_support(cfg: RunConfig) -> tuple[str, str] | None:
+    """`("model.weight_update_mode", message)` when a full-weights train run asks for `keep` on a vLLM
+    server that cannot pause, or None.
+
+    `keep` needs the server's `POST /pause?mode=keep` (vLLM's RL routes, registered only with
+    `VLLM_SERVER_DEV_MODE=1`: https://docs.vllm.ai/en/latest/training/async_rl/): it freezes the
+    running requests, and the recorded pause is where the gateway splits their per-token versions.
+    Without it the reloader loads between two decode steps with no boundary anyone can see
+    (`app.engines.vllm.reload`).  Asked with `GET /is_paused`, a route of the same set that changes
+    nothing: 404/405 is a server without them.  A server that does not answer is not judged here
+    (the run's start, and its first weight sync, name it).  LoRA runs load adapters, which never
+    pause, and eval runs load no step's weights: neither is checked.
+    """
+    if cfg.kind != "train" or cfg.model.engine != "vllm" or cfg.model.weight_update_mode != "keep" or cfg.training.lora:
+        return None
+    from app.config import get_settings
+    from app.engines.client import EngineCallError, EngineClient, EngineHTTPError
+
+    for url in cfg.model.engine_urls or get_settings().engine_urls:
+        try:
+            with EngineClient(url, timeout=PROBE_TIMEOUT_S, connect_timeout=PROBE_TIMEOUT_S) as client:
+                client.request("GET", "/is_paused")
+        except EngineHTTPError as exc:
+            if exc.status in (404, 405):
+                return "model.weight_update_mode", (
+                    f"'keep' needs the engine's /pause, and vLLM server {url} has none (GET /is_paused answered "
+                    f"{exc.status}): start `vllm serve` with VLLM_SERVER_DEV_MODE=1 (vLLM's pause routes), or train "
+                    "LoRA adapters (training.lora: true), whose loads never pause")
+        except EngineCallError:
+            continue
+    return None
+
+
 def _short(message: str, limit: int = 400) -> str:
     """First lines of a long error (a bad file's records must not be echoed whole)."""
     return message if len(message) <= limit else message[:limit] + " …"
@@ -62,8 +98,9 @@ def installation_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     """Every `(field, message)` the real stages cannot serve here, in field order; [] when none.
 
     Checks the checkpoint, the task set and its instances, the embedded model, whether the
-    harness's minimum prompt fits the model's context (`check_prompt_fits`), whether the
-    harness is installed, and the cached images.  All of them are reported at once (a user
+    harness's minimum prompt fits the model's context (`check_prompt_fits`), whether the vLLM
+    servers can pause for a `keep` weight update (`check_pause_support`), whether the harness is
+    installed, and the cached images.  All of them are reported at once (a user
     fixes them in one go, not one per round trip); a check that needs an earlier answer (the
     instances need the task set) is skipped when that one failed.
     """
@@ -94,6 +131,9 @@ def installation_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     fit = check_prompt_fits(cfg)
     if fit is not None:
         problems.append(fit)
+    pause = check_pause_support(cfg)
+    if pause is not None:
+        problems.append(pause)
     from app.training.teacher_check import check_teacher
 
     teacher = check_teacher(cfg)  # on-policy distillation: loadable, same tokenizer, prompt logprobs

@@ -68,6 +68,9 @@ SIM = {"simulate": {"episode_median_s": 0.1}}
         ({**SIM, "instances": ["i" * 300]}, "instances.0"),
         ({**SIM, "scheduling": {"share": 0}}, "scheduling.share"),
         ({**SIM, "scheduling": {"share": "nan"}}, "scheduling.share"),
+        ({**SIM, "model": {"weight_update_mode": "pause"}}, "model.weight_update_mode"),
+        ({**SIM, "model": {"weight_update_mode": None}}, "model.weight_update_mode"),
+        ({**SIM, "model": {"recompute_kv": "sometimes"}}, "model.recompute_kv"),
     ],
 )
 def test_bad_run_config_is_400_naming_the_field(client, body, field):
@@ -137,6 +140,34 @@ def test_config_checked_against_this_installation(client, body, field, words):
     err = resp.get_json()["error"]
     assert err["field"] == field and words in err["message"]
     assert _runs_in_db() == 0
+
+
+def test_keep_is_refused_for_a_vllm_server_that_cannot_pause(client):
+    """A full-weights train run with weight_update_mode keep (the default) on a vLLM server without
+    the pause routes is a 400 naming model.weight_update_mode; with them, or in mode wait, the run
+    is created.  The servers are `support.fake_vllm.FakeVLLM`, real HTTP servers answering as
+    vLLM 0.32 does with and without VLLM_SERVER_DEV_MODE (a CPU vLLM takes minutes to start, and
+    one without its pause routes would be a second one)."""
+    from support.fake_vllm import FakeVLLM
+
+    old, new = FakeVLLM(pause_routes=False), FakeVLLM()
+    try:
+        def create(url, **model):
+            return client.post("/api/runs", json={"kind": "train", "harness": "mini-swe-agent", "model": {
+                "name": "HuggingFaceTB/SmolLM2-135M-Instruct", "engine": "vllm", "engine_urls": [url], **model}})
+
+        refused = create(old.url)
+        assert refused.status_code == 400, refused.get_json()
+        err = refused.get_json()["error"]
+        assert err["field"] == "model.weight_update_mode"
+        assert old.url in err["message"] and "/pause" in err["message"] and "VLLM_SERVER_DEV_MODE" in err["message"]
+        assert old.calls == [("GET", "/is_paused")] and _runs_in_db() == 0
+        assert create(new.url).status_code == 202
+        assert create(old.url, weight_update_mode="wait").status_code == 202
+        assert new.calls == [("GET", "/is_paused")] and not new.paused  # asking changed nothing
+    finally:
+        old.close()
+        new.close()
 
 
 @pytest.mark.parametrize("task_set", ["/", "/dev/zero", "/etc/passwd", "../../../etc"])
