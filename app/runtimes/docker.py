@@ -7,7 +7,7 @@ the environment is the image's conda env `testbed`.  The container starts with
 `--network none` (or a named Docker network that holds only the gateway), with
 memory / CPU / PID limits, and is removed by `close()`.
 
-Same surface as `LocalRuntime`: `prepare`, `describe`/`attach`, `run`, `patch`, `close`.
+A `Runtime` (`app.runtimes.base`): `prepare`, `describe`/`attach`, `run`, `patch`, `close`.
 No engine here, so its tests skip (`docker_available()` is False).
 """
 from __future__ import annotations
@@ -17,9 +17,10 @@ import shutil
 import subprocess
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Sequence
 
-from app.runtimes.errors import RuntimeClosed, RuntimeSetupError
+from app.runtimes.base import Runtime, as_record
+from app.runtimes.errors import RuntimeSetupError
 from app.runtimes.patch import DIFF_FORMAT_OPTIONS, HARDENED_GIT_OPTIONS, PatchError
 from app.runtimes.sandbox import RunResult
 from app.tasksets.schema import InstanceRecord
@@ -51,21 +52,17 @@ def swebench_image(record: InstanceRecord) -> str:
     return f"swebench/sweb.eval.x86_64.{record.instance_id.replace('__', '_1776_')}:latest".lower()
 
 
-class DockerRuntime:
-    """A running container of the instance image (state: container id, image)."""
+class DockerRuntime(Runtime):
+    """A running container of the instance image (state: container id, image, engine)."""
 
     kind = "docker"
-
-    def __init__(self, state: dict[str, Any]):
-        self._state = dict(state)
-        self._closed = False
 
     @classmethod
     def prepare(cls, record: InstanceRecord | dict, *, image: str | None = None, docker_network: str | None = None,
                 memory_mb: int = 8192, cpus: float = 2.0, pids: int = 4096, engine: str = "docker") -> "DockerRuntime":
         """Start a container (`<engine> run -d`, engine docker or podman); raises
         `RuntimeSetupError(engine)` when it cannot."""
-        rec = record if isinstance(record, InstanceRecord) else InstanceRecord.model_validate(record)
+        rec = as_record(record)
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
         if not docker_available(engine):
@@ -81,22 +78,13 @@ class DockerRuntime:
         return cls({"kind": cls.kind, "engine": engine, "id": name, "container": proc.stdout.strip(), "image": img,
                     "instance_id": rec.instance_id, "base_commit": rec.base_commit, "confined": True})
 
-    @classmethod
-    def attach(cls, state: dict[str, Any]) -> "DockerRuntime":
-        return cls(state)
-
-    def describe(self) -> dict[str, Any]:
-        return dict(self._state)
-
-    id = property(lambda self: self._state["id"])
-    confined = property(lambda self: True)
     workdir = property(lambda self: WORKDIR)
 
     def run(self, cmd: str | Sequence[str], *, env: dict[str, str] | None = None, timeout_s: float = 600,
             network: str = "none", stdin: str | None = None) -> RunResult:
-        """`docker exec` in /testbed with the conda env `testbed` active; 124 + timed_out on timeout."""
-        if self._closed:
-            raise RuntimeClosed(f"runtime {self.id} is closed")
+        """`docker exec` in /testbed with the conda env `testbed` active; 124 + timed_out on timeout.
+        `network` is the container's, fixed at prepare (`docker_network`)."""
+        self._check_open()
         shell = cmd if isinstance(cmd, str) else " ".join(_quote(c) for c in cmd)
         script = f"source /opt/miniconda3/bin/activate testbed 2>/dev/null || true; {shell}"
         argv = [self._state.get("engine", "docker"), "exec", *(["-i"] if stdin is not None else []), "-w", WORKDIR]
@@ -112,25 +100,18 @@ class DockerRuntime:
         return RunResult(code, out, err, code == 124, time.monotonic() - t0, True, network)
 
     def patch(self) -> str:
-        """The agent's changes as a unified diff (a/ b/ prefixes) against the base commit.  Raises `PatchError`."""
-        if self._closed:
-            raise RuntimeClosed(f"runtime {self.id} is closed")
+        """The agent's changes as a unified diff (a/ b/ prefixes) against the base commit.
+        Raises `RuntimeClosed`, `PatchError`."""
+        self._check_open()
         res = self.run(container_diff_command(self._state["base_commit"] or "HEAD"))
         if res.exit_code != 0:
             raise PatchError(f"git diff in container failed (exit {res.exit_code}): {res.stderr.strip()[:1000]}")
         return res.stdout
 
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            subprocess.run([self._state.get("engine", "docker"), "rm", "-f", self._state["container"]],
-                           capture_output=True)
-
-    def __enter__(self) -> "DockerRuntime":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _release(self) -> None:
+        """Remove the container (`<engine> rm -f`)."""
+        subprocess.run([self._state.get("engine", "docker"), "rm", "-f", self._state["container"]],
+                       capture_output=True)
 
 
 def container_diff_command(base: str) -> str:

@@ -37,33 +37,28 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Sequence
-from urllib.parse import urlsplit
+from typing import Callable, Sequence
 
 from app.config import Settings, get_settings
-from app.runtimes.bridge import GatewayBridge, gateway_port, inside_gateway_url, inside_port
-from app.runtimes.errors import RuntimeClosed, RuntimeSetupError
+from app.runtimes.base import as_record, check_network, shell_argv
+from app.runtimes.bridge import inside_port
+from app.runtimes.errors import RuntimeSetupError
 from app.runtimes.images import Image, ImageCache, remove_tree
 from app.runtimes.oci_repo import (DEFAULT_REPO_DIR, commit_bug_patch, hide_in_workspace, own_git_dir, record_extra,
                                    repo_dir, repository_facts)
 from app.runtimes.oci_sandbox import SANDBOX_HOME, TESTBED_ENV, image_bwrap_argv, image_environment
-from app.runtimes.patch import patch_from_workspace
 from app.runtimes.paths import RuntimePaths
 from app.runtimes.rootfs import libc_check, resolve_inside
-from app.runtimes.sandbox import INIT_PATH, INIT_SOURCE, BRIDGE_SOCKET, Limits, Mount, Network, RunResult, bwrap_available, execute
+from app.runtimes.sandbox import Limits, Mount, Network, RunResult, bwrap_available
+from app.runtimes.workspace import WorkspaceRuntime, make_home, new_runtime_root
 from app.tasksets.schema import InstanceRecord
 
 __all__ = ["OciRuntime", "host_python", "harness_check", "DEFAULT_REPO_DIR", "SANDBOX_HOME", "TESTBED_ENV"]
-
-
-def _as_record(record: InstanceRecord | dict) -> InstanceRecord:
-    return record if isinstance(record, InstanceRecord) else InstanceRecord.model_validate(record)
 
 
 def host_python() -> tuple[Path, Path]:
@@ -78,15 +73,11 @@ def host_python() -> tuple[Path, Path]:
     return exe, prefix
 
 
-class OciRuntime:
+class OciRuntime(WorkspaceRuntime):
     """A runtime whose root filesystem is a container image (state: image digest, workspace, ...)."""
 
     kind = "oci"
-
-    def __init__(self, state: dict[str, Any], limits: Limits | None = None):
-        self._state = dict(state)
-        self.limits = limits or Limits(**state.get("limits", {}))
-        self._closed = not Path(state["root"]).exists()
+    excludes_file = "untracked.exclude"  # files untracked in the image
 
     # --- construction ---------------------------------------------------------------
 
@@ -118,7 +109,7 @@ class OciRuntime:
         apply to the image's repository), "harness" (the harness cannot run in this image),
         "sandbox" (no usable bubblewrap).
         """
-        rec = _as_record(record)
+        rec = as_record(record)
         settings = settings or get_settings()
         paths = paths or RuntimePaths.from_settings(settings)
         ref = image or rec.image
@@ -128,9 +119,7 @@ class OciRuntime:
             raise RuntimeSetupError("sandbox", "bubblewrap (`bwrap`) is required for image runtimes; "
                                                "install the Debian package `bubblewrap`")
         t0 = time.monotonic()
-        rid = f"{purpose[:5]}-{uuid.uuid4().hex[:12]}"
-        root = paths.runtimes / rid
-        root.mkdir(parents=True)
+        rid, root = new_runtime_root(paths, purpose)
         cache = cache or ImageCache(settings, paths)
         try:
             img = cache.ensure(ref, user=rid, user_root=root)
@@ -146,8 +135,7 @@ class OciRuntime:
                                                       f"(instance {rec.instance_id}'s repository)")
             workspace, home = root / "workspace", root / "home"
             subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(workspace)], check=True, capture_output=True)
-            home.mkdir()
-            (home / ".gitconfig").write_text("[user]\n\tname = agent\n\temail = agent@localhost\n[safe]\n\tdirectory = *\n")
+            make_home(home)
             base_repo, base_commit, untracked = repository_facts(img, folder, base, root)
             own_git_dir(workspace, img.rootfs, folder)
             if rec.bug_patch:
@@ -155,7 +143,7 @@ class OciRuntime:
                                                           rec.instance_id)
             hidden = [str(h) for h in record_extra(rec, "hidden_paths") or []] if purpose != "grade" else []
             hide_in_workspace(workspace, folder, hidden)
-            (root / "untracked.exclude").write_text(untracked)
+            (root / cls.excludes_file).write_text(untracked)
             exe, prefix = host_python()
         except BaseException:
             cache.release(_digest_or_empty(locals().get("img")), rid)
@@ -176,37 +164,12 @@ class OciRuntime:
         }
         return cls(state, limits or Limits.for_episodes(settings))
 
-    @classmethod
-    def attach(cls, state: dict[str, Any]) -> "OciRuntime":
-        """Re-open a runtime from `describe()` output (e.g. in another worker process)."""
-        if state.get("kind") != cls.kind:
-            raise ValueError(f"not an oci runtime state: kind={state.get('kind')!r}")
-        return cls(state)
-
-    def describe(self) -> dict[str, Any]:
-        """JSON-serializable state for `attach` and the episode row."""
-        return dict(self._state)
-
     # --- properties -----------------------------------------------------------------
 
-    id = property(lambda self: self._state["id"])
-    instance_id = property(lambda self: self._state["instance_id"])
-    root = property(lambda self: Path(self._state["root"]))
-    workspace = property(lambda self: Path(self._state["workspace"]), doc="host path of the repository copy")
-    home = property(lambda self: Path(self._state["home"]), doc="host path of the scratch HOME")
-    confined = property(lambda self: True)
-    base_commit = property(lambda self: self._state["base_commit"])
     image = property(lambda self: self._state["image"])
     digest = property(lambda self: self._state["digest"])
     rootfs = property(lambda self: Path(self._state["bundle"]) / "rootfs")
-    timings = property(lambda self: dict(self._state.get("timings", {})))
     workdir = property(lambda self: self._state["repo_dir"], doc="the repository's path inside")
-    home_dir = property(lambda self: SANDBOX_HOME, doc="HOME as commands see it")
-
-    @property
-    def gateway_url(self) -> str:
-        """The gateway's URL as seen inside (`network="gateway"` runs, `bridge.inside_gateway_url`)."""
-        return inside_gateway_url(self._state["gateway_url"])
 
     # --- running ----------------------------------------------------------------------
 
@@ -233,37 +196,21 @@ class OciRuntime:
         timeout; `should_stop` kills at once.  `extra_mounts` (e.g. a grade's test files) are
         mounted after the image.  Raises `RuntimeClosed`.
         """
-        if self._closed:
-            raise RuntimeClosed(f"runtime {self.id} is closed")
-        if network not in ("none", "gateway"):
-            raise ValueError(f"network must be 'none' or 'gateway', not {network!r}")
-        argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        self._check_open()
+        check_network(network)
+        argv = shell_argv(cmd)
         repo = self._state["repo_dir"]
         mounts = [Mount(self.workspace, repo, True), Mount(self.home, SANDBOX_HOME, True)]
-        mounts += [Mount(Path(h), s, False) for h, s in self._state["ro_binds"]]
+        mounts += self._ro_mounts(self._state["ro_binds"])
         prefix = Path(self._state["python_prefix"])
         if network == "gateway":
             mounts.append(Mount(prefix, str(prefix), False))
         mounts += list(extra_mounts)
-        socket_path = self.root / "gateway.sock"
-        if network == "gateway":
-            from app.runtimes.local import _bridge_socket_path  # one rule for socket path length
-
-            socket_path = _bridge_socket_path(socket_path)
-            mounts += [Mount(INIT_SOURCE, INIT_PATH, False), Mount(socket_path, BRIDGE_SOCKET, False)]
+        socket_path, bridge_mounts = self._gateway_socket(network)
+        mounts += bridge_mounts
         full = self._bwrap(argv, mounts, workdir or repo, self.environment(env, path_prepend), network)
-        disk = (self.workspace, self.home)
-        if network != "gateway":
-            return execute(full, timeout_s=timeout_s, limits=self.limits, confined=True, network=network,
-                           stdin=stdin, should_stop=should_stop, disk_paths=disk)
-        gw = urlsplit(self._state["gateway_url"])
-        try:
-            with GatewayBridge(socket_path, gw.hostname or "127.0.0.1", gateway_port(self._state["gateway_url"])):
-                return execute(full, timeout_s=timeout_s, limits=self.limits, confined=True, network=network,
-                               stdin=stdin, should_stop=should_stop, disk_paths=disk)
-        finally:
-            if socket_path.parent != self.root:
-                shutil.rmtree(socket_path.parent, ignore_errors=True)
+        return self._execute_confined(full, network=network, socket_path=socket_path, timeout_s=timeout_s,
+                                      stdin=stdin, should_stop=should_stop)
 
     def _bwrap(self, command: list[str], mounts: list[Mount], workdir: str, env: dict[str, str],
                network: str) -> list[str]:
@@ -272,34 +219,13 @@ class OciRuntime:
                                 uid=self._state["uid"], gid=self._state["gid"], tmpfs_mb=self.limits.tmpfs_mb,
                                 hidden=self._state.get("hidden", []), gateway=gateway)
 
-    # --- results and cleanup ------------------------------------------------------------
+    # --- cleanup ----------------------------------------------------------------------
 
-    def patch(self) -> str:
-        """The agent's changes as a unified diff against the image's repository ("" when none).
-        Raises `RuntimeClosed`, `PatchError`."""
-        if self._closed:
-            raise RuntimeClosed(f"runtime {self.id} is closed")
-        return patch_from_workspace(self.workspace, self.base_commit, base_repo=Path(self._state["base_repo"]),
-                                    extra_excludes=self.root / "untracked.exclude")
-
-    def close(self) -> None:
-        """Delete the runtime's folder and drop its hold on the shared image.  Idempotent."""
-        if not self._closed:
-            self._closed = True
-            if self.root.exists():
-                remove_tree(self.root)
-            (Path(self._state["cache_root"]) / "rootfs" / self.digest.split(":", 1)[-1] / "users" / self.id
-             ).unlink(missing_ok=True)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> "OciRuntime":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _release(self) -> None:
+        """Delete the runtime's folder and drop its hold on the shared image."""
+        super()._release()
+        (Path(self._state["cache_root"]) / "rootfs" / self.digest.split(":", 1)[-1] / "users" / self.id
+         ).unlink(missing_ok=True)
 
     def __repr__(self) -> str:
         return f"OciRuntime(id={self.id!r}, image={self.image!r}, instance={self.instance_id!r})"

@@ -14,9 +14,8 @@ from typing import Sequence
 
 from app.runtimes.exposure import is_python_prefix, prefix_args
 from app.runtimes.rootfs import layout_args, resolve_inside
-from app.runtimes.sandbox import BRIDGE_SOCKET, INIT_PATH, MIB, Mount
+from app.runtimes.sandbox import BRIDGE_SOCKET, INIT_PATH, MIB, SANDBOX_HOME, Mount
 
-SANDBOX_HOME = "/home/agent"
 TESTBED_ENV = "/opt/miniconda3/envs/testbed"
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 

@@ -61,6 +61,7 @@ from app.runtimes.exposure import prefix_args, usr_args
 Network = Literal["none", "gateway", "host"]
 INIT_PATH = "/run/turnstile/init.py"
 BRIDGE_SOCKET = "/run/turnstile/gateway.sock"
+SANDBOX_HOME = "/home/agent"  # the scratch HOME inside every runtime's sandbox
 MAX_OUTPUT = 8 * 1024 * 1024  # bytes of stdout / stderr kept (the tail)
 
 

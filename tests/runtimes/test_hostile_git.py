@@ -258,6 +258,6 @@ def test_removing_a_workspace_never_changes_what_its_links_name(tmp_path, host):
     drop = "-dac_override,-dac_read_search,-fowner"
     prefix = ["setpriv", f"--inh-caps={drop}", f"--bounding-set={drop}"] if os.getuid() == 0 else []
     subprocess.run([*prefix, sys.executable, "-c", "import sys; from pathlib import Path; "
-                    "from app.runtimes.local import _rmtree; _rmtree(Path(sys.argv[1]))", str(ws)],
+                    "from app.runtimes.images import remove_tree; remove_tree(Path(sys.argv[1]))", str(ws)],
                    check=True, cwd=Path(__file__).resolve().parents[2])
     assert not ws.exists() and unchanged(host)
