@@ -16,6 +16,7 @@ reloader died is found and ended by the watchdog (`app.control.engine_pauses`).
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Iterator
 
 import redis as redis_lib
 
+from app.config import get_settings
 from app.redis_client import get_redis
 
 GATE_TTL_S = 600
@@ -51,9 +53,12 @@ def stats_key(engine_url: str) -> str:
 
 @contextlib.contextmanager
 def reloading(engine_url: str, policy_version: int) -> Iterator[None]:
-    """Close the gate of `engine_url` for the duration of a weight reload (trainer side)."""
+    """Close the gate of `engine_url` for the duration of a weight reload (trainer side).  The key
+    expires after `weight_pause_timeout_s` (at most `GATE_TTL_S`), so a trainer killed mid-reload
+    holds the gateway's calls no longer than a vLLM pause may last; past it a call reaches the
+    engine, which holds it itself while its own reload is pending."""
     r = _redis()
-    r.set(gate_key(engine_url), policy_version, ex=GATE_TTL_S)
+    r.set(gate_key(engine_url), policy_version, ex=max(1, min(GATE_TTL_S, math.ceil(get_settings().weight_pause_timeout_s))))
     try:
         yield
     finally:

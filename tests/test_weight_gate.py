@@ -36,6 +36,25 @@ def test_the_gate_closes_for_a_reload_and_opens_after_it(redis_db):
     assert weight_gate.wait_open(URL, timeout_s=1.0)
 
 
+def test_a_dead_trainers_gate_opens_after_the_pause_timeout(redis_db, monkeypatch):
+    """The gate's key expires after `weight_pause_timeout_s` (capped at GATE_TTL_S): a trainer
+    killed inside `reloading` holds the gateway's calls no longer than that."""
+    from app import config
+
+    monkeypatch.setenv("TURNSTILE_WEIGHT_PAUSE_TIMEOUT_S", "42.5")
+    config.reset_settings()
+    try:
+        with weight_gate.reloading(URL, 3):
+            assert 0 < redis_db.ttl(weight_gate.gate_key(URL)) <= 43
+        monkeypatch.setenv("TURNSTILE_WEIGHT_PAUSE_TIMEOUT_S", "86400")
+        config.reset_settings()
+        with weight_gate.reloading(URL, 4):
+            assert weight_gate.GATE_TTL_S - 5 < redis_db.ttl(weight_gate.gate_key(URL)) <= weight_gate.GATE_TTL_S
+    finally:
+        monkeypatch.undo()
+        config.reset_settings()
+
+
 def test_a_redis_outage_never_fails_the_harness_call(monkeypatch):
     dead = redis_lib.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
     monkeypatch.setattr(weight_gate, "_redis", lambda: dead)
