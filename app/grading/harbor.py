@@ -54,11 +54,11 @@ from pathlib import Path
 from typing import Any
 
 from app.config import Settings
-from app.grading.grader import (GRADING_DIR, GradeResult, _restore_test_harness, apply_failure_reason, find_tampering,
-                                grade_log_path, patch_sha256, probe_test_env)
-from app.grading.image import RuntimeFactory, check_tools, default_runtime_factory
+from app.grading.outcome import GradeResult, grade_log_path, patch_sha256
 from app.grading.patching import PatchReadError, apply_script, drop_test_changes, read_patch
 from app.grading.reward_watch import RewardWatch
+from app.grading.steps import (GRADING_DIR, RuntimeFactory, apply_failure_reason, check_tools, default_runtime_factory,
+                               find_tampering, probe_test_env, restore_test_harness)
 from app.grading.verifier import TOOL_PATH, VerifierError, read_reward
 from app.runtimes.paths import RuntimePaths
 from app.runtimes.sandbox import Mount
@@ -137,7 +137,7 @@ def grade_harbor(record: InstanceRecord, patch: str, *, settings: Settings,
             parts.append(res.stdout)
             if res.ok:
                 apply_info.update(applied=True, method=res.stdout.strip().splitlines()[-1].partition("(")[2].rstrip(")"))
-                report["reverted_files"] = _restore_test_harness(rt, set(), env)
+                report["reverted_files"] = restore_test_harness(rt, set(), env)
                 report["tampering"] = find_tampering(rt, set(), env)
             else:
                 apply_info.update(applied=False, reason=apply_failure_reason(res.exit_code, res.stdout, log_path))

@@ -36,19 +36,19 @@ the image installed in develop mode: swebench's own reinstall would have rebuilt
 """
 from __future__ import annotations
 
-import functools
 import os
 import re
 import shlex
 import time
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable
+from typing import Any
 
 from app.config import Settings
-from app.grading.grader import (GRADING_DIR, GradeResult, _result, apply_then_eval,
-                                grade_log_path, patch_sha256)
+from app.grading.harbor import grade_harbor
+from app.grading.outcome import GradeResult, grade_log_path, grade_result, patch_sha256
 from app.grading.patching import APPLIED_MARKER, PatchReadError, apply_script, drop_test_changes, files_of_test_ids, read_patch
-from app.grading.verifier import REQUIRED_TOOLS, VerifierError, missing_tools, r2e_match, r2e_test_id, rebench_match
+from app.grading.steps import GRADING_DIR, RuntimeFactory, apply_then_eval, check_tools, default_runtime_factory
+from app.grading.verifier import r2e_match, r2e_test_id, rebench_match
 from app.runtimes.oci_sandbox import TESTBED_ENV
 from app.runtimes.paths import RuntimePaths
 from app.runtimes.sandbox import Mount
@@ -56,25 +56,6 @@ from app.tasksets.formats.r2egym import RUNNER
 from app.tasksets.formats.rebench import APPLY_FLAGS
 from app.tasksets.schema import InstanceRecord
 from app.tasksets.swebench_compat import grading_module, make_test_spec
-
-RuntimeFactory = Callable[..., Any]  # OciRuntime.prepare's signature
-
-
-def default_runtime_factory() -> RuntimeFactory:
-    from app.runtimes.oci import OciRuntime
-
-    return OciRuntime.prepare
-
-
-def check_tools(rt: Any, record: InstanceRecord) -> None:
-    """Raise `VerifierError` naming the tools the image lacks for `record.grader`."""
-    from app.runtimes.rootfs import resolve_inside
-
-    lacking = missing_tools(functools.partial(resolve_inside, rt.rootfs), REQUIRED_TOOLS[record.grader])
-    if lacking:
-        raise VerifierError(f"image {record.image} has no {' and no '.join(lacking)} on its PATH, which the "
-                            f"{record.grader} grader runs: instance {record.instance_id} cannot be graded there")
-
 
 def rebench_apply_script(patch_file: str, strip: int = 1) -> str:
     """SWE-rebench V2's apply step (`scripts/eval.py::run_in_container`), printing the markers
@@ -96,8 +77,6 @@ def grade_in_image(record: InstanceRecord, patch: str, *, settings: Settings, ti
     cannot be pulled or unpacked, or its repository folder is missing: infrastructure, not a score).
     """
     if record.grader == "harbor":
-        from app.grading.harbor import grade_harbor
-
         return grade_harbor(record, patch, settings=settings, runtime_factory=runtime_factory)
     t0 = time.monotonic()
     prepare = runtime_factory or default_runtime_factory()
@@ -117,8 +96,8 @@ def grade_in_image(record: InstanceRecord, patch: str, *, settings: Settings, ti
     except PatchReadError as exc:
         log_path.write_text(f"{exc}\n{grading_module().APPLY_PATCH_FAIL}\n", encoding="utf-8")
         apply_info = {"applied": False, "method": None, "reason": f"patch refused: {exc}; log: {log_path}"}
-        return _result(record, spec, patch, log_path, apply_info, {"dropped_test_files": [], "patch_sha256": psha},
-                       {"total_s": round(time.monotonic() - t0, 3)})
+        return grade_result(record, spec, patch, log_path, apply_info, {"dropped_test_files": [], "patch_sha256": psha},
+                            {"total_s": round(time.monotonic() - t0, 3)})
     extra: dict[str, Any] = {"dropped_test_files": dropped, "reverted_files": {}, "patch_sha256": psha,
                              "image": record.image, "grader": record.grader}
     apply_info = {"applied": not kept, "method": None if kept else "empty patch", "reason": None}
@@ -143,7 +122,7 @@ def grade_in_image(record: InstanceRecord, patch: str, *, settings: Settings, ti
     log_path.write_text("".join(parts), encoding="utf-8", errors="replace")
     timings = {"prepare_s": round(t1 - t0, 3), "apply_s": round(t2 - t1, 3), "eval_s": round(t3 - t2, 3),
                "total_s": round(time.monotonic() - t0, 3)}
-    result = _result(record, spec, kept, log_path, apply_info, extra, timings)
+    result = grade_result(record, spec, kept, log_path, apply_info, extra, timings)
     if record.grader in ("rebench", "r2egym"):
         _rejudge(record, spec, log_path, result)
     return result

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from app.config import Settings, get_settings
-from app.grading.grader import GradeResult, grade
+from app.grading.grader import grade
+from app.grading.outcome import GradeResult
 from app.runtimes.errors import RuntimeSetupError
 from app.tasksets.schema import InstanceRecord
 

@@ -5,7 +5,8 @@ import subprocess
 
 import pytest
 
-from app.grading.grader import apply_failure_reason, grade_log_path, missing_tests
+from app.grading.outcome import grade_log_path, missing_tests
+from app.grading.steps import apply_failure_reason
 from app.grading.patching import (
     PatchReadError,
     apply_script,
