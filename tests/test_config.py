@@ -132,19 +132,19 @@ def test_an_unknown_key_in_dotenv_is_an_error(env):
 
 
 def test_gateway_settings_come_from_app_config(env, monkeypatch):
-    from app.proxy import common
+    from app.proxy import settings as gateway
 
-    monkeypatch.setattr(common, "_settings", None)
+    monkeypatch.setattr(gateway, "_settings", None)
     env("TURNSTILE_GATEWAY_VISION=yes\nTURNSTILE_GATEWAY_KEEPALIVE_S=2.5\n")
     monkeypatch.setenv("TURNSTILE_GATEWAY_DEFAULT_MAX_TOKENS", "512")
-    g = common.gateway_settings()
+    g = gateway.gateway_settings()
     assert (g.vision, g.keepalive_s, g.default_max_tokens) == (True, 2.5, 512)
     assert g.max_body_bytes == Settings.model_fields["gateway_max_body_bytes"].default
-    assert common.gateway_settings() is g  # built once per settings object
+    assert gateway.gateway_settings() is g  # built once per settings object
     monkeypatch.setenv("TURNSTILE_GATEWAY_MAX_BODY_BYTES", "lots")
     config.reset_settings()
     with pytest.raises(SettingsError, match="TURNSTILE_GATEWAY_MAX_BODY_BYTES='lots'"):
-        common.gateway_settings()
+        gateway.gateway_settings()
 
 
 def test_gunicorn_configs_read_app_config(env, monkeypatch):

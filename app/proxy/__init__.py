@@ -18,7 +18,7 @@ from flask import Flask
 def create_gateway_app(overrides: dict[str, Any] | None = None) -> Flask:
     """Build the gateway's Flask app (routes in `app.proxy.views`)."""
     from app.proxy import views
-    from app.proxy.common import gateway_settings
+    from app.proxy.settings import gateway_settings
 
     _sqlite_fast_commits()
     app = Flask("turnstile.gateway", static_folder=None)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from app.proxy.errors import GatewayError
+from app.proxy.settings import gateway_settings
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # as the engine client sends
 _ascii_dumps = json.JSONEncoder(separators=(",", ":")).encode
@@ -49,8 +50,6 @@ class Caps:
 def caps() -> Caps:
     """The caps from the gateway's settings (`TURNSTILE_GATEWAY_MAX_DECODED_BYTES`,
     `TURNSTILE_GATEWAY_MAX_PROMPT_BYTES`, which defaults to `TURNSTILE_GATEWAY_MAX_BODY_BYTES`)."""
-    from app.proxy.common import gateway_settings  # common imports this module
-
     s = gateway_settings()
     return Caps(decoded=s.max_decoded_bytes, prompt=s.max_prompt_bytes or s.max_body_bytes)
 

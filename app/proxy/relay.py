@@ -20,8 +20,9 @@ from app import weight_gate
 from app.proxy import record
 from app.proxy.apis import ApiModule, StreamWriter
 from app.proxy.canonical import ChunkNormalizer, Result, result_from_completion, withhold_calls
-from app.proxy.common import Normalized, gateway_settings
+from app.proxy.common import Normalized
 from app.proxy.errors import GatewayError
+from app.proxy.settings import gateway_settings
 from app.proxy.sse import frame
 from app.proxy.upstream import DONE, EOF, PendingStream
 

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from app.db import session_scope
 from app.engines.lora_format import run_of
 from app.tables import Episode, Run, TrainingStep
-from app.proxy.common import gateway_settings
+from app.proxy.settings import gateway_settings
 
 TOKEN_PREFIX = "tsk-"
 

@@ -27,7 +27,7 @@ from app.config import get_settings
 from app.engines.client import (DONE, EOF, ChatStream, EngineCallError, EngineClient, EngineConnectionError,
                                 EngineHTTPError, weights_label)
 from app.engines.lora_format import NAME as ADAPTER_NAME
-from app.proxy.common import gateway_settings
+from app.proxy.settings import gateway_settings
 from app.proxy.errors import GatewayError, context_error, parse_context_overflow
 
 log = logging.getLogger("turnstile.gateway")

@@ -19,9 +19,10 @@ from app.proxy import limits, record, relay, splice
 from app.proxy.apis import REGISTRY, ApiModule, api_module
 from app.proxy.body import read_body
 from app.proxy.canonical import ChunkNormalizer
-from app.proxy.common import CallContext, Normalized, gateway_settings
+from app.proxy.common import CallContext, Normalized
 from app.proxy.detect import Route, api_from_headers, detect
 from app.proxy.errors import GatewayError
+from app.proxy.settings import gateway_settings
 from app.proxy.sessions import SessionInfo, resolve_session_info
 from app.proxy.sse import dumps
 from app.proxy.upstream import get_upstream

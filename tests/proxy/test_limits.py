@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from app.proxy import common, limits
+from app.proxy import common, limits, settings as gateway
 from app.proxy.common import reasoning_from_signature, reasoning_signature, reasoning_signature_bytes
 from app.proxy.errors import GatewayError
 
@@ -16,7 +16,7 @@ CAP = 64 * 1024
 
 @pytest.fixture(autouse=True)
 def small_caps(monkeypatch):
-    monkeypatch.setattr(common, "_settings", common.GatewaySettings(max_decoded_bytes=CAP, max_prompt_bytes=4 * CAP))
+    monkeypatch.setattr(gateway, "_settings", gateway.GatewaySettings(max_decoded_bytes=CAP, max_prompt_bytes=4 * CAP))
 
 
 def forged(n: int, form: str = "text") -> str:

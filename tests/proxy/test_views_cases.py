@@ -204,8 +204,8 @@ def test_b16_images_in_tool_results_never_silently_dropped(gw, episode, api):
 
 def test_b16_vision_engines_get_the_image_after_the_tool_message(monkeypatch):
     """With a vision engine: tool text stays in the tool message, the image follows as user content."""
-    from app.proxy import anthropic, common
-    monkeypatch.setattr(common, "_settings", common.GatewaySettings(vision=True))
+    from app.proxy import anthropic, settings as gateway
+    monkeypatch.setattr(gateway, "_settings", gateway.GatewaySettings(vision=True))
     norm = anthropic.normalize({"model": "c", "max_tokens": 5, "messages": [
         {"role": "user", "content": "look"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "r", "input": {}}]},
