@@ -18,6 +18,9 @@ sequence per row, attention cost sum(T_i^2) with plain causal kernels.
 Either way a sequence longer than the budget gets a micro-batch of its own, and the
 padding fraction of a step is 1 - sum(tokens) / sum(padded_tokens) over its micro-batches
 (`padding_fraction`).
+
+Each micro-batch carries its trainable tokens' loss weights (`aggregation_weights`: token-level
+or per-episode sequence-level means over the whole step), which `grpo.policy_loss` sums over.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from typing import Collection, Sequence
 
 import torch
 
-from app.training.grpo import aggregation_weights
+from app.runconfig import LOSS_AGGREGATIONS
 from app.training.trajectories import SequenceTransform
 
 
@@ -302,3 +305,33 @@ def padding_fraction(batches: Sequence[MicroBatch]) -> float:
     over `batches` (0.0 for packed micro-batches, and for none)."""
     padded = sum(mb.padded_tokens for mb in batches)
     return 1.0 - sum(mb.tokens for mb in batches) / padded if padded else 0.0
+
+
+def aggregation_weights(
+    sequence_lengths: Sequence[int], mode: str, step_tokens: int, step_episodes: int,
+    episode_lengths: Sequence[int] | None = None,
+) -> list[float]:
+    """Per-token loss weights for the trainable tokens of some sequences.
+
+    `sequence_lengths` holds the trainable-token count of each sequence in a micro-batch;
+    the result is a flat list, one weight per trainable token in the same order.
+    `"token"`: every token of the whole step weighs 1/`step_tokens` (DAPO token-level mean,
+    long chains are not down-weighted per token).  `"sequence"`: GRPO's per-sample mean, then
+    mean over the step's samples, where a sample is an *episode*: each token weighs
+    1/(its episode's trainable tokens over all of its chains x `step_episodes`), so an episode
+    weighs 1/`step_episodes` in all however many chains prefix merging made of it (one chain or
+    several after a non-extending turn give the same loss).  `episode_lengths[i]` is that
+    per-episode count for sequence i (None: each sequence is its own episode).
+    Raises ValueError for an unknown `mode` or mismatched lengths.
+    """
+    if mode == "token":
+        return [1.0 / step_tokens] * sum(sequence_lengths)
+    if mode == "sequence":
+        totals = list(sequence_lengths) if episode_lengths is None else list(episode_lengths)
+        if len(totals) != len(sequence_lengths):
+            raise ValueError("episode_lengths needs one entry per sequence")
+        out: list[float] = []
+        for n, total in zip(sequence_lengths, totals):
+            out.extend([1.0 / (total * step_episodes)] * n)
+        return out
+    raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(LOSS_AGGREGATIONS)}")

@@ -157,7 +157,7 @@ def mask_weights(updates: list[list[tuple["MicroBatch", bool, torch.Tensor]]], s
     `weights` becomes, for a kept token of a sequence of episode e, 1/N_kept ("token": N_kept kept
     tokens of the step) or 1/(K_e * S_kept) ("sequence": K_e kept tokens of episode e over all of
     its chains, S_kept episodes with any); 0 for a masked token.  With every token kept this is
-    `app.training.grpo.aggregation_weights` exactly.  Counts are summed over `group`'s ranks.
+    `app.training.batching.aggregation_weights` exactly.  Counts are summed over `group`'s ranks.
     Returns each update's sum of weights over all ranks (0.0 when all of it is masked), the
     denominator of that update's mean.  Raises ValueError for an unknown `aggregation`.
     """

@@ -56,7 +56,7 @@ All tensors are 1-D over the trainable tokens of a micro-batch, shape [N], float
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -100,7 +100,7 @@ def policy_loss(
     `old_logprobs` (trainer before this step's update, no grad), `rollout_logprobs`
     (recorded by the gateway), `advantages` (the episode's advantage on each of its tokens),
     `weights` (aggregation weight per token: 1/N_step for token-level, 1/(len_seq * S_step)
-    for sequence-level, per episode; see `aggregation_weights`), `ref_logprobs` (reference model, only
+    for sequence-level, per episode; see `batching.aggregation_weights`), `ref_logprobs` (reference model, only
     with `kl_coef` > 0).  `kl_estimator` is "k3" (gradient of the forward KL) or "k2" (gradient of
 the reverse KL); `LossStats.kl` sums k3's value either way.  `tis_cap` None disables importance
 correction.  `correction` (`app.training.correction.token_correction`), when given, replaces
@@ -149,33 +149,3 @@ exclude it from the denominator).  Raises ValueError for an unknown `kl_estimato
             ratio=ratio.sum().item(),
         )
     return loss, stats
-
-
-def aggregation_weights(
-    sequence_lengths: Sequence[int], mode: str, step_tokens: int, step_episodes: int,
-    episode_lengths: Sequence[int] | None = None,
-) -> list[float]:
-    """Per-token loss weights for the trainable tokens of some sequences.
-
-    `sequence_lengths` holds the trainable-token count of each sequence in a micro-batch;
-    the result is a flat list, one weight per trainable token in the same order.
-    `"token"`: every token of the whole step weighs 1/`step_tokens` (DAPO token-level mean,
-    long chains are not down-weighted per token).  `"sequence"`: GRPO's per-sample mean, then
-    mean over the step's samples, where a sample is an *episode*: each token weighs
-    1/(its episode's trainable tokens over all of its chains x `step_episodes`), so an episode
-    weighs 1/`step_episodes` in all however many chains prefix merging made of it (one chain or
-    several after a non-extending turn give the same loss).  `episode_lengths[i]` is that
-    per-episode count for sequence i (None: each sequence is its own episode).
-    Raises ValueError for an unknown `mode` or mismatched lengths.
-    """
-    if mode == "token":
-        return [1.0 / step_tokens] * sum(sequence_lengths)
-    if mode == "sequence":
-        totals = list(sequence_lengths) if episode_lengths is None else list(episode_lengths)
-        if len(totals) != len(sequence_lengths):
-            raise ValueError("episode_lengths needs one entry per sequence")
-        out: list[float] = []
-        for n, total in zip(sequence_lengths, totals):
-            out.extend([1.0 / (total * step_episodes)] * n)
-        return out
-    raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(LOSS_AGGREGATIONS)}")

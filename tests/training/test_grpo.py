@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from app.engines.modeling import build_tiny_model
-from app.training.batching import StepSequence, make_micro_batches
+from app.training.batching import StepSequence, aggregation_weights, make_micro_batches
 from app.runconfig import TrainingConfig
-from app.training.grpo import aggregation_weights, group_advantages, policy_loss
+from app.training.grpo import group_advantages, policy_loss
 from app.training.trainer import Trainer
 from app.training.trajectories import CompletionRecord, per_request, prefix_merging
 
