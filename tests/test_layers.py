@@ -1,15 +1,17 @@
 """The one-way layering of `app`: import-linter contracts (`.importlinter`), no import loops
-between app's packages, and run validation without torch in the API process."""
+between app's packages nor between modules, and run validation without torch in the API process."""
 from __future__ import annotations
 
+import graphlib
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import grimp
+
 from app.config import ROOT
 
-import grimp
 LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
                               "sys.argv = ['lint-imports', '--no-cache']; lint_imports_command()"]
 
@@ -79,6 +81,58 @@ def test_no_import_loop_between_packages():
         if not colour.get(p):
             visit(p, [])
     assert loops == [], loops
+
+
+def import_circles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """Circles of direct imports among the graph's modules, each as [a, b, ..., a] where a imports b.
+
+    Every import counts, module-level, in a function or under `TYPE_CHECKING`.  Found one at a time by
+    the standard library's topological sort (`graphlib.CycleError` names one circle); the circle's
+    first import is then dropped and the sort run again, so every circle of the graph yields at least
+    one entry (and two circles sharing that import yield one)."""
+    imports = {m: set(graph.find_modules_directly_imported_by(m)) & graph.modules for m in graph.modules}
+    circles: list[list[str]] = []
+    while True:
+        try:
+            graphlib.TopologicalSorter(imports).prepare()  # imported modules are each module's predecessors
+        except graphlib.CycleError as exc:
+            circle = list(reversed(exc.args[1]))  # graphlib lists each node before the one that imports it
+            circles.append(circle)
+            imports[circle[0]].discard(circle[1])
+        else:
+            return circles
+
+
+def test_no_import_circle_between_modules():
+    """No module of app reaches itself through its imports, within a package or across packages."""
+    circles = import_circles(grimp.build_graph("app"))
+    assert circles == [], "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_import_circles_are_found():
+    """The check can fail: a three-module circle inside one package, next to a one-way import, is reported."""
+    graph = grimp.ImportGraph()
+    for importer, imported in [("p.grader", "p.image"), ("p.image", "p.harbor"), ("p.harbor", "p.grader"),
+                               ("p.harbor", "p.steps")]:
+        graph.add_import(importer=importer, imported=imported)
+    (circle,) = import_circles(graph)
+    assert len(circle) == 4 and circle[0] == circle[-1]
+    assert set(circle) == {"p.grader", "p.image", "p.harbor"}
+    assert all((a, b) in {("p.grader", "p.image"), ("p.image", "p.harbor"), ("p.harbor", "p.grader")}
+               for a, b in zip(circle, circle[1:]))
+
+
+def test_a_circle_inside_a_package_breaks_the_contracts(tmp_path):
+    """The acyclic-siblings contract fails on a circle between two modules of one package: the
+    gateway's settings importing the normalization module that imports them."""
+    shutil.copytree(ROOT / "app", tmp_path / "app", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / ".importlinter", tmp_path / ".importlinter")
+    settings = tmp_path / "app" / "proxy" / "settings.py"
+    settings.write_text(settings.read_text() + "\nfrom app.proxy import common  # noqa: E402,F401\n")
+    result = _lint(tmp_path)
+    assert result.returncode == 1
+    assert "No import circle among the siblings of any package" in result.stdout and "BROKEN" in result.stdout
+    assert "No cycles are allowed in app.proxy" in result.stdout
 
 
 def test_run_validation_in_the_api_process_imports_no_torch():
