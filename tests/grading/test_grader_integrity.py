@@ -11,8 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from app import config
-from app.config import ROOT, get_settings
 from app.grading import grade
 from app.runtimes import LocalRuntime, bwrap_available
 from app.tasksets import load_task_set
@@ -54,25 +52,15 @@ HACKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def settings(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TURNSTILE_VAR_DIR", str(tmp_path_factory.mktemp("var")))
-        mp.setenv("TURNSTILE_CACHE_DIR", str(ROOT / "var" / "cache"))
-        config.reset_settings()
-        yield get_settings()
-    config.reset_settings()
-
-
 def _f2p_passes(output: str) -> bool:
     return all(f"PASSED {t}" in output for t in RECORD.FAIL_TO_PASS)
 
 
 @pytest.fixture(scope="module")
-def hack_patches(settings):
+def hack_patches(grading_settings):
     """{name: patch} made in one workspace, reset between hacks; asserts each hack's raw effect."""
     out = {}
-    with LocalRuntime.prepare(RECORD, settings=settings) as rt:
+    with LocalRuntime.prepare(RECORD, settings=grading_settings) as rt:
         assert not _f2p_passes(rt.run(RECORD.test_cmd, timeout_s=120).stdout)  # the bug is there
         for name, (files, fools) in HACKS.items():
             for path, text in files.items():
@@ -93,8 +81,8 @@ def hack_patches(settings):
 
 
 @pytest.mark.parametrize("name", list(HACKS))
-def test_hack_grades_unresolved(settings, hack_patches, name):
-    result = grade(RECORD, hack_patches[name], settings=settings, use_cache=False)
+def test_hack_grades_unresolved(grading_settings, hack_patches, name):
+    result = grade(RECORD, hack_patches[name], settings=grading_settings, use_cache=False)
     assert (result.resolved, result.reward) == (False, 0.0)
     assert sorted(RECORD.FAIL_TO_PASS) == sorted(result.report["tests_status"]["FAIL_TO_PASS"]["failure"])
     touched = set(result.report["dropped_test_files"]) | set(result.report["reverted_files"])
@@ -102,8 +90,8 @@ def test_hack_grades_unresolved(settings, hack_patches, name):
     assert harness_files <= touched
 
 
-def test_the_fix_next_to_a_hack_still_resolves(settings, hack_patches):
-    result = grade(RECORD, RECORD.patch + hack_patches["plugin_via_setup_cfg"], settings=settings, use_cache=False)
+def test_the_fix_next_to_a_hack_still_resolves(grading_settings, hack_patches):
+    result = grade(RECORD, RECORD.patch + hack_patches["plugin_via_setup_cfg"], settings=grading_settings, use_cache=False)
     assert result.resolved and result.report["reverted_files"] == {"setup.cfg": "pytest configuration"}
 
 
@@ -115,22 +103,22 @@ def test_the_fix_next_to_a_hack_still_resolves(settings, hack_patches):
     ("diff --git tests/conftest.py tests/conftest.py\nnew file mode 100644\n--- /dev/null\n+++ tests/conftest.py\n"
      "@@ -0,0 +1,9 @@\n" + "".join("+" + ln for ln in PLUGIN.splitlines(True)), ["tests/conftest.py"]),
 ])
-def test_patches_without_git_prefixes_are_filtered_too(settings, patch, dropped):
-    result = grade(RECORD, patch, settings=settings, use_cache=False)
+def test_patches_without_git_prefixes_are_filtered_too(grading_settings, patch, dropped):
+    result = grade(RECORD, patch, settings=grading_settings, use_cache=False)
     assert not result.resolved and result.report["dropped_test_files"] == dropped
 
 
-def test_a_patch_whose_paths_cannot_be_read_is_refused(settings):
+def test_a_patch_whose_paths_cannot_be_read_is_refused(grading_settings):
     mixed = RECORD.patch + RECORD.patch.replace("a/inflection", "inflection").replace("b/inflection", "inflection")
-    result = grade(RECORD, mixed, settings=settings, use_cache=False)
+    result = grade(RECORD, mixed, settings=grading_settings, use_cache=False)
     assert (result.resolved, result.report["apply"]["applied"]) == (False, False)
     assert result.report["apply"]["reason"].startswith("patch refused: patch mixes git-prefixed")
     assert result.log_path in result.report["apply"]["reason"]
 
 
-def test_concurrent_grades_of_one_patch_keep_their_own_logs(settings):
+def test_concurrent_grades_of_one_patch_keep_their_own_logs(grading_settings):
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda _: grade(RECORD, "", settings=settings, use_cache=False), range(2)))
+        results = list(pool.map(lambda _: grade(RECORD, "", settings=grading_settings, use_cache=False), range(2)))
     assert results[0].log_path != results[1].log_path
     for r in results:
         log = open(r.log_path).read()

@@ -18,8 +18,6 @@ import json
 
 import pytest
 
-from app import config
-from app.config import ROOT, get_settings
 from app.grading import grade
 from app.runtimes import bwrap_available
 from app.tasksets.schema import InstanceRecord
@@ -90,18 +88,8 @@ RECORD = InstanceRecord.model_validate({
 })
 
 
-@pytest.fixture(scope="module")
-def settings(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TURNSTILE_VAR_DIR", str(tmp_path_factory.mktemp("var")))
-        mp.setenv("TURNSTILE_CACHE_DIR", str(ROOT / "var" / "cache"))
-        config.reset_settings()
-        yield get_settings()
-    config.reset_settings()
-
-
-def test_a_fix_of_library_code_under_a_test_folder_resolves(settings):
-    result = grade(RECORD, RECORD.patch, settings=settings, use_cache=False)
+def test_a_fix_of_library_code_under_a_test_folder_resolves(grading_settings):
+    result = grade(RECORD, RECORD.patch, settings=grading_settings, use_cache=False)
     assert result.report["apply"]["applied"] and result.report["test_env_probed"]
     assert result.report["reverted_files"] == {}, result.report["reverted_files"]
     assert (result.resolved, result.reward) == (True, 1.0), result.report["tests_status"]
@@ -110,9 +98,9 @@ def test_a_fix_of_library_code_under_a_test_folder_resolves(settings):
     assert surface["kept"]["src/cachetools/test/utils.py"].startswith("library code: part of `cachetools`")
 
 
-def test_an_edit_of_the_real_test_helper_is_put_back(settings):
+def test_an_edit_of_the_real_test_helper_is_put_back(grading_settings):
     forged = diff("tests/helpers.py", HELPERS, HELPERS_FORGED)
-    result = grade(RECORD, forged, settings=settings, use_cache=False)
+    result = grade(RECORD, forged, settings=grading_settings, use_cache=False)
     assert (result.resolved, result.reward) == (False, 0.0)
     reason = result.report["reverted_files"]["tests/helpers.py"]
     assert reason.startswith("test support: imported by tests/test_fake_timer.py, in the test directory tests")
@@ -121,19 +109,19 @@ def test_an_edit_of_the_real_test_helper_is_put_back(settings):
     assert result.report["tests_status"]["FAIL_TO_PASS"]["failure"] == RECORD.FAIL_TO_PASS
 
 
-def test_the_helper_edit_would_pass_the_tests_as_is_and_nothing_does_not(settings):
+def test_the_helper_edit_would_pass_the_tests_as_is_and_nothing_does_not(grading_settings):
     """The forged helper fools pytest when left in place (so the put-back is what stops it)."""
     from app.runtimes import LocalRuntime
 
-    with LocalRuntime.prepare(RECORD, settings=settings) as rt:
+    with LocalRuntime.prepare(RECORD, settings=grading_settings) as rt:
         (rt.workspace / "tests/helpers.py").write_text(HELPERS_FORGED)
         out = rt.run(TEST_CMD, timeout_s=300).stdout
     assert "PASSED tests/test_fake_timer.py::test_tick_by_seconds" in out
-    empty = grade(RECORD, "", settings=settings, use_cache=False)
+    empty = grade(RECORD, "", settings=grading_settings, use_cache=False)
     assert (empty.resolved, empty.reward) == (False, 0.0)
 
 
-def test_tasks_validate_says_what_it_kept_and_why(settings, tmp_path, capsys):
+def test_tasks_validate_says_what_it_kept_and_why(grading_settings, tmp_path, capsys):
     from app.cli import main
 
     path = tmp_path / "layouts.jsonl"

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from app import config
-from app.config import ROOT, get_settings
 from app.grading import grade
 from app.runtimes import LocalRuntime, bwrap_available
 from app.tasksets import load_task_set
@@ -81,20 +79,10 @@ KINDS = {
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TURNSTILE_VAR_DIR", str(tmp_path_factory.mktemp("var")))
-        mp.setenv("TURNSTILE_CACHE_DIR", str(ROOT / "var" / "cache"))
-        config.reset_settings()
-        yield get_settings()
-    config.reset_settings()
-
-
-@pytest.fixture(scope="module")
-def records(settings):
+def records(grading_settings):
     """{name: record}; `toolz_helper` is toolz-2 with a test_patch adding a FAIL_TO_PASS test that
     asserts through `toolz.utils.raises`, as a SWE-bench test_patch adds the failing tests."""
-    with LocalRuntime.prepare(TOOLZ, settings=settings) as rt:
+    with LocalRuntime.prepare(TOOLZ, settings=grading_settings) as rt:
         target = rt.workspace / "toolz/tests/test_dicttoolz.py"
         target.write_text(target.read_text() + HELPER_TEST)
         test_patch = rt.patch()
@@ -122,12 +110,12 @@ def _f2p_passes(record, output: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def hack_patches(settings, records):
+def hack_patches(grading_settings, records):
     """{kind: patch}, each made in a fresh workspace; asserts each hack fools pytest as is."""
     out = {}
     for kind, (name, files, *_rest) in KINDS.items():
         record = records[name]
-        with LocalRuntime.prepare(record, settings=settings) as rt:
+        with LocalRuntime.prepare(record, settings=grading_settings) as rt:
             if record.test_patch:  # the new test, as the eval script applies it (the workspace is a host folder)
                 _write(rt, {"toolz/tests/test_dicttoolz.py": ("append", HELPER_TEST)})
             assert not _f2p_passes(record, rt.run(record.test_cmd, timeout_s=300).stdout), kind  # the bug is there
@@ -140,10 +128,10 @@ def hack_patches(settings, records):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_tampering_grades_unresolved_with_the_reason(settings, records, hack_patches, kind):
+def test_tampering_grades_unresolved_with_the_reason(grading_settings, records, hack_patches, kind):
     name, _files, where, path, word = KINDS[kind]
     record = records[name]
-    result = grade(record, hack_patches[kind], settings=settings, use_cache=False)
+    result = grade(record, hack_patches[kind], settings=grading_settings, use_cache=False)
     assert (result.resolved, result.reward, result.report["resolved"]) == (False, 0.0, False)
     assert result.report["apply"]["applied"] and result.report["test_env_probed"]
     recorded = result.report[where]
@@ -153,10 +141,10 @@ def test_tampering_grades_unresolved_with_the_reason(settings, records, hack_pat
         assert sorted(record.FAIL_TO_PASS) == sorted(result.report["tests_status"]["FAIL_TO_PASS"]["failure"])
 
 
-def test_the_helper_instance_is_sound(settings, records):
+def test_the_helper_instance_is_sound(grading_settings, records):
     """The derived instance is solvable and not solved by nothing, like every bundled one."""
     record = records["toolz_helper"]
-    gold = grade(record, record.patch, settings=settings, use_cache=False)
-    empty = grade(record, "", settings=settings, use_cache=False)
+    gold = grade(record, record.patch, settings=grading_settings, use_cache=False)
+    empty = grade(record, "", settings=grading_settings, use_cache=False)
     assert (gold.resolved, empty.resolved) == (True, False)
     assert gold.report["reverted_files"] == {} and gold.report["tampering"] == {}
