@@ -45,8 +45,15 @@ class Spec:
 PYTEST = "python -m pip install -q pytest==8.3.4"
 EDITABLE = "python -m pip install -q --no-deps -e ."
 
+
+def installs(*pins: str) -> tuple[str, ...]:
+    """An instance's install lines: pytest, the package's dependencies pinned (`name==version`; no
+    line without any), then the package itself, editable and without dependencies (pinned here)."""
+    return (PYTEST, *([f"python -m pip install -q {' '.join(pins)}"] if pins else []), EDITABLE)
+
+
 SPECS = (
-    Spec("click", "8.1.8", "ed53c9d8990d83c2a27deae68e4ee337473f6330c040a31d4225c9574d16096a", (PYTEST, EDITABLE),
+    Spec("click", "8.1.8", "ed53c9d8990d83c2a27deae68e4ee337473f6330c040a31d4225c9574d16096a", installs(),
          ("tests/test_testing.py",), "src/click/testing.py",
          "                    e_code = 1\n", "                    e_code = 2\n",
          "CliRunner reports exit code 2 for `sys.exit(\"message\")`\n\n"
@@ -54,8 +61,8 @@ SPECS = (
          "`result.exit_code == 2`. Python exits with 1 for a non-integer exit code, and so does the same command "
          "run from a shell."),
     Spec("flask", "3.1.0", "5f873c5184c897c8d9d1b05df1e3d01b14910ce69607a117bd3277098a5836ac",
-         (PYTEST, "python -m pip install -q werkzeug==3.1.3 jinja2==3.1.4 itsdangerous==2.2.0 click==8.1.8 "
-                  "blinker==1.9.0 markupsafe==3.0.2", EDITABLE),
+         installs("werkzeug==3.1.3", "jinja2==3.1.4", "itsdangerous==2.2.0", "click==8.1.8", "blinker==1.9.0",
+                  "markupsafe==3.0.2"),
          ("tests/test_testing.py",), "src/flask/testing.py",
          '                http_host = f"{subdomain}.{http_host}"\n',
          '                http_host = f"{http_host}.{subdomain}"\n',
@@ -63,14 +70,14 @@ SPECS = (
          "`app.test_client().get('/', subdomain='api')` with `SERVER_NAME = 'example.com'` sends "
          "`Host: example.com.api` instead of `api.example.com`, so subdomain routes return 404 in tests."),
     Spec("werkzeug", "3.1.3", "60723ce945c19328679790e3282cc758aa4a6040e4bb330f53d30fa546d44746",
-         (PYTEST, "python -m pip install -q markupsafe==3.0.2 ephemeral-port-reserve==1.1.4", EDITABLE),
+         installs("markupsafe==3.0.2", "ephemeral-port-reserve==1.1.4"),
          ("tests/test_test.py",), "src/werkzeug/test.py",
          "            query_string = request_uri.query\n",
          "            query_string = request_uri.fragment\n",
          "EnvironBuilder drops the query string given in the path\n\n"
          "`EnvironBuilder(path='/search?q=x').get_environ()['QUERY_STRING']` is empty, and `Client.get('/a?b=1')` "
          "reaches the app without its arguments."),
-    Spec("tornado", "6.4.2", "92bad5b4746e9879fd7bf1eb21dce4e3fc5128d71601f80005afa39237ad620b", (PYTEST, EDITABLE),
+    Spec("tornado", "6.4.2", "92bad5b4746e9879fd7bf1eb21dce4e3fc5128d71601f80005afa39237ad620b", installs(),
          ("tornado/test/testing_test.py",), "tornado/testing.py",
          '        if path.lower().startswith(("http://", "https://")):\n',
          '        if path.lower().startswith(("https://",)):\n',
@@ -78,8 +85,7 @@ SPECS = (
          "`self.fetch('http://127.0.0.1:%d/path' % port)` inside an `AsyncHTTPTestCase` requests "
          "`http://127.0.0.1:<port>http://127.0.0.1:...` instead of the URL given."),
     Spec("pint", "0.24.4", "35275439b574837a6cd3020a5a4a73645eb125ce4152a73a2f126bf164b91b80",
-         (PYTEST, "python -m pip install -q flexcache==0.3 flexparser==0.4 platformdirs==4.3.6 "
-                  "typing_extensions==4.12.2", EDITABLE),
+         installs("flexcache==0.3", "flexparser==0.4", "platformdirs==4.3.6", "typing_extensions==4.12.2"),
          ("pint/testsuite/test_quantity.py",), "pint/testing.py",
          "        assert abs(m1 - m2) <= max(rtol * max(abs(m1), abs(m2)), atol), msg\n",
          "        assert abs(m1 - m2) <= min(rtol * max(abs(m1), abs(m2)), atol), msg\n",
@@ -87,7 +93,7 @@ SPECS = (
          "`pint.testing.assert_allclose(Q_(1.0, 'm'), Q_(1.0 + 1e-9, 'm'))` raises AssertionError although the "
          "difference is far below the default `rtol=1e-07`; only exactly equal magnitudes pass."),
     Spec("Jinja2", "3.1.4", "4a3aee7acbbe7303aede8e9648d13b8bf88a429282aa6122a993f0ac800cb369",
-         (PYTEST, "python -m pip install -q markupsafe==3.0.2", EDITABLE),
+         installs("markupsafe==3.0.2"),
          ("tests/test_tests.py",), "src/jinja2/tests.py",
          "    return value % 2 == 1\n", "    return value % 2 == 0\n",
          "The `odd` test is true for even numbers\n\n"
