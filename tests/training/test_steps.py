@@ -197,3 +197,5 @@ def test_a_failed_weight_sync_fails_the_step_and_the_run_by_name(var_dir, data, 
     scheduler.tick(run_id)
     shown = client.get(f"/api/runs/{run_id}").get_json()
     assert shown["status"] == "failed" and shown["error"] == f"training step 0 failed: {err.value}"
+    page = client.get(f"/runs/{run_id}")  # the run page: the run's error and the step's, in its steps table
+    assert page.status_code == 200 and page.get_data(as_text=True).count("weight sync failed: http://127.0.0.1:9") == 2
