@@ -14,9 +14,11 @@ Weight reload (``VLLMReloader.reload``), the vLLM counterpart of the embedded en
 4. ``POST /resume``; then the pause is recorded (``app.weight_gate.record_update``).
 
 Steps 1-3 share one deadline (``weight_pause_timeout_s``) and step 4 runs however they end, so a
-load that fails or hangs never leaves the server paused; a reloader killed mid-update leaves its
-pause record in Redis (``app.weight_gate.record_pause``), and the watchdog resumes that server once
-the record is older than the deadline (``app.control.engine_pauses``).
+load that fails or hangs does not keep the server paused past it (except where vLLM runs its worker
+in process, which ignores collective_rpc's ``timeout``: a hung load holds the engine core there, and
+the resume runs when it ends); a reloader killed mid-update leaves its pause record in Redis
+(``app.weight_gate.record_pause``), and the watchdog resumes that server once the record is older
+than the deadline (``app.control.engine_pauses``).
 
 vLLM does not know Turnstile's policy version, so its chunks carry none.  No token is produced
 while the server is paused, so the gateway stamps each streamed chunk with the version of the
@@ -24,7 +26,8 @@ last recorded update whose pause ended before the chunk arrived (``app.versions.
 a completion that spans a ``keep`` update gets its per-token versions from the engine's own
 pause, never from a guess.  A server without ``/pause`` (older builds) loads without pausing
 (logged once per server): its running requests then see the weights change between two steps,
-like ``keep`` without a recorded boundary.  Runtime LoRA is the alternative for adapter training:
+like ``keep`` without a recorded boundary (a full-weights ``keep`` run is refused on such a server
+at creation: ``app.control.preflight.check_pause_support``).  Runtime LoRA is the alternative for adapter training:
 ``--enable-lora`` with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``POST /v1/load_lora_adapter``
 (``lora_adapter_args``); an adapter load never pauses (requests under the older adapter finish
 on it).
