@@ -8,7 +8,7 @@ Chat completions, the gateway's per-call hop, are read on the caller's thread by
 ``app.engines.stream`` (its own HTTP/1.1 reader on the socket: relaying a token costs no thread
 hand-off, and a non-stream answer costs half what httpx's request machinery does): streams
 by ``ChatStream``, parsed with ``app.engines.sse.SSEDecoder`` (WHATWG event-stream rules), whole
-answers by ``ChatAnswer``.  Every other call (models, tokens, weights, health) goes over httpx,
+answers by ``app.engines.answer.ChatAnswer``.  Every other call (models, tokens, weights, health) goes over httpx,
 the HTTP library the OpenAI and Anthropic SDKs bring.
 
 With a vLLM server every call works except ``reload`` / ``reset_to_base`` (use
@@ -31,7 +31,9 @@ import httpx
 
 from app.engines.errors import (EngineCallError, EngineConnectionError, EngineHTTPError, connection_error,
                                 error_message, parse_body)
-from app.engines.stream import DONE, EOF, ChatAnswer, ChatStream, Target, stream_items
+from app.engines.answer import ChatAnswer
+from app.engines.connections import Target
+from app.engines.stream import DONE, EOF, ChatStream, stream_items
 from app.engines.transport import one_write_transport
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
@@ -189,7 +191,7 @@ class EngineClient:
     def complete(self, body: dict, *, headers: dict | None = None, idle: Callable[[], None] | None = None,
                  idle_s: float = 0.25) -> dict:
         """Non-stream ``POST /v1/chat/completions`` with the full request ``body`` as given, on the
-        streams' kept connections (``app.engines.stream.ChatAnswer``).
+        streams' kept connections (``app.engines.answer.ChatAnswer``).
 
         ``idle()``, when given, is called every ``idle_s`` seconds while the engine is silent (a
         non-stream answer is silent until it is done); an exception it raises abandons the call,

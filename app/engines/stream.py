@@ -1,54 +1,48 @@
 """A streamed chat completion read on the caller's own thread: one socket, no reader thread.
 
 ``ChatStream`` sends ``POST /v1/chat/completions`` over a plain (or TLS) socket and reads the
-HTTP/1.1 answer itself (RFC 9112: status line, header fields, then a body framed by
-``Transfer-Encoding: chunked``, ``Content-Length`` or the connection's close).  Each ``poll`` waits
-on the socket with ``select.poll`` (in a gevent worker: a watcher on gevent's loop, ``_HubWait``)
-for at most its timeout and turns everything one ``recv``
-brought into items: the body's chunk framing is undone in one pass, the SSE events are parsed by
-``app.engines.sse.SSEDecoder`` and each ``data`` is one JSON chunk (``stream_items``).  So a
-caller can wait with a timeout (and send a keep-alive while the engine is silent) without a
-thread per stream and without a hand-off per network read: relaying a token costs one ``poll``
-and one ``recv`` on the thread that writes it on.
+HTTP/1.1 answer itself (its framing: ``app.engines.http1``).  Each ``poll`` waits on the socket
+(``app.engines.socket_wait``: ``select.poll``, or in a gevent worker a watcher on gevent's loop)
+for at most its timeout and turns everything one ``recv`` brought into items: the body's chunk
+framing is undone in one pass, the SSE events are parsed by ``app.engines.sse.SSEDecoder`` and
+each ``data`` is one JSON chunk (``stream_items``).  So a caller can wait with a timeout (and send
+a keep-alive while the engine is silent) without a thread per stream and without a hand-off per
+network read: relaying a token costs one ``poll`` and one ``recv`` on the thread that writes it on.
 
 Connections whose answer was read to its end are kept for the next stream of the same client
-(``SocketPool``, emptied in a forked child); one that went stale while idle is noticed before
-reuse, and an answer cut before its first byte on a reused connection is retried once on a new one.
+(``app.engines.connections.SocketPool``); an answer cut before its first byte on a reused
+connection is retried once on a new one.  The non-stream call on the same sockets is
+``app.engines.answer.ChatAnswer``.
 """
 from __future__ import annotations
 
 import json
-import os
-import re
-import select
 import socket
 import ssl
-import sys
 import threading
 import time
-from typing import Callable, Iterator
-from urllib.parse import urlsplit
+from typing import Iterator
 
 try:
     import orjson
 except ImportError:  # vLLM's own venv imports this module for its reload plugin, without orjson
     orjson = None
 
+from app.engines.connections import Target, close_quietly
 from app.engines.errors import EngineCallError, EngineConnectionError, EngineHTTPError
+from app.engines.http1 import MAX_HEAD, BodyReader, parse_head, request_bytes
+from app.engines.socket_wait import readable_waiter, release_waiter
 from app.engines.sse import SSEDecoder
 
 DONE = object()   # stream item: the engine sent ``data: [DONE]``
 EOF = object()    # stream item: the engine closed the stream without ``[DONE]``
 
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
-_MAX_HEAD = 64 * 1024      # bytes of status line + header fields accepted
 _MAX_ERROR_BODY = 1 << 20  # bytes of a refusal's body read
 _RECV = 256 * 1024
 _AGAIN = object()          # a read that found nothing after all (spurious wake-up, TLS record not whole)
 
 
-def _loads(text: str):
+def loads_json(text: str):
     """``json.loads(text)``, through orjson (1.1–2.1 vs 5.2–5.7 µs per 288-byte chunk here with the
     stdlib's parser; engine chunks are strict JSON): the same object, or the same ValueError, since
     what orjson refuses (NaN or Infinity, lone surrogates, bad JSON) goes to ``json.loads``, which
@@ -74,231 +68,11 @@ def stream_items(events: list[tuple[str | None, str]]) -> list:
         if not data.strip():
             continue
         try:
-            items.append(_loads(data))
+            items.append(loads_json(data))
         except ValueError as exc:
             items.append(exc)
             return items
     return items
-
-
-def _gevent_select() -> bool:
-    """True in a process whose `select` module gevent has monkey-patched (a gevent gateway worker)."""
-    monkey = sys.modules.get("gevent.monkey")
-    return monkey is not None and monkey.is_module_patched("select")
-
-
-class _WaitClosed(Exception):
-    """Thrown into a greenlet waiting in `_HubWait.poll` when another greenlet closes the stream."""
-
-
-class _HubWait:
-    """`select.poll` of one socket for a greenlet, on gevent's own loop (the gevent gateway worker).
-
-    gevent's `select.poll` stand-in builds an io watcher and a `gevent.Timeout` (a timer and a
-    Python object) on every call; this keeps one io watcher for the connection and starts a bare
-    loop timer per timed wait.  At 200 tokens/s per stream, where every token is a wait, the gateway
-    spent 19% less CPU per relayed token at 16 sessions and 13% less at 64 (five and four
-    alternating runs of each, bench/gateway.py --token-rate's load); one fast stream, whose reads
-    carry several tokens, did not change.  `close` from another greenlet wakes a waiting
-    `poll` at once (`Hub.cancel_wait`), as `socket.shutdown` wakes a blocked `select.poll`.
-    gevent's loop and watcher API: https://www.gevent.org/api/gevent.hub.html
-    """
-
-    def __init__(self, sock: socket.socket) -> None:
-        from gevent.hub import Waiter, get_hub  # gevent is only imported where it already runs
-        self._hub, self._waiter = get_hub(), Waiter
-        self._io = self._hub.loop.io(sock.fileno(), 1)  # 1: readable (libev's EV_READ)
-        self._closed = False
-
-    def poll(self, ms: int) -> bool:
-        """True when the socket is readable, or the wait was closed, within `ms` ms (-1: no limit)."""
-        if self._closed:
-            return True  # the read that follows finds the connection gone
-        waiter = self._waiter(self._hub)
-        self._io.start(waiter.switch, True)
-        timer = None
-        if ms >= 0:
-            timer = self._hub.loop.timer(ms / 1000)
-            timer.start(waiter.switch, False)
-        try:
-            return waiter.get()
-        except _WaitClosed:
-            return True
-        finally:
-            self._io.stop()
-            if timer is not None:
-                timer.close()
-
-    def close(self) -> None:
-        """Release the watcher; a greenlet waiting on it wakes (its `poll` returns True)."""
-        if not self._closed:
-            self._closed = True
-            self._hub.cancel_wait(self._io, _WaitClosed(), True)
-
-
-class Target:
-    """Where a client's streams go: ``base_url`` split into (scheme, host, port, path prefix)."""
-
-    def __init__(self, base_url: str, connect_timeout: float, timeout: float) -> None:
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"engine URL must be http(s)://host[:port][/prefix], got {base_url!r}")
-        self.base_url = base_url
-        self.tls = parts.scheme == "https"
-        self.host = parts.hostname
-        self.port = parts.port or (443 if self.tls else 80)
-        self.authority = parts.netloc.rsplit("@", 1)[-1]
-        self.path = parts.path.rstrip("/") + "/v1/chat/completions"
-        self.connect_timeout, self.timeout = connect_timeout, timeout
-        self._ssl: ssl.SSLContext | None = None
-        self.pool = SocketPool()
-
-    def ssl_context(self) -> ssl.SSLContext:
-        if self._ssl is None:
-            self._ssl = ssl.create_default_context()
-        return self._ssl
-
-
-class SocketPool:
-    """Idle engine connections of one client, newest first; a forked child starts empty (a
-    socket shared with the parent would mix two processes' answers)."""
-
-    def __init__(self, keep: int = 256) -> None:
-        self.keep = keep
-        self._idle: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-
-    def take(self) -> socket.socket | None:
-        """An idle connection still open (a readable idle socket is one the engine closed), or None."""
-        with self._lock:
-            if self._pid != os.getpid():
-                self._idle, self._pid = [], os.getpid()
-            while self._idle:
-                sock = self._idle.pop()
-                p = select.poll()
-                p.register(sock, select.POLLIN | select.POLLPRI)
-                if not p.poll(0):
-                    return sock
-                _close(sock)
-        return None
-
-    def give(self, sock: socket.socket) -> None:
-        with self._lock:
-            if self._pid == os.getpid() and len(self._idle) < self.keep:
-                self._idle.append(sock)
-                return
-        _close(sock)
-
-    def clear(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for sock in idle:
-            _close(sock)
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.close()
-    except OSError:
-        pass
-
-
-def _request_bytes(target: Target, body: dict, headers: dict | None, accept: str) -> bytes:
-    data = _dumps(body).encode("utf-8")
-    lines = [f"POST {target.path} HTTP/1.1", f"Host: {target.authority}", "Content-Type: application/json",
-             f"Accept: {accept}", "Accept-Encoding: identity", f"Content-Length: {len(data)}"]
-    for k, v in (headers or {}).items():
-        k, v = str(k), str(v)
-        if any(c in k + v for c in "\r\n\0") or not k or ":" in k:
-            raise ValueError(f"invalid header for the engine request: {k!r}")
-        lines.append(f"{k}: {v}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + data
-
-
-class _BodyReader:
-    """Undoes the body's framing in one pass per network read: ``feed(bytes)`` -> payload bytes.
-
-    mode: "chunked" | "length" | "close".  ``complete`` becomes True at the end of a chunked or
-    sized body; ``clean`` is False when bytes came after it (the connection is then not reused).
-    Malformed chunk framing sets ``broken`` (what was wrong); the payload before it is still
-    returned, and every later ``feed`` raises.
-
-    Raises (from ``feed``):
-        ValueError: the framing was found malformed in an earlier read.
-    """
-
-    def __init__(self, mode: str, length: int = 0) -> None:
-        self.mode, self.left = mode, length
-        self.complete = mode == "length" and length == 0
-        self.clean = True
-        self._raw = b""
-        self._state = "size"   # chunked: size | data | crlf | trailer
-        self.broken: str | None = None
-
-    def feed(self, data: bytes) -> bytes:
-        if self.broken is not None:
-            raise ValueError(self.broken)
-        if self.complete:
-            if data:
-                self.clean = False
-            return b""
-        if self.mode == "close":
-            return data
-        if self.mode == "length":
-            take = data[:self.left]
-            self.left -= len(take)
-            self.complete = self.left == 0
-            if len(data) > len(take):
-                self.clean = False
-            return take
-        out: list[bytes] = []
-        try:
-            self._chunked(self._raw + data if self._raw else data, out)
-        except ValueError as exc:
-            self.broken = str(exc)
-        return out[0] if len(out) == 1 else b"".join(out)
-
-    def _chunked(self, buf: bytes, out: list[bytes]) -> None:
-        i, n = 0, len(buf)
-        while i < n:
-            state = self._state
-            if state == "data":
-                take = min(self.left, n - i)
-                out.append(buf[i:i + take])
-                i += take
-                self.left -= take
-                if not self.left:
-                    self._state = "crlf"
-                continue
-            if state == "crlf":
-                if n - i < 2:
-                    break
-                if buf[i:i + 2] != b"\r\n":
-                    raise ValueError("chunk data not followed by CRLF")
-                i += 2
-                self._state = "size"
-                continue
-            j = buf.find(b"\r\n", i)
-            if j < 0:
-                if n - i > 4096:
-                    raise ValueError("chunk line too long")
-                break
-            line = buf[i:j]
-            i = j + 2
-            if state == "trailer":
-                if not line:
-                    self.complete = True
-                    if i < n:
-                        self.clean = False
-                    i = n
-                continue
-            size = line.split(b";", 1)[0].strip()
-            if not _HEX.fullmatch(size):
-                raise ValueError(f"bad chunk size line {line[:40]!r}")
-            self.left = int(size, 16)
-            self._state = "data" if self.left else "trailer"
-        self._raw = buf[i:]
 
 
 class ChatStream:
@@ -320,14 +94,15 @@ class ChatStream:
         self.status: int | None = None
         self.error: EngineCallError | None = None
         self._t = target
-        self._raw = _request_bytes(target, body, headers, self.ACCEPT)
+        self._raw = request_bytes(target.path, target.authority, body, headers, self.ACCEPT)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
-        self._poller: select.poll | None = None
+        self._poller = None       # readable_waiter(sock) once the request is sent
         self._reused = False
         self._phase = "send"      # send | head | body | done
         self._head = b""
-        self._body: _BodyReader | None = None
+        self._body: BodyReader | None = None
+        self._keep = False        # the connection may serve the next call after this answer
         self._sse = SSEDecoder()
         self._pending: list = []
         self._ended = False       # DONE, EOF or an error was handed out (or is pending)
@@ -339,14 +114,12 @@ class ChatStream:
     # --- connecting and the head ---------------------------------------------------------------
 
     def _open(self) -> None:
-        """A kept connection, else a new one (``socket.create_connection``: every address the
-        name resolves to, IPv4 or IPv6, within the connect timeout); then the request is sent."""
+        """A kept connection, else a new one (``Target.connect``); then the request is sent."""
         sock = self._t.pool.take()
         self._reused = sock is not None
         if sock is None:
             try:
-                sock = socket.create_connection((self._t.host, self._t.port), timeout=self._t.connect_timeout)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock = self._t.connect()
             except OSError as exc:  # refused, unresolvable, timed out
                 self._fail_head(EngineConnectionError(f"engine {self.base_url} is unreachable: {exc}"))
                 return
@@ -373,22 +146,17 @@ class ChatStream:
                 return self._retry()
             return self._fail_head(EngineConnectionError(f"connection to engine {self.base_url} failed: "
                                                          f"{type(exc).__name__}: {exc}"))
-        if _gevent_select():  # (a replaced connection's watcher was released by `_retry`)
-            self._poller = _HubWait(sock)
-        else:
-            self._poller = select.poll()
-            self._poller.register(sock, select.POLLIN | select.POLLPRI)
+        self._poller = readable_waiter(sock)  # (a replaced connection's watcher was released by `_retry`)
         self._phase = "head"
         self._last = time.monotonic()
 
     def _retry(self) -> None:
         """A reused connection the engine had closed: once more on a new one."""
-        self._drop_poller()
-        _close(self._sock)
+        release_waiter(self._poller)  # before its socket is closed, pooled or replaced
+        close_quietly(self._sock)
         self._sock, self._head = None, b""
         try:
-            sock = socket.create_connection((self._t.host, self._t.port), timeout=self._t.connect_timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = self._t.connect()
         except OSError as exc:
             return self._fail_head(EngineConnectionError(f"engine {self.base_url} is unreachable: {exc}"))
         self._sock, self._reused = sock, False
@@ -437,17 +205,18 @@ class ChatStream:
             self._head += data
             end = self._head.find(b"\r\n\r\n")
             if end < 0:
-                if len(self._head) > _MAX_HEAD:
+                if len(self._head) > MAX_HEAD:
                     self._fail_head(EngineConnectionError(f"engine {self.base_url} sent an oversized head"))
                     return True
                 continue
             head, rest = self._head[:end], self._head[end + 4:]
             self._head = b""
             try:
-                self._parse_head(head)
+                parsed = parse_head(head)
             except ValueError as exc:
                 self._fail_head(EngineConnectionError(f"engine {self.base_url} sent malformed HTTP: {exc}"))
                 return True
+            self.status, self._keep, self._body = parsed.status, parsed.keep, parsed.body
             if self.status >= 400:
                 self._read_refusal(rest)
                 return True
@@ -455,35 +224,6 @@ class ChatStream:
             if rest:
                 self._take(rest)
         return True
-
-    def _parse_head(self, head: bytes) -> None:
-        lines = head.decode("latin-1").split("\r\n")
-        proto, _, rest = lines[0].partition(" ")
-        code = rest[:3]
-        if not proto.startswith("HTTP/1.") or not code.isdigit():
-            raise ValueError(f"bad status line {lines[0][:60]!r}")
-        self.status = int(code)
-        fields: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep or not name or name != name.strip():
-                raise ValueError(f"bad header line {line[:60]!r}")
-            key = name.lower()
-            fields[key] = f"{fields[key]}, {value.strip()}" if key in fields else value.strip()
-        self._keep = proto == "HTTP/1.1" and "close" not in fields.get("connection", "").lower()
-        te = fields.get("transfer-encoding", "").lower()
-        if te:
-            if te.replace(" ", "").split(",")[-1] != "chunked":
-                raise ValueError(f"unsupported transfer-encoding {te!r}")
-            self._body = _BodyReader("chunked")
-        elif "content-length" in fields:
-            length = fields["content-length"]
-            if not length.isdigit():
-                raise ValueError(f"bad content-length {length!r}")
-            self._body = _BodyReader("length", int(length))
-        else:
-            self._body = _BodyReader("close")
-            self._keep = False
 
     def _read_refusal(self, rest: bytes) -> None:
         """Read a 4xx/5xx answer's body (bounded, within the read timeout) into ``error``."""
@@ -595,21 +335,15 @@ class ChatStream:
         self._phase = "done"
         self._release(reuse=False)
 
-    def _drop_poller(self) -> None:
-        """Release a gevent watcher before its socket is closed, pooled or replaced (a closed one
-        answers every later wait at once, as `select.poll` does for a closed socket)."""
-        if isinstance(self._poller, _HubWait):
-            self._poller.close()
-
     def _release(self, reuse: bool) -> None:
         with self._lock:
             sock, self._sock = self._sock, None
         if sock is not None:
-            self._drop_poller()
+            release_waiter(self._poller)  # before its socket is closed, pooled or replaced
             if reuse and not self._cancelled:
                 self._t.pool.give(sock)
             else:
-                _close(sock)
+                close_quietly(sock)
         self._finished.set()
 
     # --- the caller's side ---------------------------------------------------------------------
@@ -713,60 +447,3 @@ class ChatStream:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class ChatAnswer(ChatStream):
-    """A non-stream ``POST /v1/chat/completions`` on the streams' sockets and pool, read on the
-    caller's thread: ``result(idle, idle_s)`` -> the engine's JSON answer (or its text when it is
-    not JSON).  Measured against the scripted engine on one connection: 0.33-0.46 ms per call
-    here, against 0.78-1.0 ms through httpx (request building, h11 and the response model cost
-    more than the call itself).
-
-    The body is read whole (sized, chunked or up to the connection's close) and parsed once.
-    """
-
-    ACCEPT = "application/json"
-
-    def __init__(self, target: Target, body: dict, headers: dict | None) -> None:
-        self._parts: list[bytes] = []
-        super().__init__(target, body, headers)
-
-    def _payload(self, payload: bytes) -> None:
-        self._parts.append(payload)
-
-    def _last_items(self) -> list:
-        """The whole answer parsed (its text when it is not JSON), or an error when a sized or
-        chunked body ended before its end."""
-        if self._body.mode != "close" and not self._body.complete:
-            return [EngineConnectionError(f"engine {self.base_url} closed the connection before the whole answer")]
-        text = b"".join(self._parts).decode("utf-8", "replace")
-        try:
-            return [_loads(text)]
-        except ValueError:
-            return [text]
-
-    def result(self, idle: Callable[[], None] | None = None, idle_s: float = 0.25):
-        """The whole answer.  ``idle()``, when given, runs every ``idle_s`` seconds while the engine
-        is silent (before its head, and until the body is whole); what it raises propagates, and
-        the caller's ``close`` then shuts the connection, so the engine aborts the request.
-
-        Raises:
-            EngineHTTPError: the engine answered 4xx/5xx (its parsed body kept).
-            EngineConnectionError: unreachable, reset, silent past the read timeout, malformed
-                HTTP, or closed before the whole body.
-        """
-        slice_s = idle_s if idle is not None else None
-        while not self.wait(slice_s):
-            idle()
-        if self.error is not None:
-            raise self.error
-        while True:
-            items = self.poll(slice_s)
-            if items:
-                if isinstance(items[0], Exception):
-                    raise items[0]
-                return items[0]
-            if self._ended:
-                raise EngineConnectionError(f"engine {self.base_url} ended without an answer")
-            if idle is not None:
-                idle()

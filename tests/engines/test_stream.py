@@ -10,7 +10,7 @@ import time
 import pytest
 
 from app.engines.client import DONE, EOF, EngineClient, EngineConnectionError, EngineHTTPError
-from app.engines.stream import _BodyReader
+from app.engines.http1 import BodyReader
 
 
 def _chunked(payload: bytes, sizes: list[int]) -> bytes:
@@ -25,7 +25,7 @@ def test_chunked_body_is_undone_whatever_the_reads():
     payload = "data: {\"a\": \"héllo\"}\n\n".encode() * 5
     wire = _chunked(payload, [7, 1, 40, len(payload) - 48])
     for step in (1, 2, 3, 5, 64, len(wire)):
-        r = _BodyReader("chunked")
+        r = BodyReader("chunked")
         got = b"".join(r.feed(wire[i:i + step]) for i in range(0, len(wire), step))
         assert got == payload and r.complete and r.clean, step
 
@@ -34,14 +34,14 @@ def test_chunked_body_is_undone_whatever_the_reads():
 def test_malformed_chunk_framing_is_an_error_after_the_good_payload(wire):
     """What came before the bad framing in the same read is still handed over (an engine's first
     chunk carries the prompt ids); the reader is broken from then on."""
-    r = _BodyReader("chunked")
+    r = BodyReader("chunked")
     assert r.feed(b"3\r\nabc\r\n" + wire).startswith(b"abc") and r.broken
     with pytest.raises(ValueError):
         r.feed(b"1\r\nx\r\n")
 
 
 def test_sized_body_and_bytes_after_the_end():
-    r = _BodyReader("length", 5)
+    r = BodyReader("length", 5)
     assert r.feed(b"hel") == b"hel" and not r.complete
     assert r.feed(b"loEXTRA") == b"lo" and r.complete and not r.clean
 
@@ -260,23 +260,23 @@ def test_a_host_name_is_resolved_and_each_of_its_addresses_tried():
                                   'NaN', '{"a":1}{"b":2}', '"\\ud800"', '1e999', '-Infinity',
                                   '{"id": 18446744073709551615, "x": 0.1234567890123456789012}'])
 def test_chunk_json_is_read_as_json_loads_reads_it(text):
-    from app.engines.stream import _loads
+    from app.engines.stream import loads_json
     try:
         want = json.loads(text)
     except ValueError as exc:
         with pytest.raises(ValueError) as got:
-            _loads(text)
+            loads_json(text)
         assert type(got.value) is type(exc)
         return
-    got = _loads(text)
+    got = loads_json(text)
     assert got == want or (got != got and want != want)
     assert repr(got) == repr(want)  # the same types too (an integer stays an integer)
 
 
 def test_chunk_json_integers_beyond_64_bits_become_the_nearest_float():
-    """orjson's one difference from json.loads (documented on `_loads`)."""
-    from app.engines.stream import _loads
-    got = _loads('[18446744073709551616, -9223372036854775809, 18446744073709551615]')
+    """orjson's one difference from json.loads (documented on `loads_json`)."""
+    from app.engines.stream import loads_json
+    got = loads_json('[18446744073709551616, -9223372036854775809, 18446744073709551615]')
     assert got == [float(2**64), float(-2**63 - 1), 2**64 - 1] and isinstance(got[2], int)
 
 

@@ -1,6 +1,6 @@
 """The stream reader in a gevent gateway worker (gevent is the gateway's default worker class):
 `tests/engines/test_stream.py` run again in a process whose `select`, sockets and threads gevent has
-monkey-patched, so every wait goes through `app.engines.stream._HubWait` and `close` from another
+monkey-patched, so every wait goes through `app.engines.socket_wait.HubWait` and `close` from another
 greenlet must wake a waiting `poll`.  `test_poll_zero_looks_without_waiting` is left out there: its
 loop of non-blocking looks never yields to the greenlet serving it, so under gevent that server
 never sends (no gateway code loops on `poll(0)`)."""
@@ -16,8 +16,8 @@ from gevent import monkey
 monkey.patch_all()
 import sys
 import pytest
-from app.engines.stream import _gevent_select
-assert _gevent_select(), "select is not gevent's: the waits would not take the gevent path"
+from app.engines.socket_wait import gevent_select
+assert gevent_select(), "select is not gevent's: the waits would not take the gevent path"
 sys.exit(pytest.main(["tests/engines/test_stream.py", "-q", "-n", "0", "-p", "no:cacheprovider",
                       "-k", "not test_poll_zero_looks_without_waiting"]))
 """

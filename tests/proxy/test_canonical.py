@@ -114,7 +114,7 @@ def test_gateway_imports_no_ml_stack():
     import subprocess
     import sys
     code = ("import sys; from app.proxy import create_gateway_app; create_gateway_app(); "
-            "light = ('app.engines', 'app.engines.client', 'app.engines.errors', 'app.engines.transport', 'app.engines.stream', 'app.engines.transform', 'app.engines.sse', 'app.engines.disconnect', 'app.engines.lora_format'); "
+            "light = ('app.engines', 'app.engines.client', 'app.engines.errors', 'app.engines.transport', 'app.engines.stream', 'app.engines.answer', 'app.engines.connections', 'app.engines.http1', 'app.engines.socket_wait', 'app.engines.transform', 'app.engines.sse', 'app.engines.disconnect', 'app.engines.lora_format'); "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'app')"
             " and m.startswith(('torch', 'transformers', 'app.training', 'app.engines')) and m not in light];"
             " print(bad)")
