@@ -25,6 +25,8 @@ default or failing later.
 
 `python -m app.config` prints every setting as `NAME=value`;
 `python -m app.config redis_url` prints one value (shell scripts use it).
+
+Kept whole: one job, the settings class, whose length is its one table of every variable.
 """
 from __future__ import annotations
 
