@@ -4,6 +4,8 @@ pydantic does the validation; `RunConfig.model_validate(body)` raises
 `pydantic.ValidationError` whose entries name the offending field, which the API
 turns into a 400.  Unknown top-level fields are rejected (a typo such as
 `group_sise` must not silently fall back to a default).
+
+Kept whole: one job, the declared schema of a run's body; its length is the fields' descriptions.
 """
 from __future__ import annotations
 
