@@ -31,7 +31,7 @@ from app.db import session_scope  # noqa: E402
 from app.engines.modeling import load_model  # noqa: E402
 from app.runconfig import RunConfig  # noqa: E402
 from app.tables import Completion, Episode, Run  # noqa: E402
-from app.training.teacher import score_with_model, teacher_spec  # noqa: E402
+from app.training.teacher_scorers import score_with_model, teacher_spec  # noqa: E402
 
 
 def main() -> int:

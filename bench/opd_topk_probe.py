@@ -41,7 +41,7 @@ from app.engines.modeling import load_model  # noqa: E402
 from app.runconfig import RunConfig  # noqa: E402
 from app.tables import Completion, Episode, Run  # noqa: E402
 from app.training import policy  # noqa: E402
-from app.training.teacher import teacher_spec  # noqa: E402
+from app.training.teacher_scorers import teacher_spec  # noqa: E402
 
 
 def first_prompts(run_id: int, count: int) -> tuple[str, list[list[int]]]:

@@ -1,4 +1,4 @@
-"""Distillation teacher scoring throughput: prefill tokens/s of `app.training.teacher.score_with_model`.
+"""Distillation teacher scoring throughput: prefill tokens/s of `app.training.teacher_scorers.score_with_model`.
 
 Usage::
 
@@ -60,7 +60,7 @@ def pipeline(model, device, chains: int, tokens: int, arrival_s: float, vocab: i
     import queue
     import threading
 
-    from app.training.teacher import score_with_model
+    from app.training.teacher_scorers import score_with_model
 
     rng = random.Random(1)
     mask = [0] * (tokens // 2) + [1] * (tokens - tokens // 2)
@@ -110,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    from app.training.teacher import score_with_model
+    from app.training.teacher_scorers import score_with_model
 
     if args.model:
         from app.engines.modeling import load_model

@@ -14,7 +14,7 @@ from app.runconfig import TrainingConfig
 from app.training.batching import make_micro_batches
 from app.training.grpo import policy_loss
 from app.training.opd import OPDSequence, apply_token_advantages, token_advantages
-from app.training.teacher import score_with_model
+from app.training.teacher_scorers import score_with_model
 from app.training.trainer import Trainer
 
 PROMPT = [1, 100, 200, 2, 1]

@@ -20,7 +20,7 @@ from app.engines.modeling import build_tiny_model, load_tokenizer, save_weights
 from app.paths import RunPaths
 from app.runconfig import RunConfig, TeacherChoice
 from app.tables import Completion, Episode, Group, Run, TaskInstance, TeacherScore, TrainingStep
-from app.training import steps, teacher
+from app.training import steps, teacher, teacher_scorers
 from app.training.opd import OPDSequence, TeacherScoresMissing
 from app.training.teacher_check import check_teacher
 from support import reply_json, served_embedded_engine
@@ -70,7 +70,7 @@ def test_scores_are_stored_cached_and_rescoring_an_old_episode_is_bit_exact(var_
         checks = teacher.rescore_episode(episode_id)
         assert checks and all(c["stored"] and c["bit_exact"] and c["max_abs_diff"] == 0.0 for c in checks)
         # Another teacher's scores are not the stored ones (the comparison can fail).
-        other = teacher.rescore_episode(episode_id, scorer=teacher.LocalScorer("tiny"))
+        other = teacher.rescore_episode(episode_id, scorer=teacher_scorers.LocalScorer("tiny"))
         assert not any(c["bit_exact"] for c in other)
 
 
@@ -220,8 +220,8 @@ def test_the_embedded_engine_serves_prompt_logprobs_equal_to_the_local_scorer(va
         assert check_teacher(opd_config(choice.model_dump())) is None
         ids = [1, 100, 200, 2, 1, 300, 301, 302, 2, 1, 400, 2, 303, 304]
         mask = [0] * 5 + [1] * 4 + [0] * 3 + [1] * 2
-        remote = teacher.RemoteScorer(choice).score(ids, mask)
-        local = teacher.LocalScorer("tiny").score(ids, mask)
+        remote = teacher_scorers.RemoteScorer(choice).score(ids, mask)
+        local = teacher_scorers.LocalScorer("tiny").score(ids, mask)
         assert [v == 0.0 for v in remote] == [m == 0 for m in mask]
         assert remote == pytest.approx(local, abs=1e-4)
 

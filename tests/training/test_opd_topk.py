@@ -18,12 +18,12 @@ from app.engines.modeling import build_tiny_model
 from app.runconfig import RunConfig, TeacherChoice, TrainingConfig
 from app.api.dashboard.charts import step_charts
 from app.tables import Run, TeacherScore, TrainingStep
-from app.training import steps, teacher
+from app.training import steps, teacher, teacher_scorers
 from app.training.batching import make_micro_batches
 from app.training.head import fused_token_logprobs
 from app.training.opd import OPDSequence, apply_token_advantages, topk_forward_kl
 from app.training.policy import token_logprobs
-from app.training.teacher import score_with_model, top_with_model
+from app.training.teacher_scorers import score_with_model, top_with_model
 from app.training.teacher_check import TeacherError, check_teacher, parse_prompt_top
 from app.training.trainer import Trainer
 from support import reply_json, served_embedded_engine
@@ -250,7 +250,7 @@ def test_top_k_scores_are_stored_apart_from_sampled_scores_and_rescore_bit_exact
     for episode_id in episodes:
         checks = teacher.rescore_episode(episode_id)
         assert checks and all(c["stored"] and c["bit_exact"] and c["top_ids_equal"] for c in checks)
-        other = teacher.rescore_episode(episode_id, scorer=teacher.LocalScorer("tiny"))
+        other = teacher.rescore_episode(episode_id, scorer=teacher_scorers.LocalScorer("tiny"))
         assert not any(c["bit_exact"] for c in other)  # the comparison can fail
     sequences, metrics = steps.step_sequences(run_id, episodes, config, 49152)
     assert len(sequences) == 2 and metrics["opd"]["chains_unscored_fraction"] == 0.0
@@ -279,8 +279,8 @@ def test_the_embedded_engine_serves_the_same_top_k_as_the_local_scorer(var_dir):
     with served_embedded_engine("tiny") as url:
         ids = [1, 100, 200, 2, 1, 300, 301, 302, 2, 1, 400, 2, 303, 304]
         mask = [0] * 5 + [1] * 4 + [0] * 3 + [1] * 2
-        remote = teacher.RemoteScorer(TeacherChoice(name="tiny", engine_urls=[url])).score_top(ids, mask, 5)
-        local = teacher.LocalScorer("tiny").score_top(ids, mask, 5)
+        remote = teacher_scorers.RemoteScorer(TeacherChoice(name="tiny", engine_urls=[url])).score_top(ids, mask, 5)
+        local = teacher_scorers.LocalScorer("tiny").score_top(ids, mask, 5)
         assert remote.top_ids == local.top_ids and remote.top == 5
         assert [v for row in remote.top_logprobs for v in row] == pytest.approx(
             [v for row in local.top_logprobs for v in row], abs=1e-4)

@@ -8,7 +8,7 @@ import torch
 
 from app.config import Settings
 from app.training import threads
-from app.training.teacher import LocalScorer
+from app.training.teacher_scorers import LocalScorer
 
 
 @pytest.mark.parametrize("cores, engine, want", [(2, 1, 1), (1, 1, 1), (16, 1, 14), (16, 4, 11), (3, 1, 1)])

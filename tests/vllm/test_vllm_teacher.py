@@ -14,7 +14,7 @@ import pytest
 
 from app.engines.modeling import load_tokenizer
 from app.runconfig import RunConfig, TeacherChoice
-from app.training import teacher
+from app.training import teacher_scorers
 from app.training.teacher_check import check_teacher
 
 pytestmark = pytest.mark.slow
@@ -40,8 +40,8 @@ def test_a_vllm_teacher_is_accepted_and_scores_as_the_local_teacher(vllm_server,
     assert check_teacher(config) is None
 
     ids, mask = chain(load_tokenizer())
-    remote = teacher.RemoteScorer(choice).score(ids, mask)
-    local = teacher.LocalScorer("smollm2").score(ids, mask)
+    remote = teacher_scorers.RemoteScorer(choice).score(ids, mask)
+    local = teacher_scorers.LocalScorer("smollm2").score(ids, mask)
     assert len(remote) == len(ids) and sum(mask) > 20
     assert [v == 0.0 for v in remote] == [m == 0 for m in mask]  # only sampled tokens are scored
     gaps = [abs(a - b) for a, b, m in zip(remote, local, mask) if m]

@@ -4,7 +4,7 @@ vLLM's sampling parameter `prompt_logprobs` (https://docs.vllm.ai/en/latest/api/
 returns, per prompt token, the logprob of that token and of the `prompt_logprobs` most likely
 ones given the tokens before it: `choices[0].prompt_logprobs` is a list of T entries, None for
 the first token, else `{str(id): {"logprob", "rank", "decoded_token"}}`.  A distillation teacher
-served by this engine scores a student's chain this way (`app.training.teacher.RemoteScorer`).
+served by this engine scores a student's chain this way (`app.training.teacher_scorers.RemoteScorer`).
 
 Here the request is answered by one prefill pass over the prompt outside the batch loop (no
 KV cache kept, no token generated: `max_tokens` is not used and `text` is empty); the LM head
