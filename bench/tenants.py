@@ -85,7 +85,8 @@ def trainer_swaps(args) -> tuple[dict, list]:
 def engine_throughput(args, adapters: list) -> dict:
     from app.engines.embedded.adapters import save_adapter
     from app.engines.lora_format import adapter_name
-    from app.engines.embedded.batching import BatchScheduler, GenerationRequest, TokenEvent
+    from app.engines.embedded.batching import BatchScheduler
+    from app.engines.embedded.events import GenerationRequest, TokenEvent
     from app.engines.embedded.sampling import SamplingParams
     from app.engines.modeling import load_model
 

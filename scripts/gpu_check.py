@@ -31,7 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.engines.embedded.batching import BatchScheduler, GenerationRequest, TokenEvent  # noqa: E402
+from app.engines.embedded.batching import BatchScheduler  # noqa: E402
+from app.engines.embedded.events import GenerationRequest, TokenEvent  # noqa: E402
 from app.engines.modeling import build_tiny_model, load_tokenizer, save_weights  # noqa: E402
 from app.engines.embedded.sampling import SamplingParams  # noqa: E402
 

@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from app.engines.embedded.batching import BatchScheduler, GenerationRequest, TokenEvent
+from app.engines.embedded.batching import BatchScheduler
+from app.engines.embedded.events import GenerationRequest, TokenEvent
 from app.engines.modeling import (
     SMOLLM2_NAME,
     build_tiny_model,

@@ -31,15 +31,12 @@ Weight reload (``reload``), in one of three weight update modes:
 Every ``TokenEvent`` carries the policy version of the weights that sampled it, so a completion
 that spans an update is stamped per token, never from timestamps.
 
-Events put on ``GenerationRequest.events`` (a ``queue.Queue``), in order:
-``Started(policy_version)``, then one ``TokenEvent`` per generated token (the last one has
-``finish_reason`` set), ``Aborted`` after a reload in mode ``abort``, or ``Failed(message)`` at
-any point after an internal error.
+What a caller submits (``GenerationRequest``) and the events it gets back are
+``app.engines.embedded.events``.
 """
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -49,63 +46,14 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from app.engines.modeling import load_state_into
 from app.engines.embedded import adapters
+from app.engines.modeling import load_state_into
+from app.engines.embedded.events import Aborted, Failed, GenerationRequest, Started, TokenEvent
 from app.engines.embedded.prefix_cache import PrefixCache
-from app.engines.embedded.sampling import SamplingParams, TokenSample, sample_batch
+from app.engines.embedded.sampling import TokenSample, sample_batch
 from app.runconfig import WEIGHT_UPDATE_MODES
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Started:
-    policy_version: int
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    sample: TokenSample
-    finish_reason: str | None = None   # "stop" | "length" | None while running
-    stop_token_id: int | None = None   # the stop token that ended generation (vLLM's stop_reason)
-    policy_version: int | None = None  # version of the weights that sampled this token
-    kv_version: int | None = None      # oldest version of the KV this token attended to (< policy_version
-                                       # only after a `keep` update without recompute_kv)
-
-
-@dataclass(frozen=True)
-class Aborted:
-    """The request was ended by a weight update in mode ``abort``; its sampled tokens stand."""
-
-    policy_version: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-
-
-@dataclass(eq=False)
-class GenerationRequest:
-    """Token-level work item.  ``max_tokens`` ≥ 1; ``stop_token_ids`` end generation when sampled."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    params: SamplingParams
-    stop_token_ids: frozenset[int] = frozenset()
-    events: queue.Queue = field(default_factory=queue.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    policy_version: int | None = None
-    adapter: adapters.Adapter | None = None  # a LoRA adapter on the base model (None: the base model)
-
-    @property
-    def cache_key(self) -> tuple[str, int] | None:
-        """The prefix-cache namespace of this request's KV: its adapter's (name, version), or None."""
-        return self.adapter.cache_key if self.adapter is not None else None
-
-    def cancel(self) -> None:
-        """Ask the scheduler to drop this request at the next step (client gone, stop string hit)."""
-        self.cancelled.set()
 
 
 def check_update_mode(mode: str) -> str:

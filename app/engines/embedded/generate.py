@@ -19,7 +19,7 @@ from flask import Response, jsonify, request
 
 from app.engines.disconnect import client_gone_probe
 from app.engines.embedded import adapters
-from app.engines.embedded.batching import Aborted, Failed, GenerationRequest, Started, TokenEvent
+from app.engines.embedded.events import Aborted, Failed, GenerationRequest, Started, TokenEvent
 from app.engines.embedded.engine import Engine
 from app.engines.embedded.outputs import (
     ChatOptions,

@@ -24,7 +24,7 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
-from app.engines.embedded.batching import TokenEvent
+from app.engines.embedded.events import TokenEvent
 from app.engines.embedded.toolparse import ContentEvent, ToolCallEvent, ToolCallParser
 
 

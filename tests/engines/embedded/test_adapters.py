@@ -11,7 +11,8 @@ import torch
 from app.auth import auth_header
 from app.engines.embedded.adapters import AdapterError, AdapterSet, peft_weights, rows, save_adapter
 from app.engines.lora_format import adapter_name
-from app.engines.embedded.batching import BatchScheduler, GenerationRequest, Started, TokenEvent
+from app.engines.embedded.batching import BatchScheduler
+from app.engines.embedded.events import GenerationRequest, Started, TokenEvent
 from app.engines.embedded.sampling import SamplingParams
 from app.engines.modeling import build_tiny_model
 from app.training import policy

@@ -13,7 +13,8 @@ import threading
 import pytest
 import torch
 
-from app.engines.embedded.batching import Aborted, BatchScheduler, GenerationRequest, Started, TokenEvent
+from app.engines.embedded.batching import BatchScheduler
+from app.engines.embedded.events import Aborted, GenerationRequest, Started, TokenEvent
 from app.engines.embedded.sampling import SamplingParams
 from app.engines.modeling import build_tiny_model
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.engines.embedded.batching import TokenEvent
+from app.engines.embedded.events import TokenEvent
 from app.engines.modeling import load_tokenizer
 from app.engines.embedded.outputs import ChatOptions, ChoiceAssembler, ChunkBuilder, TokenTexts, build_response
 from app.engines.embedded.sampling import TokenSample
