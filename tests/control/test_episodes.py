@@ -6,7 +6,6 @@ PostgreSQL only: SQLite has no connection to drop, and its file lock is waited f
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 from sqlalchemy import select
@@ -46,10 +45,13 @@ def test_a_database_outage_at_a_rollouts_closing_write_keeps_the_rollout(postgre
                                                      Episode.attempts == 1))
 
     episode_id = wait_for(rolling_out, 60, what=f"the rollout to start\n{worker.output()[-3000:]}")
-    time.sleep(1.0)
     db.dispose_engine()
     cut_database(postgres["DATABASE_URL"])
-    time.sleep(6.0)  # the rollout ends ~3 s into the outage and meets it at its closing write
+    # The outage lasts until the rollout's closing writes have met it (the worker logs the retry),
+    # however long a loaded box takes to get there; the wait only bounds a hang.
+    met = f"event=retry what=episode {episode_id} "
+    wait_for(lambda: met in worker.output(), 60, interval=0.2,
+             what=lambda: f"the rollout's closing write to meet the outage\n{worker.output()[-3000:]}")
     restore_database(postgres["DATABASE_URL"])
 
     def finished():

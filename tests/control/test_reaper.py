@@ -4,7 +4,6 @@ worker's episode is re-dispatched by the watchdog and finishes."""
 from __future__ import annotations
 
 import datetime as dt
-import time
 
 import pytest
 from sqlalchemy import select
@@ -193,7 +192,6 @@ def test_a_sigkilled_rollout_worker_is_reaped_and_the_run_finishes(database, red
 
     episode_id = wait_for(running, 30, what=f"the rollout to start\n{rollout.output()[-2000:]}")
     rollout.kill()  # SIGKILL to the worker's process group
-    t_kill = time.monotonic()
     second = spawn(celery_worker_args("rollout", concurrency=1, name="rollout2"), env, "rollout2")
     passes = []
 
@@ -212,8 +210,8 @@ def test_a_sigkilled_rollout_worker_is_reaped_and_the_run_finishes(database, red
     with session_scope() as s:
         assert s.get(Run, run_id).status == "completed"
         assert len(s.scalars(select(Episode.id).where(Episode.run_id == run_id)).all()) == 1  # none duplicated
+    # redelivered by the watchdog's pass above (Celery's own redelivery would come hours later)
     assert (ep.status, ep.attempts, ep.redeliveries) == ("completed", 2, 1)
-    assert time.monotonic() - t_kill < 30
     for proc in (cpu, second):
         proc.kill()  # SIGKILL: no warm shutdown to wait for
 

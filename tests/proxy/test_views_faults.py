@@ -129,30 +129,29 @@ def _assert_error_shape(api: str, body: dict) -> None:
 
 def _engine_aborted(gw, ep: int) -> list[dict]:
     """The scripted engine's aborted requests of episode `ep` (each with its time, `at`), once
-    there is one; AssertionError after 6 s."""
+    there is one.  The engine lists a request only when its client closed the connection before
+    the answer was sent whole, so one listed is an engine request cut short; the 60 s wait only
+    bounds a hang (the tests' answers take longer than that)."""
     def aborted():
         return [x for x in httpx.get(gw.engine_url + "/_scripted/aborted").json()["aborted"]
                 if x["episode"] == str(ep)]
-    return wait_for(aborted, 6, interval=0.02, what="the engine request to be closed")
+    return wait_for(aborted, 60, interval=0.02, what="the engine request to be closed")
 
 
 @pytest.mark.parametrize("api", APIS)
 def test_non_stream_client_disconnect_cancels_the_engine_request(gw, episode, api):
-    """The engine would take 8 s (40 tokens, 0.2 s each); the client gives up after 1.5 s: the
-    engine request is closed within about a second.  The engine was asked for a non-stream
+    """The engine would take 80 s (40 tokens, 2 s each); the client gives up after 1.5 s: the
+    gateway closes the engine request before the answer is done (the engine lists it as
+    aborted), however slowly a loaded box notices.  The engine was asked for a non-stream
     answer, so no sampled token reached the gateway: nothing is recorded."""
     ep, token = episode
     gw.reset_engine()
     full = "abcdefghij" * 4
-    path, body = request_for(api, False, "x " + directive({"text": full, "token_delay": 0.2}))
+    path, body = request_for(api, False, "x " + directive({"text": full, "token_delay": 2.0}))
     headers = {**auth_headers(api, token), "content-type": "application/json"}
-    t0 = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(gw.gateway_url + path, content=json.dumps(body), headers=headers, timeout=1.5)
-    left_at = time.time()
-    assert time.monotonic() - t0 < 3
-    aborted = _engine_aborted(gw, ep)
-    assert aborted[0]["at"] - left_at < 1.2
+    assert _engine_aborted(gw, ep)
     sent = [r for r in httpx.get(gw.engine_url + "/_scripted/requests").json()["requests"]
             if r["headers"].get("X-Turnstile-Episode") == str(ep)]
     assert sent and sent[-1]["body"]["stream"] is False
@@ -162,13 +161,14 @@ def test_non_stream_client_disconnect_cancels_the_engine_request(gw, episode, ap
 
 @pytest.mark.parametrize("api", APIS)
 def test_stream_client_disconnect_closes_the_engine_request_at_once(gw, episode, api):
-    """A streamed answer (a token every 20 ms): the client leaves after a few events, and the
-    gateway's next write fails, so it closes the engine request within 0.25 s of the client
-    leaving; what was sampled is recorded as partial."""
+    """A streamed answer (a token every 50 ms, 400 of them): the client leaves after a few
+    events, and the gateway's next write fails, so it closes the engine request (the engine
+    lists it as aborted) with most of the answer unsampled; what was sampled is recorded as
+    partial.  Counted in tokens, not seconds."""
     ep, token = episode
     gw.reset_engine()
-    full = "abcdefghij" * 20
-    path, body = request_for(api, True, "x " + directive({"text": full, "token_delay": 0.02}))
+    full = "abcdefghij" * 40
+    path, body = request_for(api, True, "x " + directive({"text": full, "token_delay": 0.05}))
     headers = {**auth_headers(api, token), "content-type": "application/json"}
     with httpx.Client(timeout=10) as client:
         with client.stream("POST", gw.gateway_url + path, content=json.dumps(body), headers=headers) as resp:
@@ -177,14 +177,10 @@ def test_stream_client_disconnect_closes_the_engine_request_at_once(gw, episode,
                 got += chunk
                 if got.count(b"\n\n") >= 6:
                     break
-        left_at = time.time()
-    aborted = _engine_aborted(gw, ep)
-    assert aborted[0]["at"] - left_at < 0.25, f"closed {aborted[0]['at'] - left_at:.3f} s after the client left"
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not completions(ep):
-        time.sleep(0.05)
-    [rec] = completions(ep)
-    assert rec.partial and 0 < len(rec.sampled_ids) < len(full)
+    assert _engine_aborted(gw, ep)
+    [rec] = wait_for(lambda: completions(ep), 60, interval=0.05, what="the partial record")
+    # the client read 6 events; the gateway stopped within the first half of the answer
+    assert rec.partial and 0 < len(rec.sampled_ids) < len(full) // 2, len(rec.sampled_ids)
 
 
 # --- bad unicode, and failures while a stream is produced ----------------------------------

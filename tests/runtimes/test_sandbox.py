@@ -12,7 +12,6 @@ import http.server
 import os
 import socketserver
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from app import config
 from app.config import ROOT, get_settings
 from app.runtimes import LocalRuntime, RuntimePaths, bwrap_available
 from app.tasksets import load_task_set
+from support import wait_for
 
 pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap (Debian package `bubblewrap`) is not installed/usable here")
 
@@ -165,19 +165,11 @@ def test_own_pid_namespace_and_timeout_kills_everything(two_runtimes):
     res = a.run(f"kill -0 {os.getpid()} 2>/dev/null && echo visible || echo hidden; ps -e --no-headers | wc -l")
     word, count = res.stdout.split()
     assert word == "hidden" and int(count) < 10
-    t0 = time.monotonic()
+    # The command sleeps for an hour: its run returning at all, as timed out, is the timeout's kill.
     res = a.run("(setsid sleep 4242.5 &); sleep 4242.5", timeout_s=1.5)
-    assert res.timed_out and res.exit_code == 124 and time.monotonic() - t0 < 15
-    time.sleep(0.5)
-    leftovers = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if b"4242.5" in open(f"/proc/{pid}/cmdline", "rb").read():
-                    leftovers.append(pid)
-            except OSError:
-                pass
-    assert leftovers == []
+    assert res.timed_out and res.exit_code == 124
+    # A killed process leaves /proc once reaped; the wait only bounds a hang, none may stay.
+    wait_for(lambda: not _alive(b"4242.5"), 30, interval=0.1, what=lambda: f"no sleep left: {_alive(b'4242.5')}")
 
 
 def test_no_process_in_the_sandbox_shows_the_workers_environment(two_runtimes, monkeypatch):
@@ -212,15 +204,22 @@ def test_a_symlinked_tools_folder_works_by_both_paths(settings, tmp_path):
 def test_should_stop_kills_the_command_at_once(two_runtimes):
     """A cancelled episode's harness is killed within a poll, not at the end of its budget."""
     _, a, _ = two_runtimes
-    asked_at = time.monotonic() + 1.0
-    t0 = time.monotonic()
-    res = a.run("(setsid sleep 4343.5 &); sleep 4343.5", timeout_s=120,
-                should_stop=lambda: time.monotonic() >= asked_at)
+    asks = []
+
+    def should_stop() -> bool:  # says stop at its third poll: the command ran, then is cancelled
+        asks.append(1)
+        return len(asks) >= 3
+
+    res = a.run("(setsid sleep 4343.5 &); sleep 4343.5", timeout_s=120, should_stop=should_stop)
+    # Stopped (130), not at the budget (timed out): killed at the poll that asked, none later.
     assert res.stopped and not res.timed_out and res.exit_code == 130 and not res.ok
-    assert time.monotonic() - t0 < 10
-    time.sleep(0.5)
-    alive = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, b"4343.5")]
-    assert alive == []
+    assert len(asks) == 3
+    wait_for(lambda: not _alive(b"4343.5"), 30, interval=0.1, what=lambda: f"no sleep left: {_alive(b'4343.5')}")
+
+
+def _alive(needle: bytes) -> list[str]:
+    """Pids of this host whose command line holds `needle`."""
+    return [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, needle)]
 
 
 def _cmdline_has(pid: str, needle: bytes) -> bool:
@@ -251,7 +250,7 @@ def test_memory_and_cpu_limits(settings):
         assert res.exit_code != 0 and "MemoryError" in res.stderr
         res = rt.run("python -c 'while True: pass'", timeout_s=60)
         # RLIMIT_CPU: SIGXCPU (24) at the soft limit, well before the wall-clock timeout.
-        assert not res.timed_out and res.exit_code == 128 + 24 and res.duration_s < 30
+        assert not res.timed_out and res.exit_code == 128 + 24
 
 
 def test_stale_runtimes_are_swept_but_kept_ones_stay(settings):

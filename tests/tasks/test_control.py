@@ -43,10 +43,14 @@ def test_a_database_outage_at_a_steps_closing_write_resends_the_step(postgres, r
                                                           TrainingStep.status == "training"))
 
     wait_for(training, 60, what=f"the step to start training\n{worker.output()[-3000:]}")
-    time.sleep(1.0)
     db.dispose_engine()
     cut_database(postgres["DATABASE_URL"])
-    time.sleep(5.0)  # the step's sleep ends ~2 s into the outage: its closing write fails
+    # The outage lasts until the step's closing write has failed on it and the errback is retrying
+    # its count of the transient failure (logged), however long a loaded box takes; the wait only
+    # bounds a hang.
+    met = f"event=retry what=run {run_id} step 0 retry"
+    wait_for(lambda: met in worker.output(), 60, interval=0.2,
+             what=lambda: f"the step's closing write to meet the outage\n{worker.output()[-3000:]}")
     restore_database(postgres["DATABASE_URL"])
 
     def finished():
@@ -117,5 +121,9 @@ def test_beat_runs_the_watchdog_pass_with_no_worker_free(database, redis_db, spa
     from app.tasks.control import _gpu_queue_depth
 
     wait_for(lambda: _gpu_queue_depth() >= 1, 30, what=f"the lost step to be re-sent\n{beat.output()[-3000:]}")
-    time.sleep(5)  # more passes: the step's message waits on the gpu queue, so it is not sent again
+    # Two more of beat's passes (counted in its log): the step's message waits on the gpu queue, so
+    # it is not sent again.
+    passes = beat.output().count("event=watchdog_pass in=beat")
+    wait_for(lambda: beat.output().count("event=watchdog_pass in=beat") >= passes + 2, 60,
+             what=lambda: f"two more watchdog passes\n{beat.output()[-3000:]}")
     assert _gpu_queue_depth() == 1, beat.output()[-3000:]
