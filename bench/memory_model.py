@@ -54,7 +54,7 @@ def measure(tokens: int, scheme: str, trainable: int, device: torch.device) -> d
     policy.set_checkpointed_layers(trainer.model, layers)
     (mb,) = make_micro_batches([seq], tokens, "token")
     mb = mb.to(device)
-    trainer._logprobs(mb, grad=True).sum().backward()  # gradient buffers exist from here on
+    trainer.forward_logprobs(mb, grad=True).sum().backward()  # gradient buffers exist from here on
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -64,7 +64,7 @@ def measure(tokens: int, scheme: str, trainable: int, device: torch.device) -> d
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")
         before = _status("VmRSS")
-    trainer._logprobs(mb, grad=True).sum().backward()
+    trainer.forward_logprobs(mb, grad=True).sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before

@@ -129,14 +129,14 @@ def activation_probe(tokens: int, checkpointing: bool, device: torch.device) -> 
                       build_tiny_model(0).to(device))
     (mb,) = make_micro_batches([seq], tokens, "token", packing=True)
     mb = mb.to(device)
-    trainer._logprobs(mb, grad=True).sum().backward()  # warm: gradient buffers exist from here on
+    trainer.forward_logprobs(mb, grad=True).sum().backward()  # warm: gradient buffers exist from here on
     trainer.model.zero_grad(set_to_none=False)
     gc.collect()
     held = lambda: torch.cuda.memory_allocated() if device.type == "cuda" else _rss_bytes()  # noqa: E731
     if device.type == "cuda":
         torch.cuda.synchronize()
     before = held()
-    loss = trainer._logprobs(mb, grad=True).sum()
+    loss = trainer.forward_logprobs(mb, grad=True).sum()
     if device.type == "cuda":
         torch.cuda.synchronize()
     graph = held() - before
