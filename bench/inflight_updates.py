@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from app.engines.embedded.batching import Aborted, BatchScheduler, GenerationRequest, TokenEvent
+from app.engines.embedded.batching import BatchScheduler
+from app.engines.embedded.events import Aborted, GenerationRequest, TokenEvent
 from app.engines.embedded.sampling import SamplingParams
 from app.engines.modeling import load_model
 
