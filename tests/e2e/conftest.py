@@ -48,7 +48,8 @@ def stack(tmp_path, monkeypatch, spawn):
         "DATABASE_URL": f"sqlite:///{tmp_path / 'turnstile.db'}",
         "REDIS_URL": f"{REDIS_BASE}/{E2E_REDIS_DB}",
         "TURNSTILE_VAR_DIR": str(var),
-        "TURNSTILE_CACHE_DIR": str(project_var / "cache"),
+        # the process's shared cache (tests/worker_isolation.py: the checkout's var/cache unless set)
+        "TURNSTILE_CACHE_DIR": os.environ.get("TURNSTILE_CACHE_DIR") or str(project_var / "cache"),
         "TURNSTILE_TOOLS_DIR": str(project_var / "tools"),
         "TURNSTILE_API_URL": f"http://127.0.0.1:{api_port}",
         "TURNSTILE_API_BIND": f"127.0.0.1:{api_port}",

@@ -36,6 +36,7 @@ from app.harnesses import get_preset
 from app.tables import Episode, Run, TrainingStep
 from support import API_TOKEN, AUTH, ROOT, wait_for
 from support import netns
+from support.caches import fill_runtime_caches
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +81,11 @@ def _machines(net, pg_dir, spawn, tmp_path, monkeypatch):
     hosts = {name: net.add_host(name) for name in names}
     ctl, gw = hosts["control"].address, hosts["gateway"].address
     project_var = ROOT / "var"
+    # The installed caches every machine shares (the checkout's, or TURNSTILE_CACHE_DIR's).  The
+    # rollout machines have no route to the package index: what their prepare downloads and
+    # builds is filled here first, from this test's own process, not left to an earlier test.
+    cache = Path(os.environ.get("TURNSTILE_CACHE_DIR") or project_var / "cache")
+    fill_runtime_caches(RUN["task_set"], RUN["instances"], cache)
     env_all = {
         "DATABASE_URL": f"postgresql+psycopg://postgres@{ctl}:5432/turnstile",
         "REDIS_URL": f"redis://{ctl}:6379/0",
@@ -88,7 +94,7 @@ def _machines(net, pg_dir, spawn, tmp_path, monkeypatch):
         "TURNSTILE_GATEWAY_URL": f"http://{gw}:8100", "TURNSTILE_GATEWAY_BIND": f"{gw}:8100",
         "TURNSTILE_ENGINE_URLS": f"http://{gw}:8200",
         # the installed software every machine has (an image would hold the same)
-        "TURNSTILE_CACHE_DIR": str(project_var / "cache"), "TURNSTILE_TOOLS_DIR": str(project_var / "tools"),
+        "TURNSTILE_CACHE_DIR": str(cache), "TURNSTILE_TOOLS_DIR": str(project_var / "tools"),
         "TURNSTILE_TASK_DIRS": tempfile.gettempdir(), "TURNSTILE_LOG_LEVEL": "INFO",
         "TURNSTILE_WATCHDOG_INTERVAL_S": "10",
     }
