@@ -8,6 +8,11 @@ export PYTHONUNBUFFERED := 1
 # workers, engines, harness CLIs), so 3 processes beat 1 even on 2 cores: 18.5 min vs 46 min for the
 # whole suite on this 2-core box under the same background load (2026-11-30).
 TEST_WORKERS ?= 3
+# VERBOSE=1 (e.g. `make demo VERBOSE=1`): the model libraries' progress bars and warnings are kept in
+# every process (hidden by default: app/engines/quiet.py).
+ifdef VERBOSE
+export TURNSTILE_VERBOSE := 1
+endif
 # Settings (.env included) are read by app/config.py in each Python process, not here: make does
 # not parse .env, and honcho is told not to (`-e /dev/null`); e.g. alembic gets DATABASE_URL from app.config.
 

