@@ -8,10 +8,11 @@ from sqlalchemy import select
 
 from app.db import session_scope
 from app.engines.transform import processed_logprobs
-from app.tables import Completion, Episode, Run, TaskInstance
+from app.tables import Completion
 from app.training.batching import StepSequence, make_micro_batches
 from app.training.store import build_episode_trajectories, trajectory_transform
 from app.training.trajectories import CompletionRecord, sequence_transform, validate_completion
+from support.episodes import seed_episode
 
 P1 = [1, 50, 51, 2, 198, 1]
 TOP = {"temperature": 0.7, "top_p": 0.9, "top_k": 20}
@@ -19,20 +20,9 @@ TOP = {"temperature": 0.7, "top_p": 0.9, "top_k": 20}
 
 def seed(calls) -> int:
     """An episode whose completions are `calls`: (prompt, sampled, logprobs, turnstile_sampling)."""
-    with session_scope() as s:
-        run = Run(kind="train", config={})
-        inst = TaskInstance(task_set="t", instance_id="x__1", repo="x/x", record={})
-        s.add_all([run, inst])
-        s.flush()
-        ep = Episode(run_id=run.id, instance_id=inst.id, group_index=0, sample_index=0, status="completed", reward=1.0)
-        s.add(ep)
-        s.flush()
-        for seq, (prompt, sampled, lps, sampling) in enumerate(calls):
-            normalized = {"temperature": 0.7} | ({"turnstile_sampling": sampling} if sampling else {})
-            s.add(Completion(episode_id=ep.id, seq=seq, request_key=f"k{seq}", api="chat", raw_request={},
-                             normalized_request=normalized, prompt_ids=prompt, sampled_ids=sampled, logprobs=lps,
-                             finish_reason="stop"))
-        return ep.id
+    return seed_episode([(prompt, sampled, lps) for prompt, sampled, lps, _ in calls],
+                        extra=[{"normalized_request": {"temperature": 0.7} | ({"turnstile_sampling": sampling} if sampling else {})}
+                               for *_, sampling in calls])
 
 
 def test_transform_reaches_the_micro_batch_and_outside_support_is_refused(any_database):

@@ -8,35 +8,25 @@ from sqlalchemy import func, select
 from app.db import session_scope
 from app.tables import Completion, Episode, Run, TaskInstance, Trajectory
 from app.training.store import build_episode_trajectories
+from support.episodes import seed_episode
 
 
-def seed_episode() -> int:
+def seed_four_calls() -> int:
+    """An episode of four calls: one kept, one without logprobs, one kept after it, one without prompt ids."""
     p1 = [1, 50, 51, 2, 198, 1]
     p2 = p1 + [60, 61, 2] + [198, 1, 70, 2, 198, 1]
     p3 = p2 + [62, 2] + [198, 1, 71, 2, 198, 1]
-    calls = [
+    return seed_episode([
         (p1, [60, 61, 2], [-0.5, -0.25, -0.125]),
         (p2, [62, 2], None),  # logprobs missing: rejected, its tokens become context
         (p3, [63, 2], [-1.5, -0.75]),
         ([], [5], [-1.0]),  # no prompt ids
-    ]
-    with session_scope() as s:
-        run = Run(kind="train", config={})
-        inst = TaskInstance(task_set="t", instance_id="x__1", repo="x/x", record={})
-        s.add_all([run, inst])
-        s.flush()
-        ep = Episode(run_id=run.id, instance_id=inst.id, group_index=0, sample_index=0, status="completed", reward=1.0)
-        s.add(ep)
-        s.flush()
-        for seq, (prompt, sampled, lps) in enumerate(calls):
-            s.add(Completion(episode_id=ep.id, seq=seq, request_key=f"k{seq}", api="chat", raw_request={},
-                             prompt_ids=prompt, sampled_ids=sampled, logprobs=lps, finish_reason="stop"))
-        return ep.id
+    ])
 
 
 @pytest.mark.parametrize("builder", ["prefix_merging", "per_request"])
 def test_build_and_store_is_exact_and_idempotent(any_database, builder):
-    episode_id = seed_episode()
+    episode_id = seed_four_calls()
     with session_scope() as s:
         rows, report = build_episode_trajectories(s, episode_id, builder, vocab_size=49152)
     assert report["rejected"] == 2 and report["rejected_reasons"] == {"missing_logprobs": 1, "missing_prompt_ids": 1}
@@ -66,7 +56,7 @@ def test_unknown_episode_and_builder(database):
     with session_scope() as s:
         with pytest.raises(LookupError, match="episode 999 does not exist"):
             build_episode_trajectories(s, 999)
-    episode_id = seed_episode()
+    episode_id = seed_four_calls()
     with session_scope() as s:
         with pytest.raises(ValueError, match="unknown trajectory builder"):
             build_episode_trajectories(s, episode_id, "tree")
