@@ -16,13 +16,17 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from app.runconfig import TrainingConfig
-from app.training.batching import StepSequence
-from app.training.trainer import Trainer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.runconfig import TrainingConfig  # noqa: E402
+from app.training.batching import StepSequence  # noqa: E402
+from app.training.trainer import Trainer  # noqa: E402
+from bench.step_timing import interleaved_arms  # noqa: E402
 
 ARMS = (["token_tis"], ["seq_tis"], ["geo_mask", "token_tis"], ["icepop"])
 
@@ -43,15 +47,6 @@ def on_policy(trainer: Trainer, seqs: list[StepSequence]) -> list[StepSequence]:
     return out
 
 
-def one_step(model_spec: str, modes: list[str], seqs: list[StepSequence]) -> tuple[float, dict]:
-    trainer = Trainer.from_spec(TrainingConfig(learning_rate=1e-4, micro_batch_tokens=2048, off_policy_correction=modes),
-                                model_spec, torch.device("cpu"))
-    step = on_policy(trainer, seqs)
-    t0 = time.perf_counter()
-    metrics = trainer.update(step)
-    return time.perf_counter() - t0, metrics
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny")
@@ -64,14 +59,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     vocab = 49152 if args.model == "smollm2" else 1000
     seqs = sequences(args.chains, args.prompt, args.sampled, vocab, seed=0)
-    one_step(args.model, ["token_tis"], seqs[:1])  # warm-up: first-call allocations are in no arm
-    times: dict[str, list[float]] = {"+".join(a): [] for a in ARMS}
-    masked: dict[str, float] = {}
-    for _ in range(args.repeats):  # interleaved, so every arm sees the same background load
-        for arm in ARMS:
-            seconds, metrics = one_step(args.model, arm, seqs)
-            times["+".join(arm)].append(seconds)
-            masked["+".join(arm)] = metrics["off_policy"]["tokens_masked_fraction"]
+    arms = {"+".join(modes): TrainingConfig(learning_rate=1e-4, micro_batch_tokens=2048, off_policy_correction=modes)
+            for modes in ARMS}
+    steps = interleaved_arms(arms, args.model, seqs, args.repeats, prepare=on_policy)
+    times = {name: arm.seconds for name, arm in steps.items()}
+    masked = {name: arm.metrics["off_policy"]["tokens_masked_fraction"] for name, arm in steps.items()}
     print(f"model {args.model}, {args.chains} chains of {args.prompt}+{args.sampled} tokens, "
           f"{args.threads} thread(s), {args.repeats} repeats")
     base = statistics.median(times["token_tis"])

@@ -16,13 +16,16 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from app.runconfig import TrainingConfig
-from app.training.batching import StepSequence
-from app.training.trainer import Trainer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.runconfig import TrainingConfig  # noqa: E402
+from app.training.batching import StepSequence  # noqa: E402
+from bench.step_timing import interleaved_arms  # noqa: E402
 
 
 def sequences(groups: int, size: int, uniform: int, prompt: int, sampled: int, vocab: int, seed: int) -> list:
@@ -36,14 +39,8 @@ def sequences(groups: int, size: int, uniform: int, prompt: int, sampled: int, v
     return out
 
 
-def one_step(model_spec: str, skip: bool, seqs: list) -> tuple[float, dict, dict]:
-    """Seconds of one `Trainer.update` from freshly loaded weights, its metrics and the weights after."""
-    trainer = Trainer.from_spec(TrainingConfig(learning_rate=1e-4, skip_zero_advantage=skip, micro_batch_tokens=2048),
-                                model_spec, torch.device("cpu"))
-    t0 = time.perf_counter()
-    metrics = trainer.update(seqs)
-    seconds = time.perf_counter() - t0
-    return seconds, metrics, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+def weights(trainer) -> dict:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
 def main() -> None:
@@ -60,13 +57,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     vocab = 49152 if args.model == "smollm2" else 1000
     seqs = sequences(args.groups, args.group_size, args.uniform, args.prompt, args.sampled, vocab, seed=0)
-    one_step(args.model, False, seqs[:1])  # warm-up: first-call allocations are in neither arm
-    off_t, on_t = [], []
-    for _ in range(args.repeats):  # interleaved, so both arms see the same background load
-        seconds, off_m, off_w = one_step(args.model, False, seqs)
-        off_t.append(seconds)
-        seconds, on_m, on_w = one_step(args.model, True, seqs)
-        on_t.append(seconds)
+    arms = {skip: TrainingConfig(learning_rate=1e-4, skip_zero_advantage=skip, micro_batch_tokens=2048)
+            for skip in (False, True)}
+    steps = interleaved_arms(arms, args.model, seqs, args.repeats, keep=weights)
+    (off_t, off_m, off_w), (on_t, on_m, on_w) = ((a.seconds, a.metrics, a.kept) for a in steps.values())
     diff = max(float((on_w[k] - off_w[k]).abs().max()) for k in on_w)
     print(f"model {args.model}, {args.groups} groups x {args.group_size} chains of {args.prompt}+{args.sampled} "
           f"tokens, {args.uniform} uniform groups, {args.threads} thread(s), {args.repeats} repeats")
