@@ -63,10 +63,10 @@ def _run(n: int, engine_port: int) -> int:
 
     from app import create_app, db
     from app.auth import auth_header
-    from app.tables import Base, Episode, Run, TaskInstance
+    from app.tables import Base
     from app.proxy import create_gateway_app
-    from app.proxy.sessions import issue_session
-    from support.fuzz_corpus import GATEWAY_SHAPE, gateway_cases, rest_cases, rest_shape, run_cases
+    from support.fuzz_corpus import rest_cases, rest_shape, run_cases
+    from support.fuzz_run import GATEWAY_APIS, fuzz_gateway_api
 
     for _ in range(100):
         try:
@@ -84,22 +84,9 @@ def _run(n: int, engine_port: int) -> int:
     for case in report["bad"][:10]:
         print("  ", case)
     gateway = create_gateway_app().test_client()
-    for api in ("anthropic", "chat", "responses", "gemini"):
-        with db.session_scope() as s:
-            run = Run(kind="collect", config={})
-            s.add(run)
-            s.flush()
-            ti = TaskInstance(task_set="t", instance_id=f"fuzz-{api}", repo="r", record={})
-            s.add(ti)
-            s.flush()
-            ep = Episode(run_id=run.id, instance_id=ti.id, group_index=0, sample_index=0, status="running")
-            s.add(ep)
-            s.flush()
-            token = issue_session(s, ep.id)
-        auth = {"anthropic": {"x-api-key": token, "anthropic-version": "2023-06-01"},
-                "gemini": {"x-goog-api-key": token}}.get(api, {"authorization": f"Bearer {token}"})
+    for api in GATEWAY_APIS:
         t0 = time.monotonic()
-        report = run_cases(gateway, gateway_cases(api, n // 4), GATEWAY_SHAPE[api], auth)
+        report = fuzz_gateway_api(gateway, api, n // 4).report
         print(f"gateway {api}: {n // 4} bodies in {time.monotonic() - t0:.1f} s; "
               f"statuses {dict(sorted(report['statuses'].items()))}; 5xx or off-shape: {len(report['bad'])}")
         failures += len(report["bad"])

@@ -16,6 +16,7 @@ from app import config, create_app, db
 from app.tables import Base, Completion
 from app.proxy.upstream import reset_upstream
 from support.fuzz_corpus import GATEWAY_SHAPE, gateway_cases, rest_cases, rest_shape, run_cases
+from support.fuzz_run import GATEWAY_APIS, fuzz_gateway_api
 from support import AUTH, ROOT, free_port, wait_for
 
 REDIS_DB = 10
@@ -77,31 +78,16 @@ def scripted_engine(engine_url, monkeypatch):
 
 
 def test_gateway_fuzz_never_5xx_errors_in_the_apis_shape_and_no_record_of_an_error(pg, scripted_engine):
-    from app.tables import Episode, Run, TaskInstance
     from app.proxy import create_gateway_app
-    from app.proxy.sessions import issue_session
 
     client = create_gateway_app().test_client()
-    for api in ("anthropic", "chat", "responses", "gemini"):
+    for api in GATEWAY_APIS:
+        fuzz = fuzz_gateway_api(client, api, SAMPLE // 4, seed=1)
+        print(api, fuzz.report["statuses"])
+        assert fuzz.report["bad"] == [], api
         with db.session_scope() as s:
-            run = Run(kind="collect", config={})
-            s.add(run)
-            s.flush()
-            ti = TaskInstance(task_set="t", instance_id=f"fuzz-{api}", repo="r", record={})
-            s.add(ti)
-            s.flush()
-            ep = Episode(run_id=run.id, instance_id=ti.id, group_index=0, sample_index=0, status="running")
-            s.add(ep)
-            s.flush()
-            episode_id, token = ep.id, issue_session(s, ep.id)
-        auth = {"anthropic": {"x-api-key": token, "anthropic-version": "2023-06-01"},  # as the SDKs send them
-                "gemini": {"x-goog-api-key": token}}.get(api, {"authorization": f"Bearer {token}"})
-        report = run_cases(client, gateway_cases(api, SAMPLE // 4, seed=1), GATEWAY_SHAPE[api], auth)
-        print(api, report["statuses"])
-        assert report["bad"] == [], api
-        with db.session_scope() as s:
-            recorded = s.query(Completion).filter(Completion.episode_id == episode_id).count()
-        assert recorded <= report["statuses"].get(200, 0), api  # an error answer never leaves a record
-        no_key = {k: v for k, v in auth.items() if k == "anthropic-version"}
+            recorded = s.query(Completion).filter(Completion.episode_id == fuzz.episode_id).count()
+        assert recorded <= fuzz.report["statuses"].get(200, 0), api  # an error answer never leaves a record
+        no_key = {k: v for k, v in fuzz.auth.items() if k == "anthropic-version"}
         unauth = run_cases(client, gateway_cases(api, 10, seed=2), GATEWAY_SHAPE[api], no_key)
         assert unauth["bad"] == [] and all(code in (400, 401, 404) for code in unauth["statuses"]), api
