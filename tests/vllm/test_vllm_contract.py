@@ -266,3 +266,29 @@ def test_keep_update_continues_a_running_stream_on_the_new_weights(vllm_server, 
         assert tail < 1e-3
     else:
         assert tail > 1e-3  # the tail attended to KV the old weights computed
+
+
+@pytest.mark.vllm_alone
+def test_the_watchdog_resumes_a_server_a_dead_reloader_left_paused(vllm_server):
+    """What a trainer killed between ``/pause`` and ``/resume`` leaves behind: the real server
+    paused (``keep``) and the reloader's pause record in Redis.  The watchdog's check leaves it
+    alone while the record is within its deadline, then resumes it (``POST /resume``) and forgets
+    the record, and the server answers again."""
+    from app import weight_gate
+    from app.control.engine_pauses import resume_stale_pauses
+
+    client, url = vllm_server.client, vllm_server.url
+    record = weight_gate.record_pause(url, 99, time.time())
+    client.request("POST", "/pause", params={"mode": "keep", "clear_cache": "false"})
+    try:
+        assert client.request("GET", "/is_paused")["is_paused"] is True
+        assert url not in resume_stale_pauses(timeout_s=3600.0)  # within its deadline: left to its reloader
+        assert client.request("GET", "/is_paused")["is_paused"] is True
+        assert resume_stale_pauses(timeout_s=0.0)[url] == "resumed"
+        assert client.request("GET", "/is_paused")["is_paused"] is False
+        assert url not in weight_gate.recorded_pauses()
+        out = client.chat(MESSAGES, **fields(max_tokens=3))
+        assert len(out["choices"][0]["token_ids"]) == 3
+    finally:
+        client.request("POST", "/resume")
+        weight_gate.clear_pause(url, record)
