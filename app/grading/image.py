@@ -45,7 +45,7 @@ from typing import Any
 
 from app.config import Settings
 from app.grading.harbor import grade_harbor
-from app.grading.outcome import GradeResult, grade_log_path, grade_result, patch_sha256
+from app.grading.outcome import GradeResult, grade_log_path, grade_result, patch_sha256, warn_missing
 from app.grading.patching import APPLIED_MARKER, PatchReadError, apply_script, drop_test_changes, files_of_test_ids, read_patch
 from app.grading.steps import GRADING_DIR, RuntimeFactory, apply_then_eval, check_tools, default_runtime_factory
 from app.grading.verifier import r2e_match, r2e_test_id, rebench_match
@@ -122,9 +122,13 @@ def grade_in_image(record: InstanceRecord, patch: str, *, settings: Settings, ti
     log_path.write_text("".join(parts), encoding="utf-8", errors="replace")
     timings = {"prepare_s": round(t1 - t0, 3), "apply_s": round(t2 - t1, 3), "eval_s": round(t3 - t2, 3),
                "total_s": round(time.monotonic() - t0, 3)}
-    result = grade_result(record, spec, kept, log_path, apply_info, extra, timings)
-    if record.grader in ("rebench", "r2egym"):
+    # SWE-rebench V2 and R2E-Gym judge the log by their own rule: theirs is the verdict, and what
+    # is missing is read as their rule reads ids (swebench's reading would warn of ids that are there).
+    own_rule = record.grader in ("rebench", "r2egym")
+    result = grade_result(record, spec, kept, log_path, apply_info, extra, timings, final=not own_rule)
+    if own_rule:
         _rejudge(record, spec, log_path, result)
+        warn_missing(record, result)
     return result
 
 

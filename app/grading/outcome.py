@@ -89,11 +89,15 @@ def grade_log_path(paths: RuntimePaths, record: InstanceRecord, patch: str) -> P
 
 
 def grade_result(record: InstanceRecord, spec: Any, kept: str, log_path: Path, apply_info: dict, report_extra: dict,
-                 timings: dict) -> GradeResult:
+                 timings: dict, final: bool = True) -> GradeResult:
     """The `GradeResult` of the test log at `log_path`: swebench's `get_eval_report` for `spec` and
     the `kept` patch, with `report_extra`, `apply_info` (as `report["apply"]`), `tests_missing` and
     `timings` added.  Resolved only when swebench says so, the patch applied and no kept file
-    reached into the test framework (`report["tampering"]`)."""
+    reached into the test framework (`report["tampering"]`).
+
+    `final`: swebench's rule is the verdict, so FAIL_TO_PASS ids missing from the log are logged
+    here (`warn_missing`); False when a format's own rule judges the log afterwards (SWE-rebench
+    V2, R2E-Gym: `app.grading.image`), which then calls `warn_missing` with its own verdict."""
     g = grading_module()
     prediction = {"instance_id": record.instance_id, "model_name_or_path": "turnstile", "model_patch": kept}
     report = g.get_eval_report(spec, prediction, str(log_path), include_tests_status=True)[record.instance_id]
@@ -102,15 +106,27 @@ def grade_result(record: InstanceRecord, spec: Any, kept: str, log_path: Path, a
     report["apply"] = apply_info
     report["tests_missing"] = missing_tests(record, spec, log_path)
     report["timings"] = timings
-    missing_f2p = report["tests_missing"]["FAIL_TO_PASS"]
     if report.get("tampering"):  # the code under test reached into the test framework: never a pass
         resolved = False
         report["resolved"] = False
-    if missing_f2p:
-        log.warning("grade of %s: %d FAIL_TO_PASS test id(s) never appear in the test log %s (counted as failed; "
-                    "the instance may be unsolvable): %s", record.instance_id, len(missing_f2p), log_path,
-                    ", ".join(missing_f2p[:5]))
-    return GradeResult(resolved=resolved, reward=1.0 if resolved else 0.0, report=report, log_path=str(log_path))
+    result = GradeResult(resolved=resolved, reward=1.0 if resolved else 0.0, report=report, log_path=str(log_path))
+    if final:
+        warn_missing(record, result)
+    return result
+
+
+def warn_missing(record: InstanceRecord, result: GradeResult) -> bool:
+    """Log a warning when the verdict is "not resolved" and FAIL_TO_PASS ids never appear in the
+    test log (`report["tests_missing"]`, as the rule that judged reads ids): then the grade may
+    say more about the instance (unsolvable, a parser that cannot read its runner) than about the
+    patch.  Nothing is logged for a resolved grade.  Returns whether it logged."""
+    missing_f2p = result.report.get("tests_missing", {}).get("FAIL_TO_PASS") or []
+    if result.resolved or not missing_f2p:
+        return False
+    log.warning("grade of %s: %d FAIL_TO_PASS test id(s) never appear in the test log %s (counted as failed; "
+                "the instance may be unsolvable): %s", record.instance_id, len(missing_f2p), result.log_path,
+                ", ".join(missing_f2p[:5]))
+    return True
 
 
 def missing_tests(record: InstanceRecord, spec: Any, log_path: Path) -> dict[str, list[str]]:
