@@ -101,7 +101,7 @@ def test_an_engine_killed_while_a_weight_update_holds_it_paused_comes_back_servi
                 return None
             try:
                 return probe.health()
-            except EngineCallError:
+            except (EngineCallError, TimeoutError):  # the new worker is still loading the model
                 return None
 
         health = wait_for(serving_again, 120, 0.1, lambda: f"the engine to serve again\n{launcher.output()[-3000:]}")
