@@ -76,7 +76,9 @@ class LogLines(NamedTuple):
     the runner prints the suite on a header line and the test under it; the parser joins them
     back with `split`), `suite_xml` / `name_xml` (XML-attribute-escaped).  A template may span
     lines.  For an id without `split` (a test outside any suite) lines naming `{suite...}` are
-    left out.  `reports_passes` is False for a parser that only ever reports failures (swebench
+    left out.  With `nest`, each further `split` in `name` starts a new line indented one space
+    deeper than the line holding `{name}` (Mocha prints each nested describe on its own line).
+    `reports_passes` is False for a parser that only ever reports failures (swebench
     grades those under `fail_only`: a test not reported FAILED counts as passed).
     """
 
@@ -84,6 +86,7 @@ class LogLines(NamedTuple):
     failed: str
     split: str | None = None
     reports_passes: bool = True
+    nest: bool = False
 
     def render(self, template: str, test_id: str) -> str:
         fields = {"id": test_id, "id_json": json.dumps(test_id)}
@@ -93,6 +96,10 @@ class LogLines(NamedTuple):
             if not sep:
                 suite, name = "", test_id
                 lines = [ln for ln in lines if "{suite" not in ln]
+            if self.nest and "{name" in template:
+                indent = next(len(ln) - len(ln.lstrip()) for ln in lines if "{name" in ln)
+                parts = name.split(self.split)
+                name = "".join([parts[0]] + [f"\n{' ' * (indent + i)}{p}" for i, p in enumerate(parts[1:], 1)])
             fields |= {"suite": suite, "name": name, "suite_xml": xml_quote(suite), "name_xml": xml_quote(name)}
         return "\n".join(lines).format(**fields)
 
@@ -135,9 +142,10 @@ LOG_LINES = {
     # ... with the error after it (`  1) suite test:` then `AssertionError ...`), read up to "Error".
     "parse_log_eslint": LogLines("    ✓ {id}", "  1) {id}\n     AssertionError [ERR_ASSERTION]: false == true",
                                  reports_passes=False),
-    # ... nested: `  1) suite` then the test, indented deeper, ending in ":"; joined with ":".
+    # ... nested: `  1) suite`, each inner describe and the test indented deeper, the last ending
+    # in ":"; joined with ":".
     "parse_log_p5js": LogLines("    ✓ {id}", "  1) {suite}\n       {name}:\n     Error: x", split=":",
-                               reports_passes=False),
+                               reports_passes=False, nest=True),
     "parse_log_react_pdf": _JEST_FILE_LINES, "parse_log_carbon": _JEST_FILE_LINES,
     "parse_log_grommet": _JEST_FILE_LINES,
     # Jest --verbose (`✓ name (5 ms)`, `✕ name (5 ms)`).

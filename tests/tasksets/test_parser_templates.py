@@ -71,6 +71,15 @@ def test_a_typical_id_reads_back_from_its_template(function):
     assert failed.get(test_id) == "FAILED", failed
 
 
+@pytest.mark.parametrize("test_id", ["Calculation:p5.prototype.abs:should return a number", "Color:works"])
+def test_nested_mocha_describes_read_back_whole(test_id):
+    """p5.js ids join every describe level with ":"; each level is printed on its own line."""
+    _register_harness_stub()
+    parse = importlib.import_module("swebench.harness.log_parsers").PARSER_REGISTRY["parse_log_p5js"]
+    lines = LOG_LINES["parse_log_p5js"]
+    assert parse(lines.render(lines.failed, test_id), None) == {test_id: "FAILED"}
+
+
 def row(parser: str, test_id: str, eval_type: str) -> dict:
     return {"instance_id": "demo__pkg-1", "repo": "demo/pkg", "base_commit": "a" * 40, "patch": "x",
             "problem_statement": "p", "FAIL_TO_PASS": [test_id], "PASS_TO_PASS": [], "test_cmd": "run",
