@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import redis as redis_lib
 
@@ -33,6 +32,24 @@ while time.monotonic() < end:
 """
 
 
+def _extensions(r, key: str, times: int) -> None:
+    """Until the lock `key` has been extended `times` times: its remaining time went back up
+    (polled every 20 ms; the keeper extends every third of the timeout).  Counted in
+    extensions, so a loaded box that slows the keeper slows this wait, not the test's verdict;
+    AssertionError after 60 s."""
+    seen, last = [], r.pttl(key)
+
+    def extended() -> bool:
+        nonlocal last
+        now = r.pttl(key)
+        if now > last:
+            seen.append(now)
+        last = now
+        return len(seen) >= times
+
+    wait_for(extended, 60, interval=0.02, what=lambda: f"{times} extensions of {key} (seen {len(seen)})")
+
+
 def _child(code: str, *args: str) -> subprocess.Popen:
     env = {**os.environ, "REDIS_URL": REDIS_URL, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env)
@@ -58,7 +75,8 @@ def test_a_lock_held_longer_than_its_timeout_is_extended(redis_db, monkeypatch):
     config.reset_settings()
     with held_lock("turnstile:test:long", timeout_s=0.6) as held:
         assert held
-        time.sleep(1.5)  # 2.5x the timeout: without extension the lock would have expired
+        # four extensions, a third of the timeout apart: held past its timeout (4/3 of it)
+        _extensions(redis_db, "turnstile:test:long", 4)
         with held_lock("turnstile:test:long", timeout_s=0.6) as second:
             assert not second
     with held_lock("turnstile:test:long", timeout_s=0.6) as again:
@@ -75,7 +93,7 @@ def test_a_dead_holders_lock_expires_and_a_live_holders_is_never_freed_by_anothe
                     "with held_lock('turnstile:test:dead', timeout_s=1.0) as h:\n"
                     "    assert h\n    print('held', flush=True)\n    time.sleep(60)\n")
     wait_for(lambda: redis_db.exists("turnstile:test:dead"), 20, what="the child to take the lock")
-    time.sleep(1.5)  # the child's keeper extends it past its 1 s timeout
+    _extensions(redis_db, "turnstile:test:dead", 4)  # the child's keeper extends it past its 1 s timeout
     token = redis_db.get("turnstile:test:dead")
     with held_lock("turnstile:test:dead", timeout_s=1.0) as mine:
         assert not mine
