@@ -172,7 +172,20 @@ def test_names_carry_the_content_hash_and_a_corrupted_file_is_refused(tmp_path):
     assert adapters.resolve("SmolLM2-135M-Instruct") is None  # any other name: the base model
 
 
-def test_http_routes_load_serve_and_unload_an_adapter(engine, tmp_path):
+@pytest.fixture
+def fresh_engine(engine):
+    """The module's engine (`engine`, shared by its tests) with no adapter loaded, as it starts: a
+    test must not see what another one, run before it in whatever order, left loaded there."""
+    with httpx.Client(base_url=engine.url, timeout=60) as http:
+        for adapter in http.get("/v1/lora_adapters").json()["data"]:
+            resp = http.post("/v1/unload_lora_adapter", headers=auth_header(), json={"lora_name": adapter["id"]})
+            assert resp.status_code == 200, resp.text
+        assert http.get("/v1/lora_adapters").json()["data"] == []
+    return engine
+
+
+def test_http_routes_load_serve_and_unload_an_adapter(fresh_engine, tmp_path):
+    engine = fresh_engine
     name, _ = trained_adapter(tmp_path / "a", seed=1, version=5)
     headers = auth_header()
     with httpx.Client(base_url=engine.url, timeout=60) as http:
@@ -192,7 +205,7 @@ def test_http_routes_load_serve_and_unload_an_adapter(engine, tmp_path):
         assert gone.status_code == 404 and "does not exist" in gone.json()["error"]["message"]
 
 
-def test_the_gateway_loads_an_adapter_the_engine_lost_again_and_answers(engine, tmp_path, database):
+def test_the_gateway_loads_an_adapter_the_engine_lost_again_and_answers(fresh_engine, tmp_path, database):
     """An engine that no longer serves a session's adapter (restarted, or unloaded) answers 404; the
     gateway's engine side loads it again from the step's checkpoint and sends the call again."""
     from app.db import session_scope
@@ -211,12 +224,12 @@ def test_the_gateway_loads_an_adapter_the_engine_lost_again_and_answers(engine, 
     with session_scope() as s:
         s.add(TrainingStep(run_id=run_id, step=0, status="completed", policy_version=1,
                            checkpoint_path=str(folder.parent), metrics={"adapter": name}))
-    up, target = Upstream([engine.url]), EngineTarget(engine.url)
+    up, target = Upstream([fresh_engine.url]), EngineTarget(fresh_engine.url)
     body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0.0,
             "return_token_ids": True}
     answer = up.complete(target, dict(body), None)  # never loaded here: loaded on the 404
     assert answer["policy_version"] == 1 and len(answer["choices"][0]["token_ids"]) == 3
-    with httpx.Client(base_url=engine.url, timeout=60) as http:
+    with httpx.Client(base_url=fresh_engine.url, timeout=60) as http:
         assert http.post("/v1/unload_lora_adapter", headers=auth_header(), json={"lora_name": name}).status_code == 200
     opening = up.open_stream(target, dict(body, stream=True), None, wait_s=60)
     assert isinstance(opening.result, StreamHandle), opening.result
