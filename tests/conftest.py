@@ -160,3 +160,24 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _controller_vllm is not None:
         _controller_vllm.stop()
+
+
+def _order_seed(config) -> str | None:
+    """pytest-randomly's seed of this run's test order (files, then the tests in each, shuffled)."""
+    seed = getattr(config.option, "randomly_seed", None)
+    return f"test order: --randomly-seed={seed} replays it (-p no:randomly keeps the files' own)" \
+        if isinstance(seed, int) and not hasattr(config, "workerinput") else None
+
+
+def pytest_sessionstart(session):
+    # `-q` (make test) hides pytest-randomly's header line; a run stopped by a time limit still shows it here.
+    line = _order_seed(session.config)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if line and reporter is not None:
+        reporter.write_line(line)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    line = _order_seed(config)
+    if line:
+        terminalreporter.write_line(line)
