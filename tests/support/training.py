@@ -42,11 +42,13 @@ def var_dir(database, monkeypatch, tmp_path):
 
 
 class Engine:
-    """Serves POST /v1/load_weights by loading the checkpoint into its own tiny model."""
+    """Serves POST /v1/load_weights by loading the checkpoint into its own tiny model, and
+    POST /v1/load_lora_adapter by recording (name, folder, policy version) in `adapters`."""
 
     def __init__(self, hold: threading.Event | None = None):
         self.model = build_tiny_model(seed=0)
         self.loaded: list[tuple[str, int]] = []
+        self.adapters: list[tuple[str, str, int | None]] = []
         self.received = threading.Event()
         engine = self
 
@@ -56,9 +58,13 @@ class Engine:
                 engine.received.set()
                 if hold is not None:
                     hold.wait(30)
-                load_weights_into(engine.model, body["path"])
-                engine.loaded.append((body["path"], body["policy_version"]))
-                out = json.dumps({"policy_version": body["policy_version"]}).encode()
+                if self.path == "/v1/load_lora_adapter":  # a LoRA run's adapter: recorded, base weights kept
+                    engine.adapters.append((body["lora_name"], body["lora_path"], body.get("policy_version")))
+                    out = json.dumps({"loaded": body["lora_name"]}).encode()
+                else:
+                    load_weights_into(engine.model, body["path"])
+                    engine.loaded.append((body["path"], body["policy_version"]))
+                    out = json.dumps({"policy_version": body["policy_version"]}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(out)))

@@ -117,6 +117,7 @@ def test_a_train_run_with_a_checkpoint_trains_from_those_weights(var_dir, engine
     episode_ids = data.group(run_id, 0, [1.0, 0.0], seed=1)
     metrics = steps.train_step(run_id, 0, episode_ids)
     assert metrics["policy_version"] == 1
+    assert [(v, engine.loaded) for _name, _folder, v in engine.adapters] == [(1, [])]  # the adapter, not full weights
     trained = {k.removeprefix("base_model.model."): v for k, v in steps._RESIDENT.trainer.model.state_dict().items()}
     assert torch.equal(trained["model.embed_tokens.weight"], start.model.embed_tokens.weight)
     assert not torch.equal(trained["model.embed_tokens.weight"], build_tiny_model(0).model.embed_tokens.weight)
