@@ -8,6 +8,10 @@ export PYTHONUNBUFFERED := 1
 # workers, engines, harness CLIs), so 3 processes beat 1 even on 2 cores: 18.5 min vs 46 min for the
 # whole suite on this 2-core box under the same background load (2026-11-30).
 TEST_WORKERS ?= 3
+# Test order: pytest-randomly shuffles the files and the tests in each by this seed (printed at the
+# start and end of a run).  A fixed seed makes `make test` replay an order the suite was seen to pass
+# in; `make test TEST_SEED=default` draws a new one, `-p no:randomly` keeps the files' own order.
+TEST_SEED ?= 3445760683
 # VERBOSE=1 (e.g. `make demo VERBOSE=1`): the model libraries' progress bars and warnings are kept in
 # every process (hidden by default: app/engines/quiet.py).
 ifdef VERBOSE
@@ -29,7 +33,7 @@ learn: setup harness-demo model
 
 ## test: install what the tests need (once; later runs only check), lint (ruff, import layers), then run the whole suite
 test: ci-deps lint
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -p randomly --randomly-seed=$(TEST_SEED)
 
 ## lint: ruff (rules in pyproject.toml) and the import-layer contracts (.importlinter)
 lint: venv

@@ -39,12 +39,20 @@ def _logprobs_under(model, prompt, ids):
 
 
 def test_a_stream_spans_a_keep_update_and_every_token_records_its_version(gw, real, tmp_path):
+    import httpx
     from openai import OpenAI
 
     from app.training.weight_sync import push_weights
 
     engine_url, gateway_url = real
     weight_gate.reset()
+    # The module's engine may hold another test's weights and version (tests run in any order):
+    # load the base weights as the next version first, so the stream starts from known weights.
+    with httpx.Client(base_url=engine_url, timeout=30) as engine:
+        v0 = engine.get("/v1/policy_version").json()["policy_version"] + 1
+    base = save_weights(build_tiny_model(seed=0), tmp_path / "base", {"policy_version": v0})
+    assert push_weights([engine_url], base, v0, mode="wait") == {engine_url: "ok"}
+    v1 = v0 + 1
     new = _perturbed(tmp_path / "ckpt")
     episode_id, token = make_episode()
     client = OpenAI(base_url=f"{gateway_url}/v1", api_key=token, max_retries=0, timeout=300)
@@ -56,7 +64,7 @@ def test_a_stream_spans_a_keep_update_and_every_token_records_its_version(gw, re
         if chunk.choices and chunk.choices[0].delta.content:
             break
     held_before = weight_gate.hold_stats(engine_url)
-    sync = push_weights([engine_url], tmp_path / "ckpt", 1, mode="keep", recompute_kv=True)
+    sync = push_weights([engine_url], tmp_path / "ckpt", v1, mode="keep", recompute_kv=True)
     arriving: dict = {}
     other_episode, other_token = make_episode()
     other = threading.Thread(target=lambda: arriving.setdefault("out", OpenAI(
@@ -73,18 +81,18 @@ def test_a_stream_spans_a_keep_update_and_every_token_records_its_version(gw, re
         row = s.scalars(select(Completion).where(Completion.episode_id == episode_id)).one()
         late = s.scalars(select(Completion).where(Completion.episode_id == other_episode)).one()
     assert not row.partial and len(row.sampled_ids) == 1200
-    assert row.policy_version == 0 and row.kv_versions is None
-    assert len(row.policy_versions) == 2 and row.policy_versions[0] == [0, 0] and row.policy_versions[1][1] == 1
+    assert row.policy_version == v0 and row.kv_versions is None
+    assert len(row.policy_versions) == 2 and row.policy_versions[0] == [0, v0] and row.policy_versions[1][1] == v1
     switch = row.policy_versions[1][0]
     assert 0 < switch < 1200
     per_token = versions.expand(row.policy_versions, 1200, None)
-    assert per_token == [0] * switch + [1] * (1200 - switch)
+    assert per_token == [v0] * switch + [v1] * (1200 - switch)
     lps = torch.tensor(row.logprobs)
     ids = list(row.sampled_ids)
     old_gap = (_logprobs_under(build_tiny_model(0), list(row.prompt_ids), ids[:switch]) - lps[:switch]).abs().max()
     new_gap = (_logprobs_under(new, list(row.prompt_ids), ids)[switch:] - lps[switch:]).abs().max()
     assert old_gap.item() < 1e-3 and new_gap.item() < 1e-3
-    assert late.policy_version == 1 and late.policy_versions == [[0, 1]]
+    assert late.policy_version == v1 and late.policy_versions == [[0, v1]]
     assert "reload_held_ms" not in late.raw_request
 
 

@@ -11,6 +11,7 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as EC
 from selenium.webdriver.support.ui import Select, WebDriverWait
+from sqlalchemy import select
 
 from app.db import session_scope
 from app.tables import Completion, Episode, Run, Trajectory
@@ -58,7 +59,12 @@ def test_runs_page_lists_runs_and_filters(browser, site, shots):
     browser.find_element(By.CSS_SELECTOR, "#run-filters button").click()
     WebDriverWait(browser, WAIT_S).until(lambda d: "kind=eval" in d.current_url)
     shown = {r.get_attribute("data-run") for r in _rows(browser, "runs")}
-    assert shown == {str(ids[k]) for k in ("eval_base", "eval_trained", "queued_eval", "cancelling_eval")}
+    # Exactly the eval runs in the database: the seeded ones, and any another test of this module
+    # submitted before this one (tests run in any order), and no run of another kind.
+    with session_scope() as s:
+        evals = {str(run_id) for run_id in s.scalars(select(Run.id).where(Run.kind == "eval"))}
+    assert {str(ids[k]) for k in ("eval_base", "eval_trained", "queued_eval", "cancelling_eval")} <= evals
+    assert shown == evals
     _assert_console_clean(browser)
 
 
