@@ -97,7 +97,7 @@ def test_wandb_is_off_by_default(var):
 
 
 def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
-    """{tag: [(step, value)]} of every event file under `folder`, read with TensorBoard's own loader."""
+    """{tag: [(step, value)] by step} of every event file under `folder`, read with TensorBoard's own loader."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.util import tensor_util
 
@@ -106,7 +106,8 @@ def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
         for event in EventFileLoader(str(path)).Load():
             for value in event.summary.value:
                 found.setdefault(value.tag, []).append((event.step, float(tensor_util.make_ndarray(value.tensor))))
-    return found
+    # By step, as TensorBoard plots them: two files written in one second sort by name in either order.
+    return {tag: sorted(points) for tag, points in found.items()}
 
 
 def test_a_full_disk_leaves_no_event_file_and_the_next_step_is_written_whole(var, caplog):
