@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime as dt
 
+from app.cli import pulls
+
 
 def cmd_pull(args) -> int:
     from app.cli.pulls import pull_all
@@ -40,18 +42,6 @@ def cmd_list(args) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
 def register(sub) -> None:
     p = sub.add_parser("images", help="this node's image cache: pre-pull images, list them")
     isub = p.add_subparsers(dest="images_command", required=True)
@@ -60,7 +50,7 @@ def register(sub) -> None:
                                        "(a `docker save` tarball), oci:/path/layout[:tag], oci-archive:/path.tar, "
                                        "or a bare name[:tag] (Docker Hub, or the mirror registries.conf names)")
     pull.add_argument("refs", metavar="REF", nargs="+", help="an image reference")
-    pull.add_argument("--jobs", type=_positive, default=2, help="images pulled at once (default 2)")
+    pull.add_argument("--jobs", type=pulls.positive, default=2, help="images pulled at once (default 2)")
     pull.set_defaults(handler=cmd_pull)
     ls = isub.add_parser("list", help="the cached images: references, digest, size, last use, in use")
     ls.set_defaults(handler=cmd_list)

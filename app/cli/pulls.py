@@ -93,3 +93,17 @@ def pull_all(refs: list[str], console: Console, jobs: int = 2) -> int:
                   f"(cache {cache.root}: {human_bytes(cache.total_bytes())} of {human_bytes(cache.cap_bytes)})",
                   markup=False, highlight=False)
     return failed
+
+
+def positive(text: str) -> int:
+    """argparse `type` of a count such as `--jobs`: a whole number >= 1.
+    Raises argparse.ArgumentTypeError otherwise (argparse prints it as a usage error)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value

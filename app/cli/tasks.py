@@ -6,9 +6,10 @@ Both read the task set on this machine (the files the workers read), not through
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
+
+from app.cli import pulls
 
 
 def cmd_validate(args) -> int:
@@ -110,16 +111,6 @@ def cmd_list(args) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
 def register(sub) -> None:
     p = sub.add_parser("tasks", help="task set commands")
     tsub = p.add_subparsers(dest="tasks_command", required=True)
@@ -130,12 +121,12 @@ def register(sub) -> None:
                                          "cannot be solved or that an empty patch solves (exit 1 if any)")
     v.add_argument("task_set", metavar="SET", help="a named task set (synthetic, swebench-real) or a path")
     v.add_argument("--instances", help="comma-separated instance ids (default: all)")
-    v.add_argument("--jobs", type=_positive, default=2, help="grades run at once (default 2)")
-    v.add_argument("--timeout", type=_positive, default=1800, help="seconds allowed for one grade's tests (default 1800)")
+    v.add_argument("--jobs", type=pulls.positive, default=2, help="grades run at once (default 2)")
+    v.add_argument("--timeout", type=pulls.positive, default=1800, help="seconds allowed for one grade's tests (default 1800)")
     v.set_defaults(handler=cmd_validate)
     pf = tsub.add_parser("prefetch", help="pull every image the set's instances name into this node's image cache "
                                           "(exit 1 if any failed)")
     pf.add_argument("task_set", metavar="SET", help="a named task set or a path")
     pf.add_argument("--instances", help="comma-separated instance ids (default: all)")
-    pf.add_argument("--jobs", type=_positive, default=2, help="images pulled at once (default 2)")
+    pf.add_argument("--jobs", type=pulls.positive, default=2, help="images pulled at once (default 2)")
     pf.set_defaults(handler=cmd_prefetch)
