@@ -16,12 +16,14 @@ class RowIdConverter(IntegerConverter):
 def register_api(flask_app: Flask) -> None:
     """The REST API under /api and the dashboard pages at / (one process, one app)."""
     from app.api.auth import init_auth
+    from app.api.comparisons import bp as comparisons_bp
     from app.api.dashboard import bp as dashboard_bp
     from app.api.errors import register_error_handlers
     from app.api.runs import bp as runs_bp
 
     flask_app.url_map.converters["id"] = RowIdConverter
     flask_app.register_blueprint(runs_bp, url_prefix="/api")
+    flask_app.register_blueprint(comparisons_bp, url_prefix="/api")
     flask_app.register_blueprint(dashboard_bp)
     register_error_handlers(flask_app)
     init_auth(flask_app)  # every route but /api/health, /login and static files needs the API token

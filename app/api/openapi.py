@@ -88,6 +88,18 @@ def openapi_spec() -> dict:
                                                   "responses": {"200": {"description": "JSONL, one `ExportLine` per line", "content": {"application/x-ndjson": {
                                                       "schema": {"type": "string"}, "x-line-schema": {"$ref": "#/components/schemas/ExportLine"}}}},
                                                       "404": err}}},
+            "/api/compare": {"get": {"summary": "pass@1 of two eval runs side by side with the paired difference; a pair that "
+                                                "cannot be compared (not completed, not an eval, different instances, "
+                                                "instances the train run saw) is a 400 naming each reason, unless force=1.",
+                                     "parameters": [{"name": n, "in": "query", "required": True, "schema": {"type": "integer"}}
+                                                    for n in ("a", "b")]
+                                                   + [{"name": "force", "in": "query", "schema": {"type": "string"},
+                                                       "description": "1 (or true, yes) compares a refused pair, with a warning per mismatch"}],
+                                     "responses": {"200": {"description": "the comparison, with `warnings` and `held_out`"},
+                                                   "400": err, "404": err}}},
+            "/api/runs/{a}/diff/{b}": {"get": {"summary": "The config diff of two runs: dotted keys that differ, each added, removed or changed.",
+                                               "parameters": [_id_param("a"), _id_param("b")],
+                                               "responses": {"200": {"description": "{a, b, diff: [{key, change, a, b}]}"}, "404": err}}},
         },
         "components": {
             "schemas": {

@@ -5,6 +5,7 @@ from __future__ import annotations
 from flask import Blueprint, abort, redirect, render_template, request, url_for
 from sqlalchemy import select
 
+from app.api.configdiff import config_diff
 from app.api.dashboard import compare, data, engines, episode, overlay, run_view
 from app.api.dashboard.form import run_config_form
 from app.api.openapi import openapi_spec
@@ -97,12 +98,21 @@ def compare_page():
     a, b = _int_arg("a"), _int_arg("b")
     with session_scope() as s:
         evals = s.scalars(select(Run).where(Run.kind == "eval").order_by(Run.id.desc()).limit(200)).all()
-        view = None
+        view, refused, diff = None, None, None
         if a is not None and b is not None:
-            view = compare.compare_runs(s, a, b)
-            if view is None:
+            try:
+                force = compare.force_flag(request.args.get("force"))
+            except ValueError as exc:
+                abort(400, str(exc))
+            try:
+                view = compare.compare_runs(s, a, b, force=force)
+            except compare.NotComparable as exc:
+                refused = exc.reasons  # a notice on the page, with a link that forces the comparison
+            if view is None and refused is None:
                 abort(404, f"run {a if s.get(Run, a) is None else b} not found")
-        return render_template("dashboard/compare.html", evals=evals, a=a, b=b, v=view, fmt_ci=_ci)
+            diff = config_diff(s.get(Run, a).config, s.get(Run, b).config)
+        return render_template("dashboard/compare.html", evals=evals, a=a, b=b, v=view, refused=refused, diff=diff,
+                               fmt_ci=_ci)
 
 
 def _ci(interval) -> str:

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import pytest
 from selenium.webdriver.common.by import By
+from selenium.webdriver.support import expected_conditions as EC
+from selenium.webdriver.support.ui import WebDriverWait
 
+from api.dashboard.compare_seed import CASES, REFUSALS, seed_pairs
 from api.dashboard.pages import console_clean, open_page, rows, text
+from app.api.configdiff import config_diff
 from app.api.dashboard.compare import REPLICATES
 from app.control.heldout import samples as instance_samples
 from app.db import session_scope
 from app.stats import compare_samples, pass_at_k, wilson
+from app.tables import Run
+
+
+@pytest.fixture(scope="module")
+def pairs(site):
+    return seed_pairs()
 
 
 def test_eval_page_shows_pass_at_1_and_pass_at_k_per_instance(browser, site, shots):
@@ -29,8 +39,8 @@ def test_eval_page_shows_pass_at_1_and_pass_at_k_per_instance(browser, site, sho
     console_clean(browser)
 
 
-def test_compare_shows_the_paired_difference_with_its_interval(browser, site, shots):
-    a, b = site["ids"]["eval_base"], site["ids"]["eval_trained"]
+def test_compare_shows_the_paired_difference_with_its_interval(browser, site, pairs, shots):
+    a, b = pairs["before"], pairs["after"]
     open_page(browser, site, f"/compare?a={a}&b={b}")
     with session_scope() as s:
         expected = compare_samples(instance_samples(s, a), instance_samples(s, b), replicates=REPLICATES, seed=0)
@@ -39,26 +49,36 @@ def test_compare_shows_the_paired_difference_with_its_interval(browser, site, sh
     assert f"{d.value:+.3f}" in shown and f"[{d.low:+.3f}, {d.high:+.3f}]" in shown
     assert ("better" in shown) == (d.low > 0)
     assert not browser.find_elements(By.ID, "compare-warnings")  # two completed evals of the same instances
+    assert not browser.find_elements(By.ID, "compare-refused")
+    assert text(browser, "#compare-heldout").startswith("Held-out")  # the after run's instances: none trained on
     browser.save_screenshot(str(shots / "compare-paired.png"))
     console_clean(browser)
 
 
-@pytest.mark.parametrize("other, warning", [
-    ("train", "is a train run, not an eval"),
-    ("cancelling_eval", "is cancelling: its results are partial"),
-])
-def test_compare_warns_when_kinds_states_or_instances_differ(browser, site, other, warning):
-    a, b = site["ids"][other], site["ids"]["eval_trained"]
+@pytest.mark.parametrize("case, reason", REFUSALS)
+def test_compare_page_refuses_with_a_notice_and_compares_when_forced(browser, site, pairs, case, reason):
+    a, b = (pairs[k] for k in CASES[case])
     open_page(browser, site, f"/compare?a={a}&b={b}")
-    warnings = text(browser, "#compare-warnings")
-    assert warning in warnings
+    notice = text(browser, "#compare-refused")
+    assert f"Runs #{a} and #{b} cannot be compared" in notice and reason in notice
+    assert not browser.find_elements(By.ID, "compare")  # no numbers for a refused pair
+    browser.find_element(By.ID, "compare-force").click()
+    WebDriverWait(browser, 30).until(EC.presence_of_element_located((By.ID, "compare")))
+    assert "force=1" in browser.current_url and not browser.find_elements(By.ID, "compare-refused")
+    assert reason in text(browser, "#compare-warnings")
+    assert text(browser, "#compare-heldout").startswith("Not a held-out comparison")
+    console_clean(browser)
+
+
+def test_compare_page_shows_the_config_diff(browser, site, pairs):
+    a, b = pairs["before"], pairs["after"]
+    open_page(browser, site, f"/compare?a={a}&b={b}")
+    row = browser.find_element(By.CSS_SELECTOR, '#compare-config tr[data-key="model.checkpoint"]').text
+    assert row == f'model.checkpoint changed null "run:{pairs["train"]}"'
     with session_scope() as s:
-        names_a, names_b = set(instance_samples(s, a)), set(instance_samples(s, b))
-    assert names_a != names_b  # both seeded runs sampled fewer instances than the eval
-    assert "sampled different instances" in warnings and f"the {len(names_a & names_b)} shared instances only" in warnings
-    unshared = browser.find_elements(By.CSS_SELECTOR, "#compare tr.unshared")
-    assert {r.get_attribute("data-instance") for r in unshared} == names_a ^ names_b
-    assert f"({len(names_a & names_b)} shared instances)" in text(browser, "#compare-overall")
+        expected = config_diff(s.get(Run, a).config, s.get(Run, b).config)
+    keys = [r.get_attribute("data-key") for r in browser.find_elements(By.CSS_SELECTOR, "#compare-config tbody tr")]
+    assert keys == [d["key"] for d in expected] and "instances" not in keys  # only the keys that differ
     console_clean(browser)
 
 

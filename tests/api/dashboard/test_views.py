@@ -178,6 +178,10 @@ def test_compare_page_shows_pass_at_k_with_intervals(browser, site, shots):
     Select(browser.find_element(By.NAME, "a")).select_by_value(str(ids["eval_base"]))
     Select(browser.find_element(By.NAME, "b")).select_by_value(str(ids["eval_trained"]))
     browser.find_element(By.CSS_SELECTOR, "#compare-form button").click()
+    # the seeded "after" eval samples the train run's policy on the instances it trained on
+    WebDriverWait(browser, WAIT_S).until(EC.presence_of_element_located((By.ID, "compare-refused")))
+    assert "instance(s) it trained on" in browser.find_element(By.ID, "compare-refused").text
+    browser.find_element(By.ID, "compare-force").click()
     WebDriverWait(browser, WAIT_S).until(EC.presence_of_element_located((By.ID, "compare")))
     assert len(_rows(browser, "compare")) == 3
     calc = browser.find_element(By.CSS_SELECTOR, 'tr[data-instance="synthetic__calc-add"]').text
