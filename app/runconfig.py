@@ -9,6 +9,7 @@ Kept whole: one job, the declared schema of a run's body; its length is the fiel
 """
 from __future__ import annotations
 
+import difflib
 from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -459,7 +460,9 @@ class RunConfig(BaseModel):
         # Every problem at once, one "field: message" per line (the API reports each line as a detail).
         problems = []
         if self.harness not in HARNESSES:
-            problems.append(f"harness: unknown harness {self.harness!r}; choose one of {', '.join(HARNESSES)}")
+            close = difflib.get_close_matches(self.harness, HARNESSES, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(f"harness: unknown harness {self.harness!r}; {hint}choose one of {', '.join(HARNESSES)}")
         if self.kind == "train" and self.steps < 1:
             problems.append(f"steps: a train run needs at least one step, got {self.steps}")
         if self.kind == "train" and self.group_size < 2 and self.training.algorithm != "opd":

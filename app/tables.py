@@ -74,6 +74,8 @@ class Run(Base):
     priority: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
+    # {dotted config path: "file" | "--set" | "api" | "warm start" | "default"} (app.provenance); NULL on older runs
+    provenance: Mapped[dict[str, str] | None] = mapped_column(JSONType, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

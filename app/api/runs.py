@@ -152,9 +152,15 @@ def create_run():
         details = [{"field": f, "message": m} for f, m in engine_problems(cfg)]
     if details:
         raise _validation_error(details)
+    from app.provenance import HEADER, parse_claim, record
+
+    stored = cfg.model_dump(mode="json")
+    origins = record(stored, body, parse_claim(request.headers.get(HEADER)))
+    if request.args.get("dry_run") in ("1", "true"):  # checked only: the CLI asks before a warm start
+        return jsonify({"config": stored, "provenance": origins})
     priority = cfg.priority or (5 if cfg.kind == "eval" else 0)
     with session_scope() as session:
-        run = Run(kind=cfg.kind, config=cfg.model_dump(mode="json"), priority=priority)
+        run = Run(kind=cfg.kind, config=stored, priority=priority, provenance=origins)
         session.add(run)
         session.flush()
         run_id = run.id

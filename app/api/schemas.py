@@ -62,6 +62,9 @@ class Run(_Out):
     config: StoredRunConfig
     error: str | None
     summary: dict[str, Any] | None = Field(description="the run summary once finished (see README: Monitoring)")
+    provenance: dict[str, str] | None = Field(
+        None, description="where each setting of `config` came from, by dotted path: 'file', '--set', 'api', "
+                          "'warm start' or 'default' (null: a run created before sources were recorded)")
     episodes_by_status: dict[str, int]
     created_at: str | None
     started_at: str | None

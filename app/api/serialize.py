@@ -52,6 +52,7 @@ def run_to_dict(run: Run, counts: dict[str, int] | None = None, live: dict | Non
         "config": run.config,
         "error": run.error,
         "summary": run.summary,
+        "provenance": run.provenance,
         "episodes_by_status": counts or {},
         "created_at": _ts(run.created_at),
         "started_at": _ts(run.started_at),

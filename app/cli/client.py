@@ -64,10 +64,17 @@ def read_config_file(path: str) -> dict:
     return config
 
 
-def submit_run(config: dict) -> dict:
-    """POST the config; returns the created run, or raises SystemExit with the API's error message."""
+def submit_run(config: dict, origins: dict[str, str] | None = None) -> dict:
+    """POST the config; returns the created run, or raises SystemExit with the API's error message.
+
+    `origins` (`{dotted path: source}`, `app.provenance`) tells the API which settings came from a
+    file, `--set` or the warm start; without it every setting sent is recorded as the API body's.
+    """
+    from app.provenance import HEADER
+
+    headers = {HEADER: json.dumps(origins)} if origins else {}
     with api_client() as client:
-        resp = client.post("/api/runs", json=config)
+        resp = client.post("/api/runs", json=config, headers=headers)
     if resp.status_code != 202:
         err = resp.json().get("error", {}) if resp.headers.get("content-type", "").startswith("application/json") else {}
         details = err.get("details") or []

@@ -58,20 +58,98 @@ SUBMIT_EXAMPLES = """examples:
 the run options: app/runconfig.py, or RunConfig in /api/openapi.json"""
 
 
-def _warm_start(config: dict) -> None:
-    """A config's `warm_start` section (not a run option): run or reuse that supervised warm start
-    on this machine (`app.training.warmstart.warm_start_folder`, cached by its inputs) and start
-    the run from it (`model.checkpoint`).  The section is removed from `config`."""
-    section = config.pop("warm_start", None)
-    if section is None:
-        return
-    from app.training.warmstart import warm_start_folder
+def _assemble(path: str | None, sets: list[str]) -> tuple[dict, dict[str, str], str | None]:
+    """The run config of `--config path` then `--set KEY=VALUE`s, where each leaf came from
+    (`app.provenance`), and where its `warm_start` section came from (None: it has none)."""
+    from app import provenance
 
-    print("warm start: supervised fine-tuning on the fixes of its instances (reused when done before) ...",
-          file=sys.stderr, flush=True)
-    folder = warm_start_folder(config, section, "starter:train")
-    print(f"warm start: {folder}", file=sys.stderr)
-    config["model"] = {**(config.get("model") or {}), "checkpoint": str(folder)}
+    config: dict = client.read_config_file(path) if path else {}
+    origins: dict[str, str] = {}
+    provenance.mark(origins, config, provenance.FILE)
+    warm_source = provenance.FILE if "warm_start" in config else None
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set group_size=4")
+        _set(config, key, value)
+        for stale in [p for p in origins if p == key or p.startswith(key + ".")]:
+            del origins[stale]  # a --set of a section replaces the file's whole section
+        node = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            provenance.mark(origins, node, provenance.SET, key + ".")
+        else:
+            origins[key] = provenance.SET
+        if key.split(".", 1)[0] == "warm_start":
+            warm_source = provenance.SET
+    return config, origins, warm_source
+
+
+def _check_run(config: dict, origins: dict[str, str]) -> list[dict]:
+    """Every `{"field", "message"}` problem the API finds in `config` (schema and this installation's
+    checks, `POST /api/runs?dry_run=1`, which creates nothing); [] when it would be accepted."""
+    from app.provenance import HEADER
+
+    with client.api_client() as api:
+        resp = api.post("/api/runs", params={"dry_run": "1"}, json=config, headers={HEADER: json.dumps(origins)})
+    if resp.status_code == 200:
+        return []
+    try:
+        error = resp.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        raise SystemExit(f"run check failed ({resp.status_code}): {resp.text[:300]}") from None
+    return error.get("details") or [{"field": error.get("field"), "message": error.get("message")}]
+
+
+def _refused(message: str) -> int:
+    """Print why the run is refused (nothing was submitted); the exit status 2 of bad input."""
+    print(f"run rejected: {message}", file=sys.stderr)
+    return 2
+
+
+def _prepare(config: dict, origins: dict[str, str], warm_source: str | None) -> int:
+    """Check the whole config, then run the warm start (when there is one and nothing overrides it):
+    0 with `config` ready to submit (its `warm_start` section removed, `origins` updated in place),
+    or 2 after printing why the run is refused.
+
+    Order matters: every problem of the config (the API's checks against this installation, and the
+    warm start's own inputs) is reported at once before the warm start's minutes of fine-tuning.
+    A `model.checkpoint` from `--set` overrides a `warm_start` section of the file, which is then
+    skipped and said so; from the same source they are refused (`app.provenance.checkpoint_conflict`).
+    """
+    from app import provenance
+
+    section = config.pop("warm_start", None)
+    for path in [p for p in origins if p.split(".", 1)[0] == "warm_start"]:
+        del origins[path]  # not a run option: only the warm start reads it
+    try:
+        verdict = provenance.checkpoint_conflict(origins, warm_source if section is not None else None)
+    except ValueError as exc:
+        return _refused(str(exc))
+    if verdict == "skip":
+        print(f"warm start skipped: --set model.checkpoint={config['model']['checkpoint']} chooses the starting "
+              "weights (it overrides the file's warm_start section)", file=sys.stderr)
+        section = None
+    problems = _check_run(config, origins)
+    if section is not None:
+        from app.training.warmstart import section_problems
+
+        problems += [{"field": f, "message": m} for f, m in section_problems(config, section, "starter:train")]
+    if problems:
+        lines = "\n".join(f"  {p['field']}: {p['message']}" if p.get("field") else f"  {p['message']}" for p in problems)
+        return _refused(f"{len(problems)} problem{'s' if len(problems) > 1 else ''} in the run config, nothing was "
+                        f"submitted\n{lines}")
+    if section is not None:
+        from app.training.warmstart import warm_start_folder
+
+        print("warm start: supervised fine-tuning on the fixes of its instances (reused when done before) ...",
+              file=sys.stderr, flush=True)
+        folder = warm_start_folder(config, section, "starter:train")
+        print(f"warm start: {folder}", file=sys.stderr)
+        config["model"] = {**(config.get("model") or {}), "checkpoint": str(folder)}
+        origins["model.checkpoint"] = provenance.WARM_START
+    return 0
 
 
 def cmd_submit(args) -> int:
@@ -82,14 +160,10 @@ def cmd_submit(args) -> int:
         print("turnstile submit: give a run config (--config FILE) and/or fields (--set KEY=VALUE); nothing was "
               f"submitted\n{SUBMIT_EXAMPLES}", file=sys.stderr)
         return 2
-    config: dict = client.read_config_file(args.config) if args.config else {}
-    for item in args.set or []:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set group_size=4")
-        _set(config, key, value)
-    _warm_start(config)
-    run = client.submit_run(config)
+    config, origins, warm_source = _assemble(args.config, args.set or [])
+    if _prepare(config, origins, warm_source):
+        return 2
+    run = client.submit_run(config, origins)
     print(f"run {run['id']} created ({run['kind']}, {run['config']['harness']}, task set {run['config']['task_set']})")
     if not args.follow:
         return 0
@@ -179,10 +253,11 @@ def cmd_demo(args) -> int:
     A `warm_start` section in the config (see `app.training.warmstart.warm_start_folder`) first
     runs or reuses the supervised warm start, which the run then starts from (`model.checkpoint`).
     """
-    config = client.read_config_file(args.config)
+    config, origins, warm_source = _assemble(args.config, [])
     console = make_console()
-    _warm_start(config)
-    run = client.submit_run(config)
+    if _prepare(config, origins, warm_source):
+        return 2
+    run = client.submit_run(config, origins)
     console.print(f"run {run['id']} submitted: {config.get('kind')} {config.get('harness')} on "
                   f"{', '.join(config.get('instances') or [config.get('task_set')])}, "
                   f"group {config.get('group_size')} x {config.get('tasks_per_step')} tasks x {config.get('steps')} steps")

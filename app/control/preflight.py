@@ -87,6 +87,15 @@ def _short(message: str, limit: int = 400) -> str:
     return message if len(message) <= limit else message[:limit] + " …"
 
 
+def _closest(name: str, known: list[str]) -> str:
+    """`; did you mean 'starter'?` for the closest of `known` to `name` (difflib's ratio, cutoff 0.6, as
+    Python's own suggestions), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def check_installation(cfg: RunConfig) -> tuple[str, str] | None:
     """`(field, message)` of the first choice the real stages cannot serve here, or None
     (the first of `installation_problems`)."""
@@ -118,12 +127,15 @@ def installation_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     try:
         task_set = load_task_set(cfg.task_set)
     except (FileNotFoundError, ValueError) as exc:
-        problems.append(("task_set", _short(str(exc))))
+        from app.tasksets.loader import NAMED_SETS
+
+        problems.append(("task_set", _short(str(exc)) + _closest(cfg.task_set, list(NAMED_SETS))))
     if task_set is not None:
-        known = {r.instance_id for r in task_set.instances}
-        missing = [name for name in cfg.instances or [] if name not in known]
+        known = [r.instance_id for r in task_set.instances]
+        missing = [name for name in cfg.instances or [] if name not in set(known)]
         if missing:
-            problems.append(("instances", f"task set {task_set.name!r} has no instance(s) {missing}"))
+            hints = "".join(_closest(name, known) for name in missing[:10])
+            problems.append(("instances", f"task set {task_set.name!r} has no instance(s) {missing}{hints}"))
     if cfg.model.engine == "embedded" and cfg.model.name not in EMBEDDED_MODELS:
         problems.append(("model.name", (f"the embedded engine serves {' or '.join(EMBEDDED_MODELS)}, not "
                                         f"{cfg.model.name!r}; use model.engine=vllm with model.engine_urls for "

@@ -235,6 +235,42 @@ def warm_start(base: str, harness, records: Sequence, config: WarmStartConfig, o
     return modeling.save_weights(merged, folder, metadata=meta)
 
 
+def section_problems(config: Mapping, section: Mapping, default_instances: str | Sequence[str]) -> list[tuple[str, str]]:
+    """Every `(field, message)` that would make `warm_start_folder(config, section, ...)` fail on its inputs,
+    [] when none: unknown settings, an instance spec that names nothing, ids the run's task set lacks.
+
+    Cheap (no model is loaded), so a caller checks it before the minutes of fine-tuning.  Fields
+    are dotted under `warm_start.`.  A task set that does not load is not repeated here: the run
+    config's own check names it.
+    """
+    import difflib
+
+    from app.tasksets import load_task_set
+    from app.tasksets.starter import instance_ids
+
+    settings = dict(section)
+    problems: list[tuple[str, str]] = []
+    spec = settings.pop("instances", default_instances)
+    try:
+        WarmStartConfig.from_dict(settings)
+    except (TypeError, ValueError) as exc:
+        problems.append(("warm_start", str(exc)))
+    try:
+        task_set = load_task_set(config.get("task_set", "synthetic"))
+    except (FileNotFoundError, ValueError):
+        return problems
+    try:
+        names = instance_ids(spec)
+    except (FileNotFoundError, ValueError) as exc:
+        return problems + [("warm_start.instances", str(exc))]
+    known = [r.instance_id for r in task_set.instances]
+    for name in [n for n in names if n not in set(known)]:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        problems.append(("warm_start.instances", f"task set {task_set.name!r} has no instance {name!r}{hint}"))
+    return problems
+
+
 def warm_start_folder(config: Mapping, section: Mapping, default_instances: str | Sequence[str]) -> Path:
     """Run (or reuse) the supervised warm start described by `section`; its model folder.
 
