@@ -170,7 +170,14 @@ class Settings(BaseSettings):
     flower_port: int = Field(5555, ge=1, le=65535, **_env("TURNSTILE_FLOWER_PORT"),
                              description="Port of the Flower dashboard (bound to 127.0.0.1).")
     tensorboard_port: int = Field(6006, ge=1, le=65535, **_env("TURNSTILE_TENSORBOARD_PORT"),
-                                  description="Port of TensorBoard over var/runs (bound to 127.0.0.1; `make up`).")
+                                  description="Port of TensorBoard over var/tensorboard (bound to 127.0.0.1; `make up`).")
+    tensorboard_url: str | None = Field(None, pattern=r"^https?://\S+$", **_env("TURNSTILE_TENSORBOARD_URL"),
+                                        description="TensorBoard's address as a browser reaches it (e.g. "
+                                                    "http://127.0.0.1:6006 where `make up` runs): the dashboard "
+                                                    "links each run to it; unset, it says so instead.")
+    flower_url: str | None = Field(None, pattern=r"^https?://\S+$", **_env("TURNSTILE_FLOWER_URL"),
+                                   description="Flower's address as a browser reaches it (e.g. http://127.0.0.1:5555 "
+                                               "where `make up` runs): the dashboard links to it; unset, it says so.")
     wandb_mode: Literal["disabled", "offline", "online"] = Field(
         "disabled", **_env("TURNSTILE_WANDB_MODE"),
         description="Weights & Biases logging of every run's metrics: disabled, offline (files under "

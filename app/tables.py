@@ -74,6 +74,10 @@ class Run(Base):
     priority: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
+    # What a person calls the run (app.api.labels checks them): not run options, so editable at any time
+    name: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    tags: Mapped[list[Any] | None] = mapped_column(JSONType, nullable=True)  # lowercase, sorted; NULL: none
+    notes: Mapped[str | None] = mapped_column(Text, nullable=True)
     # {dotted config path: "file" | "--set" | "api" | "warm start" | "default"} (app.provenance); NULL on older runs
     provenance: Mapped[dict[str, str] | None] = mapped_column(JSONType, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -30,6 +30,16 @@ _ERROR = {
 }
 
 
+_TAGS = {"type": "array", "items": {"type": "string", "pattern": "^[a-z0-9][a-z0-9_.:+=-]*$", "maxLength": 64}}
+_LABELS = {  # PATCH /api/runs/{run_id} (app.api.labels); POST /api/runs takes name, tags and notes too
+    "type": "object", "additionalProperties": False,
+    "properties": {"name": {"type": ["string", "null"], "maxLength": 200, "description": "one line; null or \"\" clears"},
+                   "notes": {"type": ["string", "null"], "maxLength": 10000, "description": "null or \"\" clears"},
+                   "tags": {**_TAGS, "description": "replaces every tag (lowercased)"},
+                   "add_tags": _TAGS, "remove_tags": _TAGS},
+}
+
+
 def _json(schema_ref: str, description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": {"$ref": schema_ref}}}}
 
@@ -66,12 +76,20 @@ def openapi_spec() -> dict:
                     "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RunConfig"}}}},
                     "responses": {"202": run, "400": err},
                 },
-                "get": {"summary": "List runs, newest first.",
-                        "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer", "maximum": 500}}],
+                "get": {"summary": "List runs, newest first; `q` searches name, notes and tags (any case), `tag` "
+                                   "(repeated or comma-separated) keeps runs with every tag given.",
+                        "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer", "maximum": 500}}]
+                                      + [{"name": n, "in": "query", "schema": {"type": "string"}}
+                                         for n in ("q", "tag", "kind", "status")],
                         "responses": {"200": _json("#/components/schemas/RunList", "runs")}},
             },
             "/api/runs/{run_id}": {"get": {"summary": "One run with its episode counts and training steps.",
-                                           "parameters": [_id_param("run_id")], "responses": {"200": run, "404": err}}},
+                                           "parameters": [_id_param("run_id")], "responses": {"200": run, "404": err}},
+                                   "patch": {"summary": "Set or clear the run's name, tags and notes (at any time, "
+                                                        "also once it ended); every problem of the body in one 400.",
+                                             "parameters": [_id_param("run_id")],
+                                             "requestBody": {"required": True, "content": {"application/json": {"schema": _LABELS}}},
+                                             "responses": {"200": run, "400": err, "404": err}}},
             "/api/runs/{run_id}/cancel": {"post": {"summary": "Cancel a run: running episodes are stopped, nothing recorded is lost.",
                                                    "parameters": [_id_param("run_id")], "responses": {"202": run, "404": err, "409": err}}},
             "/api/runs/{run_id}/episodes": {"get": {"summary": "Episodes of a run.",

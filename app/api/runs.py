@@ -145,7 +145,12 @@ def create_run():
     bad = _unstorable(body)
     if bad is not None:
         raise ApiError(400, f"invalid run config: {bad[0]}: {bad[1]}", bad[0] or None)
-    cfg, details = config_problems(body)
+    from app.api.labels import LABEL_FIELDS, labels_problems  # name, tags, notes: not run options
+
+    labels, details = labels_problems(body, LABEL_FIELDS)
+    body = {k: v for k, v in body.items() if k not in LABEL_FIELDS}
+    cfg, config_details = config_problems(body)
+    details += config_details
     if not details:  # train runs sharing this deployment's engines: LoRA pool or full fine-tune alone
         from app.control.tenancy import engine_problems
 
@@ -162,6 +167,7 @@ def create_run():
     with session_scope() as session:
         run = Run(kind=cfg.kind, config=stored, priority=priority, provenance=origins)
         session.add(run)
+        run.name, run.tags, run.notes = labels.get("name"), sorted(labels.get("tags") or []) or None, labels.get("notes")
         session.flush()
         run_id = run.id
     from app.tasks.send import send_start_run  # on first use: importing app.celery reads the settings once
@@ -186,8 +192,14 @@ def list_runs():
     if not raw.isdigit() or not 1 <= int(raw) <= 500:
         raise ApiError(400, "limit: must be an integer from 1 to 500", "limit")
     limit = int(raw)
+    from app.api.labels import RunFilter
+
+    try:
+        where = RunFilter.from_args(request.args)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), str(exc).split(":", 1)[0]) from None
     with session_scope() as session:
-        runs = session.scalars(select(Run).order_by(Run.id.desc()).limit(limit)).all()
+        runs = session.scalars(where.apply(select(Run)).order_by(Run.id.desc()).limit(limit)).all()
         graded = _graded_stats(session, [r.id for r in runs])
         out = []
         for r in runs:

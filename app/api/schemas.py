@@ -57,6 +57,9 @@ class Run(_Out):
     id: int
     kind: Literal[RUN_KINDS]  # type: ignore[valid-type]
     status: RunStatus
+    name: str | None = Field(None, description="what a person calls the run (set at submit or PATCH /api/runs/{run_id})")
+    tags: list[str] = Field(default_factory=list, description="the run's tags, lowercase, sorted")
+    notes: str | None = Field(None, description="free text about the run")
     policy_version: int
     priority: int
     config: StoredRunConfig
