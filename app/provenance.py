@@ -87,3 +87,24 @@ def checkpoint_conflict(origins: Mapping[str, str], warm_source: str | None) -> 
     raise ValueError(f"model.checkpoint (from {chosen}) and a warm_start section (from {warm_source}) both choose "
                      "the weights the run starts from; remove one of them (a --set model.checkpoint overrides a "
                      "warm_start section of the file)")
+
+
+def chosen_rows(config: Mapping[str, Any], origins: Mapping[str, str] | None) -> dict | None:
+    """What the run page shows: `{"rows": [{"path", "value", "source"}], "defaults": n}`, one row per
+    setting someone chose (every source but `default`, in path order; `value` as compact JSON), and
+    how many settings kept their default; None for a run created before sources were recorded."""
+    if origins is None:
+        return None
+    values: dict[str, Any] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.")
+            else:
+                values[f"{prefix}{key}"] = value
+
+    walk(config, "")
+    rows = [{"path": path, "value": json.dumps(values.get(path), separators=(", ", ": ")), "source": source}
+            for path, source in sorted(origins.items()) if source != DEFAULT]
+    return {"rows": rows, "defaults": sum(1 for s in origins.values() if s == DEFAULT)}

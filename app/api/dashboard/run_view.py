@@ -17,6 +17,7 @@ from app.api.dashboard.data import age, seconds_between
 from app.api.dashboard.groups import run_groups
 from app.api.dashboard.heldout import heldout_view
 from app.api.serialize import waiting_reason
+from app.provenance import chosen_rows
 from app.tables import EPISODE_STATES, Completion, Episode, Run, TaskInstance, TrainingStep, utcnow
 from app.transitions import TERMINAL
 
@@ -152,6 +153,7 @@ def run_detail(s: Session, run_id: int, status: str | None = None, instance: str
         .join(Episode, Episode.id == Completion.episode_id).where(Episode.run_id == run_id)).one()
     return {
         "run": run, "config": cfg, "counts": counts, "total": sum(counts.values()),
+        "provenance": chosen_rows(cfg, run.provenance),
         "terminal": run.status in TERMINAL, "age": age(run.created_at), "waiting": waiting_reason(run),
         "duration_s": seconds_between(run.started_at, run.finished_at or (None if run.status in TERMINAL else utcnow())),
         "graded": graded, "reward": float(reward) if reward is not None else None,
