@@ -11,7 +11,10 @@ import datetime as dt
 from sqlalchemy import Integer, cast, func, select
 from sqlalchemy.orm import Session
 
+from app.api.labels import RunFilter
+from app.config import get_settings
 from app.tables import Episode, Run, TrainingStep, aware_utc, utcnow
+from app.tensorboard_runs import tensorboard_url
 from app.transitions import TERMINAL
 
 
@@ -35,15 +38,16 @@ def age(value: dt.datetime | None, now: dt.datetime | None = None) -> str:
 
 # --- runs list ----------------------------------------------------------------------------
 
-def runs_overview(s: Session, status: str | None = None, kind: str | None = None, limit: int = 100) -> list[dict]:
-    """One row per run, newest first: status, kind, harness, model, progress, reward, resolved rate,
-    solved instances (`(solved, graded)`: instances with a resolved sample, of those graded), age."""
-    q = select(Run).order_by(Run.id.desc()).limit(limit)
-    if status:
-        q = q.where(Run.status == status)
-    if kind:
-        q = q.where(Run.kind == kind)
+RUNS_SHOWN = 100  # the runs list's length; its live refresh asks the API for as many (static/runs.js)
+
+
+def runs_overview(s: Session, where: RunFilter | None = None, limit: int = RUNS_SHOWN) -> list[dict]:
+    """One row per run that `where` shows (every run when None), newest first: name, tags, status, kind,
+    harness, model, progress, reward, resolved rate, solved instances (`(solved, graded)`: instances
+    with a resolved sample, of those graded), age, and its TensorBoard link (None: no address set)."""
+    q = (where or RunFilter()).apply(select(Run)).order_by(Run.id.desc()).limit(limit)
     runs = s.scalars(q).all()
+    tensorboard = get_settings().tensorboard_url
     ids = [r.id for r in runs]
     if not ids:
         return []
@@ -72,7 +76,9 @@ def runs_overview(s: Session, status: str | None = None, kind: str | None = None
         n_graded, reward, resolved = graded.get(r.id, (0, None, 0))
         inst = solved.get(r.id, [])
         rows.append({
-            "id": r.id, "kind": r.kind, "status": r.status,
+            "id": r.id, "kind": r.kind, "status": r.status, "name": r.name, "tags": r.tags or [], "notes": r.notes,
+            "policy_version": r.policy_version, "by_status": by_status,
+            "tensorboard_url": tensorboard_url(tensorboard, r.id, r.kind, cfg.get("harness"), r.name),
             "harness": cfg.get("harness"), "model": (cfg.get("model") or {}).get("checkpoint") or (cfg.get("model") or {}).get("name"),
             "task_set": cfg.get("task_set"),
             "episodes_done": done, "episodes_total": total,

@@ -8,9 +8,12 @@ from sqlalchemy import select
 from app.api.configdiff import config_diff
 from app.api.dashboard import compare, data, engines, episode, overlay, run_view
 from app.api.dashboard.form import run_config_form
+from app.api.labels import RunFilter
+from app.config import get_settings
 from app.api.openapi import openapi_spec
 from app.db import session_scope
 from app.tables import RUN_KINDS, RUN_STATES, Run
+from app.tensorboard_runs import tensorboard_url
 from app.transitions import RUN_CANCELLABLE, TERMINAL
 
 bp = Blueprint("dashboard", __name__, template_folder="templates", static_folder="static",
@@ -45,11 +48,23 @@ def _num(value, spec: str = ".3f") -> str:
 
 @bp.get("/")
 def runs_page():
-    status, kind = _arg("status", RUN_STATES), _arg("kind", RUN_KINDS)
+    try:
+        where = RunFilter.from_args(request.args)  # the same search and filters as GET /api/runs
+    except ValueError as exc:
+        abort(400, str(exc))
     with session_scope() as s:
-        rows = data.runs_overview(s, status=status, kind=kind)
-        return render_template("dashboard/runs.html", rows=rows, status=status, kind=kind,
-                               states=RUN_STATES, kinds=RUN_KINDS, engine_rows=engines.engine_sharing(s))
+        rows = data.runs_overview(s, where)
+        state = [{"id": r["id"], "status": r["status"], "policy_version": r["policy_version"],
+                  "episodes_by_status": r["by_status"], "name": r["name"], "tags": r["tags"]} for r in rows]
+        return render_template("dashboard/runs.html", rows=rows, f=where, state=state, shown=data.RUNS_SHOWN,
+                               states=RUN_STATES, kinds=RUN_KINDS, engine_rows=engines.engine_sharing(s),
+                               links=monitoring_links())
+
+
+def monitoring_links() -> dict:
+    """TensorBoard's and Flower's addresses from the settings (None where not configured)."""
+    settings = get_settings()
+    return {"tensorboard": settings.tensorboard_url, "flower": settings.flower_url}
 
 
 @bp.get("/runs")
@@ -79,7 +94,10 @@ def run_page(run_id: int):
         view = run_view.run_detail(s, run_id, status=status, instance=_arg("instance"), outcome=outcome)
         if view is None:
             abort(404, f"run {run_id} not found")
-        return render_template("dashboard/run.html", v=view, fmt_ci=_ci, f={"status": status, "instance": _arg("instance"),
+        links = monitoring_links()
+        links["run_tensorboard"] = tensorboard_url(links["tensorboard"], run_id, view["run"].kind,
+                                                   view["config"].get("harness"), view["run"].name)
+        return render_template("dashboard/run.html", v=view, fmt_ci=_ci, links=links, f={"status": status, "instance": _arg("instance"),
                                                                  "outcome": outcome},
                                terminal_states=TERMINAL, cancellable=RUN_CANCELLABLE)
 
