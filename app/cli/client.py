@@ -64,6 +64,22 @@ def read_config_file(path: str) -> dict:
     return config
 
 
+def check_run(config: dict, origins: dict[str, str]) -> list[dict]:
+    """Every `{"field", "message"}` problem the API finds in `config` (schema and this installation's
+    checks, `POST /api/runs?dry_run=1`, which creates nothing); [] when it would be accepted."""
+    from app.provenance import HEADER
+
+    with api_client() as api:
+        resp = api.post("/api/runs", params={"dry_run": "1"}, json=config, headers={HEADER: json.dumps(origins)})
+    if resp.status_code == 200:
+        return []
+    try:
+        error = resp.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        raise SystemExit(f"run check failed ({resp.status_code}): {resp.text[:300]}") from None
+    return error.get("details") or [{"field": error.get("field"), "message": error.get("message")}]
+
+
 def submit_run(config: dict, origins: dict[str, str] | None = None) -> dict:
     """POST the config; returns the created run, or raises SystemExit with the API's error message.
 

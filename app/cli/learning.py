@@ -176,6 +176,35 @@ def warm_section(learn: Mapping, warm: Mapping, train_ids: list[str]) -> dict:
     return {**out, "instances": pool}
 
 
+def warm_section_spec(warm: Mapping, train_ids: list[str]) -> dict:
+    """The warm start's settings as `section_problems` checks them: its instances unresolved (a bad
+    spec is a problem it names, where `warm_section` would exit)."""
+    return {**{key: v for key, v in warm.items() if v is not None}, "instances": warm.get("instances") or train_ids}
+
+
+def replaced_settings(config: Mapping, learn: Mapping, seed: int | None, train_ids: list[str],
+                      heldout: list[str]) -> list[str]:
+    """The settings of the file that `learn` would replace with other values, each as "field: why";
+    [] when none.  `learn` sets the train run's kind and instances, with `eval_every` its held-out
+    evals (`learn.heldout`, `learn.eval_samples`), and with `learn.warm_start` its starting weights:
+    a file that sets one of them to something else is refused rather than silently overridden."""
+    out = []
+    if config.get("kind", "train") != "train":
+        out.append(f"kind: learn's config is its train run's (kind 'train'), not {config['kind']!r}")
+    if "instances" in config and _ids(seeded(config["instances"], seed)) != train_ids:
+        out.append("instances: learn trains on learn.train; set the instances there")
+    if config.get("eval_every"):
+        if "eval_instances" in config and _ids(seeded(config["eval_instances"], seed)) != heldout:
+            out.append("eval_instances: learn evaluates learn.heldout; set the held-out instances there")
+        if "eval_samples" in config and config["eval_samples"] != int(learn.get("eval_samples", 4)):
+            out.append("eval_samples: learn takes learn.eval_samples; set it there")
+        if config.get("eval_first", False) is not False:
+            out.append("eval_first: learn's 'before' run evaluates step 0; remove eval_first")
+    if learn.get("warm_start") is not None and (config.get("model") or {}).get("checkpoint"):
+        out.append("model.checkpoint: it and learn.warm_start both choose the weights the runs start from; remove one")
+    return out
+
+
 def _final_eval(train: Mapping, timeout_s: float | None, console: Console) -> dict | None:
     """The train run's last `eval_every` eval (the newest checkpoint on the held-out set), followed to its end."""
     steps = int(train["config"]["steps"])
@@ -207,11 +236,28 @@ def cmd_learn(args) -> int:
     console = make_console()
     config["model"] = dict(config.get("model") or {})
     warm = learn.get("warm_start")
+    refused = replaced_settings(config, learn, seed, train_ids, heldout)
     if seed is not None:
         # another draw of everything random: the split, the warm start's and the trainer's seeds
+        if (config.get("training") or {}).get("seed", seed) != seed:
+            console.print(f"seed {seed} (--seed / TURNSTILE_LEARN_SEED) replaces the file's training.seed "
+                          f"{config['training']['seed']}")
         config["training"] = {**(config.get("training") or {}), "seed": seed}
         warm = None if warm is None else {**warm, "seed": seed, "instances": seeded(warm.get("instances"), seed)}
         console.print(f"seed {seed}: {len(train_ids)} train, {len(heldout)} held-out, {len(ood)} out-of-family instances")
+    # every problem of the train run's config (and the warm start's inputs), before any warm start
+    check = {**config, "kind": "train", "instances": train_ids}
+    if config.get("eval_every"):
+        check.update(eval_instances=heldout, eval_samples=k, eval_first=False)
+    refused += [f"{p['field']}: {p['message']}" if p.get("field") else p["message"] for p in client.check_run(check, {})]
+    if warm is not None:
+        from app.training.warmstart import section_problems
+
+        refused += [f"{f}: {m}" for f, m in section_problems(config, warm_section_spec(warm, train_ids), train_ids)]
+    if refused:
+        console.print(f"run rejected: {len(refused)} problem{'s' if len(refused) > 1 else ''} in {args.config}, "
+                      "nothing was submitted\n" + "\n".join(f"  {line}" for line in refused), markup=False)
+        return 2
     if warm is not None:
         # The policy GRPO starts from, and the "before" of the comparison, is the warm-started one.
         config["model"]["checkpoint"] = str(warm_start_folder(config, warm_section(learn, warm, train_ids), train_ids))

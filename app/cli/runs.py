@@ -86,22 +86,6 @@ def _assemble(path: str | None, sets: list[str]) -> tuple[dict, dict[str, str], 
     return config, origins, warm_source
 
 
-def _check_run(config: dict, origins: dict[str, str]) -> list[dict]:
-    """Every `{"field", "message"}` problem the API finds in `config` (schema and this installation's
-    checks, `POST /api/runs?dry_run=1`, which creates nothing); [] when it would be accepted."""
-    from app.provenance import HEADER
-
-    with client.api_client() as api:
-        resp = api.post("/api/runs", params={"dry_run": "1"}, json=config, headers={HEADER: json.dumps(origins)})
-    if resp.status_code == 200:
-        return []
-    try:
-        error = resp.json()["error"]
-    except (ValueError, KeyError, TypeError):
-        raise SystemExit(f"run check failed ({resp.status_code}): {resp.text[:300]}") from None
-    return error.get("details") or [{"field": error.get("field"), "message": error.get("message")}]
-
-
 def _refused(message: str) -> int:
     """Print why the run is refused (nothing was submitted); the exit status 2 of bad input."""
     print(f"run rejected: {message}", file=sys.stderr)
@@ -131,7 +115,7 @@ def _prepare(config: dict, origins: dict[str, str], warm_source: str | None) -> 
         print(f"warm start skipped: --set model.checkpoint={config['model']['checkpoint']} chooses the starting "
               "weights (it overrides the file's warm_start section)", file=sys.stderr)
         section = None
-    problems = _check_run(config, origins)
+    problems = client.check_run(config, origins)
     if section is not None:
         from app.training.warmstart import section_problems
 

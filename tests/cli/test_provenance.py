@@ -145,3 +145,37 @@ def test_demo_path_checks_before_the_warm_start(api, warm_starts, tmp_path, caps
     assert main(["demo", "--config", str(path)]) == 2
     assert "did you mean 'codex'?" in capsys.readouterr().err
     assert warm_starts == []
+
+
+def _learn_file(tmp_path, **changes) -> str:
+    config = json.loads((ROOT / "demo" / "learn.json").read_text())
+    config.update(changes)
+    path = tmp_path / "learn.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_learn_refuses_what_its_recipe_would_replace_before_the_warm_start(api, warm_starts, tmp_path, capsys):
+    trained = _trained_run()
+    path = _learn_file(tmp_path, eval_instances=["family__x-1"], instances=["family__y-1"],
+                       model={"name": "smollm2", "checkpoint": f"run:{trained}"}, harness="mini-swe-agnt")
+    assert main(["learn", "--config", path]) == 2
+    out = capsys.readouterr().out
+    assert "eval_instances: learn evaluates learn.heldout" in out and "instances: learn trains on learn.train" in out
+    assert "model.checkpoint: it and learn.warm_start both choose" in out
+    assert "did you mean 'mini-swe-agent'?" in out
+    assert warm_starts == []
+    with session_scope() as s:
+        assert s.query(Run).filter(Run.kind != "train").count() == 0
+
+
+def test_learn_keeps_a_file_value_equal_to_its_own():
+    """demo/learn.json names the same held-out split in eval_instances as in learn.heldout: nothing is
+    replaced, so nothing is refused (the run's check then passes too)."""
+    from app.cli.learning import replaced_settings, _ids
+
+    config = json.loads((ROOT / "demo" / "learn.json").read_text())
+    learn = config.pop("learn")
+    assert replaced_settings(config, learn, None, _ids(learn["train"]), _ids(learn["heldout"])) == []
+    assert replaced_settings({**config, "eval_samples": 9}, learn, None, _ids(learn["train"]),
+                             _ids(learn["heldout"])) == ["eval_samples: learn takes learn.eval_samples; set it there"]
