@@ -163,7 +163,8 @@ def create_run():
     origins = record(stored, body, parse_claim(request.headers.get(HEADER)))
     if request.args.get("dry_run") in ("1", "true"):  # checked only: the CLI asks before a warm start
         return jsonify({"config": stored, "provenance": origins})
-    priority = cfg.priority or (5 if cfg.kind == "eval" else 0)
+    # eval runs default to 5; a priority the body gives (0 included) is kept
+    priority = cfg.priority if origins.get("priority") != "default" else (5 if cfg.kind == "eval" else 0)
     with session_scope() as session:
         run = Run(kind=cfg.kind, config=stored, priority=priority, provenance=origins)
         session.add(run)

@@ -65,3 +65,11 @@ def test_dry_run_checks_everything_and_creates_nothing(client):
     fields = {d["field"]: d["message"] for d in err["details"]}
     assert "did you mean 'mini-swe-agent'?" in fields["harness"] and "did you mean 'starter'?" in fields["task_set"]
     assert _count() == 0
+
+
+def test_an_eval_runs_priority_the_body_gives_is_kept(client):
+    """Eval runs default to priority 5, but an explicit 0 is the user's and wins."""
+    chosen = client.post("/api/runs", json={**SIM, "kind": "eval", "priority": 0}).get_json()
+    default = client.post("/api/runs", json={**SIM, "kind": "eval"}).get_json()
+    assert chosen["priority"] == 0 and chosen["provenance"]["priority"] == "api"
+    assert default["priority"] == 5 and default["provenance"]["priority"] == "default"
