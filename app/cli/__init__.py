@@ -15,6 +15,7 @@ from app.cli import compare as compare_cmds
 from app.cli import deploy as deploy_cmds
 from app.cli import harness as harness_cmds
 from app.cli import images as images_cmds
+from app.cli import label as label_cmds
 from app.cli import learning as learning_cmds
 from app.cli import model as model_cmds
 from app.cli import runs as runs_cmds
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `turnstile` parser: every command module's sub-commands, in help order."""
     parser = argparse.ArgumentParser(prog=PROG, description="Turnstile: GRPO for unmodified coding agents")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (runs_cmds, compare_cmds, model_cmds, tasks_cmds, images_cmds, learning_cmds, token_cmds, harness_cmds,
+    for module in (runs_cmds, label_cmds, compare_cmds, model_cmds, tasks_cmds, images_cmds, learning_cmds, token_cmds, harness_cmds,
                    deploy_cmds):
         module.register(sub)
     return parser

@@ -8,7 +8,7 @@ import sys
 import httpx
 from rich.table import Table
 
-from app.cli import client
+from app.cli import client, labels
 from app.cli.report import make_console
 from app.paths import RunPaths
 
@@ -145,6 +145,7 @@ def cmd_submit(args) -> int:
               f"submitted\n{SUBMIT_EXAMPLES}", file=sys.stderr)
         return 2
     config, origins, warm_source = _assemble(args.config, args.set or [])
+    labels.apply_submit_flags(config, args)  # name, tags, notes: checked with the config, before a warm start
     if _prepare(config, origins, warm_source):
         return 2
     run = client.submit_run(config, origins)
@@ -183,16 +184,19 @@ def cmd_show(args) -> int:
 
 def cmd_runs(args) -> int:
     with client.api_client() as api:
-        runs = api.get("/api/runs", params={"limit": args.limit}).raise_for_status().json()["runs"]
+        resp = api.get("/api/runs", params={"limit": args.limit, **labels.filter_params(args)})
+    if resp.status_code == 400:
+        return labels.refused(resp, "runs filter")
+    runs = resp.raise_for_status().json()["runs"]
     table = Table(title="runs")
-    for col in ("id", "kind", "status", "harness", "task set", "version", "episodes", "reward", "resolved", "created"):
+    for col in ("id", "name, tags", "kind", "status", "harness", "task set", "version", "episodes", "reward", "resolved", "created"):
         table.add_column(col, overflow="fold")
     for r in runs:
         eps = ", ".join(f"{k}:{v}" for k, v in sorted(r["episodes_by_status"].items()))
         live = r.get("live") or {}
         reward = "-" if live.get("reward_mean") is None else f"{live['reward_mean']:.3f}"
         resolved = "-" if live.get("resolved_rate") is None else f"{live['resolved_rate']:.0%}"
-        table.add_row(str(r["id"]), r["kind"], r["status"], r["config"].get("harness", ""), r["config"].get("task_set", ""),
+        table.add_row(str(r["id"]), labels.labels_cell(r), r["kind"], r["status"], r["config"].get("harness", ""), r["config"].get("task_set", ""),
                       str(r["policy_version"]), eps, reward, resolved, (r["created_at"] or "")[:19])
     make_console().print(table)
     return 0
@@ -267,6 +271,7 @@ def register(sub) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. --set group_size=4")
     p.add_argument("--follow", action="store_true", help="show live progress until the run ends")
     p.add_argument("--timeout", type=float, default=None, help="give up following after this many seconds")
+    labels.add_submit_flags(p)
     p.set_defaults(handler=cmd_submit, parser=p)
 
     p = sub.add_parser("follow", help="show live progress of a run until it ends, then its summary")
@@ -280,6 +285,7 @@ def register(sub) -> None:
 
     p = sub.add_parser("runs", help="list runs")
     p.add_argument("--limit", type=int, default=20)
+    labels.add_filter_flags(p)
     p.set_defaults(handler=cmd_runs)
 
     p = sub.add_parser("export", help="export a run's episodes, completions and trajectories as JSONL")
