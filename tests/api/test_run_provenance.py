@@ -73,3 +73,13 @@ def test_an_eval_runs_priority_the_body_gives_is_kept(client):
     default = client.post("/api/runs", json={**SIM, "kind": "eval"}).get_json()
     assert chosen["priority"] == 0 and chosen["provenance"]["priority"] == "api"
     assert default["priority"] == 5 and default["provenance"]["priority"] == "default"
+
+
+def test_provenance_is_stored_on_sqlite_and_postgresql(any_database, redis_db):
+    api = api_client(create_app({"TESTING": True}))
+    resp = api.post("/api/runs", json={**SIM, "kind": "eval", "training": {"lora": True}},
+                    headers={HEADER: json.dumps({"training.lora": "--set"})})
+    assert resp.status_code == 202, resp.get_json()
+    with session_scope() as s:
+        stored = s.get(Run, resp.get_json()["id"]).provenance
+    assert stored["training.lora"] == "--set" and stored["training.lora_r"] == "default" and stored["kind"] == "api"
