@@ -256,5 +256,43 @@ class CorrectionStats:
             count = int(where.sum())
             out[f"tokens_{name}"] = count
             out[f"logprob_gap_{name}_mean_abs"] = float(gap[where].mean()) if count else None
+        out.update(chain_spread(log_ratio, lag, seq))
         # NaN and inf as None: JSON and PostgreSQL's JSONB refuse them (an engine's -inf logprob)
         return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()}
+
+
+def _quantile(sorted_values: torch.Tensor, q: float) -> float | None:
+    n = sorted_values.numel()
+    return float(sorted_values[min(n - 1, max(0, round(q * (n - 1))))]) if n else None
+
+
+def chain_spread(log_ratio: torch.Tensor, lag: torch.Tensor, seq: torch.Tensor) -> dict:
+    """The spread of the quantities the chain and token masks bound, split into on-policy chains
+    (every trained token sampled by the trainer's weights, lag 0) and lagged ones (any token 1+
+    versions behind), so that a mask's bounds can be set from what the run measured: wide enough
+    that numerical noise (lag 0) never masks, and with the share a lagged chain would lose in view.
+
+    From `log_ratio` float [N] (old - rollout, nats), `lag` int [N] and `seq` int64 [N] (chain
+    index) over the step's trained tokens.  Keys, for `part` in {lag0, lagged}: `chains_{part}`;
+    `geo_ratio_{part}_{min,max}`, the extremes of a chain's exp(mean_t log r_t) (geo_mask's
+    quantity); `log_ratio_sum_{part}_{min,max}`, of sum_t log r_t (log of seq_mis' prod_t r_t);
+    `token_ratio_{part}_{p001,p999}`, of r_t over that part's tokens (icepop's quantity).  None
+    where the part has no chain.
+    """
+    out: dict = {}
+    ids, inverse, counts = torch.unique(seq, return_inverse=True, return_counts=True)
+    lr = log_ratio.double()
+    sums = torch.zeros(ids.numel(), dtype=torch.float64).index_add_(0, inverse, lr)
+    lag_max = torch.zeros(ids.numel(), dtype=torch.long).scatter_reduce_(0, inverse, lag.long(), reduce="amax")
+    for part, chains in (("lag0", lag_max == 0), ("lagged", lag_max > 0)):
+        n = int(chains.sum())
+        out[f"chains_{part}"] = n
+        geo = torch.exp(sums[chains] / counts[chains].double()).sort().values
+        total = sums[chains].sort().values
+        tokens = torch.exp(lr[chains[inverse]].clamp(max=LOG_RATIO_BOUND)).sort().values
+        out[f"geo_ratio_{part}_min"], out[f"geo_ratio_{part}_max"] = (_quantile(geo, 0.0), _quantile(geo, 1.0))
+        out[f"log_ratio_sum_{part}_min"], out[f"log_ratio_sum_{part}_max"] = (_quantile(total, 0.0),
+                                                                              _quantile(total, 1.0))
+        out[f"token_ratio_{part}_p001"], out[f"token_ratio_{part}_p999"] = (_quantile(tokens, 0.001),
+                                                                            _quantile(tokens, 0.999))
+    return out

@@ -357,3 +357,24 @@ def test_a_steps_off_policy_metrics_reach_the_run_page_charts_and_tensorboard(tm
     assert found["train/off_policy/tokens_masked_fraction"] == pytest.approx(off["tokens_masked_fraction"])
     assert found["train/off_policy/logprob_gap_lag1_mean_abs"] == pytest.approx(0.2, abs=1e-5)
     assert found["train/loss"] == pytest.approx(metrics["loss"])
+
+
+def test_chain_spread_splits_on_policy_chains_from_lagged_ones_by_their_oldest_token():
+    # chain 0: every token lag 0, log-ratios +-1e-5 (numerical noise); chain 1: one token lag 1 in
+    # it, so the whole chain counts as lagged; its mean log-ratio is (0 + 0.3 + 0) / 3 = 0.1.
+    log_ratio = torch.tensor([1e-5, -1e-5, 0.0, 0.3, 0.0])
+    lag = torch.tensor([0, 0, 0, 1, 0])
+    seq = torch.tensor([0, 0, 1, 1, 1])
+    out = correction.chain_spread(log_ratio, lag, seq)
+    assert out["chains_lag0"] == 1 and out["chains_lagged"] == 1
+    assert out["geo_ratio_lag0_min"] == pytest.approx(1.0, abs=1e-9) == out["geo_ratio_lag0_max"]
+    assert out["geo_ratio_lagged_max"] == pytest.approx(math.exp(0.1))
+    assert out["log_ratio_sum_lagged_min"] == pytest.approx(0.3)
+    assert out["token_ratio_lagged_p999"] == pytest.approx(math.exp(0.3))
+    assert out["token_ratio_lag0_p001"] == pytest.approx(math.exp(-1e-5))
+
+
+def test_chain_spread_of_a_step_with_no_lagged_chain_is_none_not_zero():
+    out = correction.chain_spread(torch.tensor([0.01, -0.02]), torch.tensor([0, 0]), torch.tensor([0, 0]))
+    assert out["chains_lagged"] == 0
+    assert out["geo_ratio_lagged_min"] is None and out["token_ratio_lagged_p999"] is None
