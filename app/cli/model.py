@@ -16,5 +16,5 @@ def register(sub) -> None:
     p = sub.add_parser("model", help="model cache commands")
     msub = p.add_subparsers(dest="model_command", required=True)
     w = msub.add_parser("warm", help="build the cached weights and tokenizer (first run dequantizes the GGUF)")
-    w.add_argument("spec", nargs="?", default="smollm2", help="smollm2 | tiny")
+    w.add_argument("spec", nargs="?", default="smollm2", help="smollm2 | tiny | tiny-moe | tiny-moe-wide")
     w.set_defaults(handler=cmd_warm)

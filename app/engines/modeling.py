@@ -11,6 +11,10 @@ Two models go through exactly the same code paths:
 * ``"tiny"``: a randomly initialised Llama with SmolLM2's vocabulary and tokenizer but
   2 layers of width 64, built from a config in code (no download), deterministic per
   seed.  Tests use it because a forward pass costs microseconds.
+* ``"tiny-moe"`` / ``"tiny-moe-wide"``: randomly initialised Qwen3-MoE models (8 experts top-2,
+  32 experts top-4) with SmolLM2's tokenizer, written once as a model folder under
+  ``<var_dir>/models/<name>/`` (weights, config and tokenizer) so that any engine that reads a
+  folder (vLLM included) serves exactly the same weights.
 
 Checkpoint format (what ``save_weights`` writes, ``load_weights_into``/``load_model`` read):
 a directory with ``config.json`` and ``model.safetensors`` (transformers'
@@ -38,6 +42,8 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     PreTrainedTokenizerBase,
 )
 
@@ -183,6 +189,52 @@ def build_tiny_model(seed: int = 0) -> LlamaForCausalLM:
     return model.to(torch.float32).eval()
 
 
+# name -> (experts, experts per token): the tiny MoE and a second config with more experts.
+TINY_MOE_SHAPES = {"tiny-moe": (8, 2), "tiny-moe-wide": (32, 4)}
+
+
+def tiny_moe_config(name: str = "tiny-moe") -> Qwen3MoeConfig:
+    """Config of a tiny Qwen3-MoE: the tiny model's width, every layer sparse.
+
+    Each of the 2 decoder layers routes every token to ``num_experts_per_tok`` of
+    ``num_experts`` experts (top-k over the softmax of the router logits, renormalised:
+    ``norm_topk_prob``), as Qwen3-30B-A3B does with 128 experts top-8.
+
+    Raises:
+        KeyError: ``name`` is not in ``TINY_MOE_SHAPES``.
+    """
+    experts, top_k = TINY_MOE_SHAPES[name]
+    return Qwen3MoeConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+        tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+
+
+def ensure_tiny_moe_folder(name: str = "tiny-moe", seed: int = 0) -> Path:
+    """Return ``<var_dir>/models/<name>``, writing the random MoE (fp32, ``seed``) there once.
+
+    The folder holds ``config.json``, ``model.safetensors`` and SmolLM2's tokenizer files.
+    Written under a file lock and published atomically like the SmolLM2 cache.
+    """
+    final = models_dir() / name
+    if (final / WEIGHTS_FILE).is_file():
+        return final
+    with _file_lock(name):
+        if (final / WEIGHTS_FILE).is_file():
+            return final
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen3MoeForCausalLM(tiny_moe_config(name)).to(torch.float32)
+        tmp = _tmp_sibling(final)
+        model.save_pretrained(tmp)
+        load_tokenizer().save_pretrained(tmp)
+        _publish(tmp, final)
+    return final
+
+
 def _ensure_smollm2_cache() -> Path:
     """Return the safetensors cache dir of SmolLM2, dequantizing the GGUF once if needed."""
     cache = models_dir() / SMOLLM2_NAME
@@ -212,7 +264,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[PreTraine
     """Load ``(model, tokenizer)`` in eval mode on CPU.
 
     Args:
-        spec: ``"tiny"`` (random tiny model, seed 0), ``"smollm2"`` (SmolLM2-135M-Instruct from the
+        spec: ``"tiny"`` (random tiny model, seed 0), ``"tiny-moe"``/``"tiny-moe-wide"`` (random
+            Qwen3-MoE folders, seed 0, written on first use), ``"smollm2"`` (SmolLM2-135M-Instruct from the
             safetensors cache, created from the packaged GGUF on first use), or a checkpoint
             directory written by ``save_weights``/``save_pretrained``.  A checkpoint directory
             that contains tokenizer files uses them; otherwise SmolLM2's tokenizer is used.
@@ -223,6 +276,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[PreTraine
     """
     if spec == "tiny":
         return build_tiny_model(0).to(dtype), load_tokenizer()
+    if spec in TINY_MOE_SHAPES:
+        spec = str(ensure_tiny_moe_folder(spec))
     if spec == "smollm2":
         path = _ensure_smollm2_cache()
         tokenizer = load_tokenizer()
