@@ -15,7 +15,9 @@ from sqlalchemy import Integer, cast, func, select
 
 from app.api import problems
 from app.api.errors import ApiError
+from app.api.group_state import group_states
 from app.api.openapi import openapi_spec
+from app.api.trainer_state import trainer_state
 from app.api.schemas import ExportLine, ExportTrajectory, Health
 from app.api.serialize import completion_to_dict, episode_to_dict, run_to_dict
 from app.api.tokenizer import decoder_for
@@ -227,7 +229,8 @@ def get_run(run_id: int):
         run = _get_run(session, run_id)
         steps = list(session.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id)
                                      .order_by(TrainingStep.step)))
-        payload = run_to_dict(run, _status_counts(session, run_id), live=_live_stats(session, run_id), steps=steps)
+        payload = run_to_dict(run, _status_counts(session, run_id), live=_live_stats(session, run_id), steps=steps,
+                              trainer=trainer_state(session, run, steps))
         if run.kind == "train" and (run.config or {}).get("eval_every"):
             from app.control.heldout import curve
 
@@ -262,11 +265,12 @@ def list_episodes(run_id: int):
     if status and status not in EPISODE_STATES:
         raise ApiError(400, f"status: must be one of {', '.join(EPISODE_STATES)}", "status")
     with session_scope() as session:
-        _get_run(session, run_id)
+        run = _get_run(session, run_id)
         q = select(Episode).where(Episode.run_id == run_id).order_by(Episode.id)
         if status:
             q = q.where(Episode.status == status)
-        return jsonify({"episodes": [episode_to_dict(e) for e in session.scalars(q)]})
+        states = group_states(session, run)  # every group's at once, not per episode
+        return jsonify({"episodes": [episode_to_dict(e, group=states.get(e.group_index)) for e in session.scalars(q)]})
 
 
 @bp.get("/episodes/<id:episode_id>")

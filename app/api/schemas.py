@@ -51,6 +51,19 @@ class Step(_Out):
     finished_at: str | None
 
 
+class Trainer(_Out):
+    """What a train run's trainer does now (`app.api.trainer_state`)."""
+
+    state: Literal["not_started", "waiting_for_groups", "gpu_queue", "training", "pushing_weights", "failed", "done",
+                   "stopped"]
+    step: int | None = Field(description="the step it is about (null: done, stopped, not started)")
+    text: str = Field(description='one line: "step 1 waiting for its groups (1/2 ready)", "step 1 on the gpu queue '
+                                  '(4 s)", "step 1 training (37 s)", "step 1 pushing weights", ...')
+    seconds: float | None = Field(description="seconds on the gpu queue or training so far")
+    groups_ready: int | None = Field(description="accepted groups waiting for the step (waiting_for_groups)")
+    groups_needed: int | None = Field(description="`tasks_per_step` (waiting_for_groups)")
+
+
 class Run(_Out):
     """A run: train, eval or collect."""
 
@@ -74,6 +87,8 @@ class Run(_Out):
     finished_at: str | None
     live: LiveStats | None = None
     steps: list[Step] | None = Field(None, description="training steps (`GET /api/runs/{run_id}` only)")
+    trainer: Trainer | None = Field(None, description="train runs, `GET /api/runs/{run_id}` only: what the "
+                                                      "trainer does now")
     waiting: str | None = Field(None, description="set while a queued (or cancelling) run has waited longer than a "
                                                   "lease plus a watchdog period for a control worker: what is "
                                                   "missing and how long it has waited")
@@ -117,13 +132,36 @@ class Completion(_Out):
                           "none was older than `token_policy_versions` (a `keep` update without KV recompute)")
 
 
+class GroupState(_Out):
+    """What happened to an episode's GRPO group (`app.api.group_state`), in the words every page shows."""
+
+    state: Literal["sampling", "done", "waiting", "training", "trained", "set_aside", "not_trained"]
+    step: int | None = Field(description="the step that trained the group, or that will; null when none will")
+    label: str = Field(description='"waiting for step N", "training in step N", "trained in step N", '
+                                   '"set aside: <reason>", "not trained: <why>"; "sampling" or "done" in eval runs')
+    reason: str | None
+
+
+class FailureReason(_Out):
+    """Why an episode ended without resolving its instance (`app.control.failure`)."""
+
+    kind: str = Field(description="no_patch, patch_not_applied, fail_to_pass, pass_to_pass, tampering, "
+                                  "no_test_results, timeout, harness_error, setup_error, grading_error, "
+                                  "worker_lost, cancelled, forfeit, simulated or error")
+    text: str = Field(description="one line: the cause, with the failing tests' names where tests failed")
+
+
 class Episode(_Out):
     """One harness execution on one task instance."""
 
     id: int
     run_id: int
     instance_id: str | None
-    step: int | None
+    step: int | None = Field(description="the step that trained the episode's group, or that will "
+                                         "(`group.step`); for eval runs the step it was sampled for")
+    group: GroupState | None = None
+    failure_reason: FailureReason | None = Field(
+        None, description="set when the episode ended (failed, cancelled, or completed unresolved)")
     group_index: int
     sample_index: int
     status: str
@@ -178,5 +216,5 @@ class ExportLine(Episode):
     trajectories: list[ExportTrajectory]
 
 
-RESPONSE_MODELS = (Health, LiveStats, Step, Run, Completion, Episode, RunList, EpisodeList, ExportTrajectory,
-                   ExportLine)
+RESPONSE_MODELS = (Health, LiveStats, Step, Trainer, Run, Completion, GroupState, FailureReason, Episode, RunList,
+                   EpisodeList, ExportTrajectory, ExportLine)

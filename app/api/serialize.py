@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 
+from sqlalchemy.orm import object_session
+
 from app.api import schemas
+from app.api.group_state import episode_state
 from app.api.token_versions import completion_versions
 from app.config import get_settings
+from app.control.failure import failure_reason
 from app.tables import Completion, Episode, Run, TrainingStep, aware_utc, utcnow
 
 
@@ -42,7 +46,7 @@ def waiting_reason(run: Run, now: dt.datetime | None = None) -> str | None:
 
 
 def run_to_dict(run: Run, counts: dict[str, int] | None = None, live: dict | None = None,
-                steps: list[TrainingStep] | None = None) -> dict:
+                steps: list[TrainingStep] | None = None, trainer: dict | None = None) -> dict:
     return schemas.Run(**{
         "id": run.id,
         "kind": run.kind,
@@ -62,16 +66,23 @@ def run_to_dict(run: Run, counts: dict[str, int] | None = None, live: dict | Non
         "finished_at": _ts(run.finished_at),
         "live": live,
         "steps": [step_to_dict(st) for st in steps] if steps is not None else None,
+        "trainer": trainer,
         "waiting": waiting_reason(run),
     }).model_dump(mode="json")
 
 
-def episode_to_dict(ep: Episode, completions: list[Completion] | None = None) -> dict:
+def episode_to_dict(ep: Episode, completions: list[Completion] | None = None, group: dict | None = None) -> dict:
+    """The episode's JSON; `group`: its group's `app.api.group_state.group_state` when the caller
+    computed every group's at once (`group_states`), else read here from the episode's session."""
+    if group is None:
+        group = episode_state(object_session(ep), ep)
     return schemas.Episode(**{
         "id": ep.id,
         "run_id": ep.run_id,
         "instance_id": ep.instance.instance_id if ep.instance is not None else None,
-        "step": ep.step,
+        "step": group["step"] if ep.run.kind == "train" else ep.step,
+        "group": group,
+        "failure_reason": failure_reason(ep.status, ep.resolved, ep.error, ep.timed_out, ep.patch, ep.grading_report),
         "group_index": ep.group_index,
         "sample_index": ep.sample_index,
         "status": ep.status,

@@ -155,14 +155,55 @@ def _progress_table(run: dict) -> Table:
     if seconds:
         table.add_row("sampled tokens/s", f"{live.get('sampled_tokens', 0) / seconds:.1f}")
     table.add_row("elapsed (running)", _elapsed(run))
+    if (run.get("trainer") or {}).get("text"):
+        table.add_row("trainer", run["trainer"]["text"])
+    if heldout_text(run):
+        table.add_row("held-out", heldout_text(run))
     if run.get("waiting"):
         table.add_row("[bold red]waiting[/bold red]", run["waiting"])
     return table
 
 
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def step_line(step: dict) -> str:
+    """One line for a completed training step (API shape): reward, loss, the trainer-vs-rollout
+    logprob gap (max and mean |Δ| over tokens the trainer's own weights sampled, nats), time."""
+    m = step.get("metrics") or {}
+    return (f"step {step['step']} trained: reward {_num(m.get('reward_mean'), '.3f')}, loss {_num(m.get('loss'), '.4f')}, "
+            f"logprob gap max {_num(m.get('logprob_gap_max_abs'), '.2e')} mean {_num(m.get('logprob_gap_mean_abs'), '.2e')}, "
+            f"{_num(m.get('step_time_s'), '.1f')} s, policy version {_num(step.get('policy_version'), 'd')}")
+
+
+def heldout_text(run: dict) -> str | None:
+    """The held-out eval in progress, or the latest finished one (API `heldout`), in words; None
+    when the run has none made yet."""
+    made = [p for p in run.get("heldout") or [] if p.get("run_id")]
+    if not made:
+        return None
+    live = next((p for p in made if p["status"] not in ("completed", "failed", "cancelled")), None)
+    p = live or made[-1]
+    text = f"held-out eval of step {p['step']} (run {p['run_id']}) {p['status']}"
+    if p.get("episodes_total"):
+        text += f", {p['episodes_done']}/{p['episodes_total']} episodes"
+    if p["status"] == "completed" and p.get("pass_at_1") is not None:
+        text += f", pass@1 {p['pass_at_1']:.3f}"
+    return text
+
+
+def _follow_key(run: dict) -> str:
+    """What must change for a piped `follow` to print again: the line without its seconds."""
+    trainer = run.get("trainer") or {}
+    return "|".join([progress_line(run).split("; elapsed", 1)[0], str(trainer.get("state")), str(trainer.get("step")),
+                     heldout_text(run) or "", "waiting" if run.get("waiting") else ""])
+
+
 def progress_line(run: dict) -> str:
     """One line of progress for logs and pipes: status, episodes by state, steps, reward, time
-    running; then, for a run no worker has taken, why it waits (`waiting` of the API)."""
+    running, the trainer (`trainer` of the API) and the held-out eval; then, for a run no worker
+    has taken, why it waits (`waiting` of the API)."""
     from app.tables import EPISODE_STATES
 
     counts = run.get("episodes_by_status") or {}
@@ -175,6 +216,10 @@ def progress_line(run: dict) -> str:
     if live.get("reward_mean") is not None:
         parts.append(f"reward {live['reward_mean']:.3f} over {live['graded']}")
     parts.append(f"elapsed {_elapsed(run)}")
+    if (run.get("trainer") or {}).get("text"):
+        parts.append(f"trainer: {run['trainer']['text']}")
+    if heldout_text(run):
+        parts.append(heldout_text(run))
     line = "; ".join(parts)
     return f"{line}\n  waiting: {run['waiting']}" if run.get("waiting") else line
 
@@ -188,19 +233,36 @@ def follow_run(run_id: int, poll_s: float = 1.0, timeout_s: float | None = None,
     """
     console = console or make_console()
     started = time.monotonic()
+    shown_steps: set[int] = set()
+
+    def new_steps(run: dict) -> list[str]:
+        """`step_line` of each step completed since the last poll, once."""
+        lines = []
+        for st in run.get("steps") or []:
+            if st["status"] == "completed" and st["step"] not in shown_steps:
+                shown_steps.add(st["step"])
+                lines.append(step_line(st))
+        return lines
+
     try:
         with api_client() as client:
             if console.is_terminal:
                 with Live(console=console, refresh_per_second=2, transient=False) as live:
-                    return _poll(client, run_id, poll_s, timeout_s, started, lambda run: live.update(_progress_table(run)))
+                    def update(run: dict) -> None:
+                        for line in new_steps(run):
+                            live.console.print(line, markup=False, highlight=False)
+                        live.update(_progress_table(run))
+
+                    return _poll(client, run_id, poll_s, timeout_s, started, update)
             last: list[str] = []
 
             def show(run: dict) -> None:
-                line = progress_line(run)
-                key = line.split("; elapsed", 1)[0] + ("; waiting" if run.get("waiting") else "")
+                for line in new_steps(run):
+                    print(line, flush=True)
+                key = _follow_key(run)
                 if [key] != last:  # print on change, not every poll (the seconds alone are no change)
                     last[:] = [key]
-                    print(line, flush=True)
+                    print(progress_line(run), flush=True)
 
             return _poll(client, run_id, poll_s, timeout_s, started, show)
     except KeyboardInterrupt:

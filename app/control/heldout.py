@@ -32,6 +32,7 @@ from sqlalchemy import func, select
 
 from app.tables import Completion, Episode, Run, TaskInstance
 from app.runconfig import RunConfig
+from app.transitions import TERMINAL
 
 log = logging.getLogger("turnstile.heldout")
 BOOTSTRAP_REPLICATES = 2000
@@ -194,7 +195,8 @@ def record_result(s, run: Run, cfg: RunConfig) -> dict | None:
 
 def curve(s, run: Run) -> list[dict]:
     """Every scheduled held-out point of train run `run`, in step order: {step, run_id, status,
-    error, pass_at_1, low, high, instances, samples, resolved, served_versions}.
+    error, pass_at_1, low, high, instances, samples, resolved, served_versions, episodes_done,
+    episodes_total} (the eval's episodes ended and created so far, None before it is made).
 
     `status` is "pending" where no eval was made (not due yet, or the run ended first), else the
     eval run's status ("queued": made, not started; "running"; "completed"; "failed" with its
@@ -202,14 +204,24 @@ def curve(s, run: Run) -> list[dict]:
     """
     cfg = run.run_config()
     made = (run.summary or {}).get("heldout_evals") or {}
-    children = {r.id: r for r in s.scalars(select(Run).where(Run.id.in_([int(i) for i in made.values()])))}
+    ids = [int(i) for i in made.values()]
+    children = {r.id: r for r in s.scalars(select(Run).where(Run.id.in_(ids)))}
+    progress: dict[int, list[int]] = {}  # eval run id -> [episodes ended, episodes]
+    for run_id, status, n in s.execute(select(Episode.run_id, Episode.status, func.count())
+                                       .where(Episode.run_id.in_(ids)).group_by(Episode.run_id, Episode.status)):
+        counts = progress.setdefault(run_id, [0, 0])
+        counts[0] += n if status in TERMINAL else 0
+        counts[1] += n
     out = []
     for v in schedule(cfg):
         entry = {"step": v, "run_id": None, "status": "pending", "error": None, "pass_at_1": None, "low": None,
-                 "high": None, "instances": None, "samples": None, "resolved": None, "served_versions": None}
+                 "high": None, "instances": None, "samples": None, "resolved": None, "served_versions": None,
+                 "episodes_done": None, "episodes_total": None}
         child = children.get(int(made[str(v)])) if str(v) in made else None
         if child is not None:
-            entry.update(run_id=child.id, status=child.status, error=child.error)
+            done, total = progress.get(child.id, (0, 0))
+            entry.update(run_id=child.id, status=child.status, error=child.error, episodes_done=done,
+                         episodes_total=total)
             entry.update((child.summary or {}).get("heldout_result") or {})
         out.append(entry)
     return out

@@ -7,7 +7,8 @@
       data       per episode: trajectories built and stored (app.training.store), rewards,
                  group advantages (app.training.grpo) x the group's staleness weight
       update     Trainer.update: one GRPO step
-      checkpoint <var_dir>/runs/<run>/checkpoints/step_<k>/, atomic (app.training.checkpoints)
+      checkpoint <var_dir>/runs/<run>/checkpoints/step_<k>/, atomic (app.training.checkpoints);
+                 its path goes on the row at once (a `training` row with a checkpoint is pushing weights)
       sync       every engine loads the new weights (app.training.weight_sync)
       record     TrainingStep completed with metrics; Run.policy_version bumped; TensorBoard.
                  An engine that did not load them fails the step by name instead
@@ -248,6 +249,11 @@ def _train_step(run_id: int, step: int, episode_ids: list[int] | None) -> dict:
         metrics["checkpoint_time_s"] = time.perf_counter() - saved
         _RESIDENT.step, _RESIDENT.policy_version = step, policy_version
 
+    # The checkpoint is on disk; what is left is the engines' weight load.  The row says so while
+    # it runs (`checkpoint_path` on a `training` row reads "pushing weights": app.api.trainer_state).
+    with session_scope() as s:
+        s.execute(update(TrainingStep).where(TrainingStep.run_id == run_id, TrainingStep.step == step,
+                                             TrainingStep.status == "training").values(checkpoint_path=str(path)))
     metrics["trainer_resident"] = resident  # model + optimizer were already in this process's memory
     synced = time.perf_counter()
     if _RESIDENT.pool is not None and (engine_kind == "vllm" or not any(pushes_to(u) for u in engine_urls)):

@@ -250,9 +250,10 @@ def _episodes(s, run: Run, inst: TaskInstance, step: int, group: int, marks: str
                      started_at=start if status not in ("queued", "preparing", "ready") else None)
         if status == "completed":
             ep.reward, ep.resolved, ep.exit_status = float(mark), mark == "1", "submitted"
+            ep.patch = PATCH if mark == "1" else WRONG_PATCH
             ep.grading_report, ep.finished_at = _report(inst.instance_id, mark == "1"), start + dt.timedelta(seconds=50)
         elif status == "failed":
-            ep.error, ep.exit_status = "harness timed out after 600 s and produced no patch", "timeout"
+            ep.error, ep.exit_status, ep.timed_out = "harness timed out after 600 s and produced no patch", "timeout", True
         elif status == "cancelled":
             ep.error = "straggler cancelled: group had enough graded episodes"
         s.add(ep)
@@ -343,6 +344,34 @@ def _other_states(s, inst: list[TaskInstance], now: dt.datetime, ids: dict) -> N
     cancelled = run("cancelled_train", "train", "cancelled", error="cancelled by the user")
     _episodes(s, cancelled, inst[2], 0, 0, "0C", now - dt.timedelta(minutes=10))
     _lora_pair(s, inst, now, ids)
+    _group_state_runs(s, inst, now, ids)
+
+
+def _group_state_runs(s, inst: list[TaskInstance], now: dt.datetime, ids: dict) -> None:
+    """Groups whose state the scheduler's `Group.status` alone would misname: a run whose step 0
+    took a group sampled for step 1 (async), whose step 1 has all its groups so a group still
+    sampling will never be trained, and a run whose step is training with a group waiting."""
+    cfg = RunConfig.model_validate({"kind": "train", "harness": "mini-swe-agent", "task_set": "synthetic",
+                                    "group_size": 2, "tasks_per_step": 1, "steps": 2}).model_dump(mode="json")
+    early = Run(kind="train", status="running", config=cfg, policy_version=1, created_at=now - dt.timedelta(minutes=9),
+                started_at=now - dt.timedelta(minutes=9))
+    s.add(early)
+    s.flush()
+    ids["early_train"] = early.id
+    # (group, sampled for step, marks, status, step that took it, that step's status)
+    for group, planned, marks, status, step, step_status in ((0, 0, "RR", "open", None, None),
+                                                               (1, 1, "10", "trained", 0, "completed"),
+                                                               (2, 0, "01", "trained", 1, "training"),
+                                                               (3, 1, "Rq", "open", None, None)):
+        eps = _episodes(s, early, inst[group % 3], planned, group, marks, now - dt.timedelta(minutes=8 - group))
+        s.add(Group(run_id=early.id, group_index=group, instance_id=inst[group % 3].id, status=status, step=step))
+        if step is not None:
+            s.add(TrainingStep(run_id=early.id, step=step, status=step_status, episode_ids=[e.id for e in eps],
+                               policy_version=step + 1 if step_status == "completed" else None,
+                               started_at=now - dt.timedelta(minutes=3 - step),
+                               finished_at=now - dt.timedelta(minutes=2) if step_status == "completed" else None))
+        if group == 1:
+            ids["early_episode"] = eps[0].id  # sampled for step 1, trained in step 0
 
 
 def _lora_pair(s, inst: list[TaskInstance], now: dt.datetime, ids: dict) -> None:

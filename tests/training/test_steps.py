@@ -15,6 +15,7 @@ import pytest
 import torch
 from sqlalchemy import func, select
 
+from app.api.trainer_state import trainer_state
 from app.db import session_scope
 from app.engines.modeling import build_tiny_model
 from app.paths import RunPaths
@@ -120,6 +121,10 @@ def test_worker_killed_during_weight_sync_resumes_without_retraining(var_dir, da
         worker = subprocess.Popen([sys.executable, "-c", code], cwd=data.root, env=env)
         try:
             assert engine.received.wait(120), "the worker never reached the weight sync"
+            with session_scope() as s:  # while the engine loads: the row says the weights are being pushed
+                row = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run_id))
+                assert (row.status, row.checkpoint_path) == ("training", str(RunPaths(run_id).checkpoint(0)))
+                assert trainer_state(s, s.get(Run, run_id), [row])["text"] == "step 0 pushing weights"
             worker.send_signal(signal.SIGKILL)  # the gpu worker dies mid-sync
             worker.wait(30)
         finally:

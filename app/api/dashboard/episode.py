@@ -16,6 +16,7 @@ from app.api.dashboard.data import seconds_between
 from app.api.dashboard.groups import episode_group
 from app.api.tokenizer import decoder_for
 from app.api.token_versions import lag_class, trajectory_versions
+from app.control.failure import failure_reason
 from app.tables import Completion, Episode, TrainingStep, Trajectory
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -238,7 +239,8 @@ def episode_detail(s: Session, episode_id: int) -> dict | None:
         "diff": diff_lines(e.patch), "logs": harness_logs(run.id, e.id),
         "calls": conversation(comps), "sequences": sequences, "builder": builder,
         "merge": (e.merge_stats or {}), "decoded": decode is not None, "seq_of": seq_of,
-        "group": group, "reference": reference, "reference_why": reference_why,
+        "group": group, "reference": reference,
+        "failure": failure_reason(e.status, e.resolved, e.error, e.timed_out, e.patch, e.grading_report), "reference_why": reference_why,
         "versions": version_legend(sequences, reference),
     }
 

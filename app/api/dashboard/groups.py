@@ -1,8 +1,8 @@
 """GRPO groups as the dashboard shows them: per step, each group's instance, rewards, advantages and fate.
 
 A group is the `group_size` episodes of one task instance (`Episode.group_index`); its fate is
-the scheduler's `Group` row (`app.control.scheduler`): trained by a step, set aside by dynamic
-sampling (`filtered`), dropped as stale, rejected for too few usable episodes, or still open.
+the scheduler's `Group` row (`app.control.scheduler`) joined with its step's row, in the words of
+`app.api.group_state` (waiting for, training in, trained in step N; set aside; not trained).
 Advantages are recomputed with the trainer's own function (`app.advantages.group_advantages`)
 over the episodes a step trains (the completed ones), times the group's staleness weight,
 exactly as `app.training.steps.step_sequences` does; they are shown only for groups a step
@@ -16,15 +16,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.advantages import group_advantages
+from app.api.group_state import RunSteps, group_state, run_steps
 from app.tables import Episode, Group, Run, TaskInstance, TrainingStep
 from app.transitions import TERMINAL
 
-# What a reader is told about each `Group.status` (app.tables.GROUP_STATES).
-GROUP_LABELS = {
-    "open": "sampling", "complete": "complete, not yet judged", "accepted": "accepted, waiting for a step",
-    "trained": "trained", "rejected": "rejected", "dropped": "dropped as stale", "filtered": "set aside",
-    "done": "done",
-}
 ADVANTAGE_SHOWN = ("trained", "filtered")
 
 
@@ -50,15 +45,20 @@ def _advantages(members: list[dict], config: dict, weight: float) -> list[float 
     return [by_id.get(e["id"]) for e in members]
 
 
-def _group_view(index: int, members: list[dict], row: Group | None, instance: str | None, run: Run) -> dict:
+def _group_view(index: int, members: list[dict], row: Group | None, instance: str | None, run: Run,
+                ctx: RunSteps) -> dict:
+    """`state` (app.api.group_state) names what happened to the group; `step` is the step that
+    trained it or will (else the step its episodes were sampled for, to place it on the page)."""
     status = row.status if row is not None else None
     weight = row.weight if row is not None else 1.0
     shown = run.kind == "train" and status in ADVANTAGE_SHOWN
     advantages = _advantages(members, run.config, weight) if shown else [None] * len(members)
     samples = [{**e, "advantage": a} for e, a in zip(members, advantages)]
-    return {"index": index, "instance": instance, "status": status or "-",
-            "label": GROUP_LABELS.get(status, status or "no group record"), "reason": row.reason if row else None,
-            "step": row.step if row is not None and row.step is not None else min(e["step"] for e in members),
+    planned = min(e["step"] for e in members) if members else 0
+    state = group_state(ctx, row, planned)
+    return {"index": index, "instance": instance, "status": status or "-", "state": state["state"],
+            "label": state["label"], "reason": state["reason"],
+            "step": state["step"] if state["step"] is not None else planned,
             "weight": weight, "rewards": reward_text(members), "samples": samples}
 
 
@@ -85,12 +85,12 @@ def run_groups(s: Session, run: Run) -> list[dict]:
     for e in _episode_rows(s, run.id):
         members[e["group"]].append(e)
     rows = {g.group_index: g for g in s.scalars(select(Group).where(Group.run_id == run.id))}
-    step_status = dict(s.execute(select(TrainingStep.step, TrainingStep.status).where(TrainingStep.run_id == run.id)).all())
+    ctx = run_steps(s, run)
     by_step: dict[int, list[dict]] = defaultdict(list)
     for index, eps in sorted(members.items()):
-        view = _group_view(index, eps, rows.get(index), eps[0]["instance"], run)
+        view = _group_view(index, eps, rows.get(index), eps[0]["instance"], run, ctx)
         by_step[view["step"]].append(view)
-    return [{"step": step, "step_status": step_status.get(step), "groups": groups}
+    return [{"step": step, "step_status": ctx.steps.get(step, (None, None))[0], "groups": groups}
             for step, groups in sorted(by_step.items())]
 
 
@@ -104,10 +104,10 @@ def episode_group(s: Session, episode: Episode) -> dict:
     row = s.scalar(select(Group).where(Group.run_id == run.id, Group.group_index == episode.group_index))
     members = _episode_rows(s, run.id, [episode.group_index])
     name = members[0]["instance"] if members else None
-    view = _group_view(episode.group_index, members, row, name, run)
+    view = _group_view(episode.group_index, members, row, name, run, run_steps(s, run))
     step = s.scalar(select(TrainingStep).where(TrainingStep.run_id == run.id, TrainingStep.step == view["step"]))
-    trained = (run.kind == "train" and view["status"] == "trained" and step is not None
-               and step.status == "completed" and episode.id in (step.episode_ids or []))
+    trained = (run.kind == "train" and view["state"] == "trained" and step is not None
+               and episode.id in (step.episode_ids or []))
     if trained:
         why_not = None
     elif run.kind != "train":
@@ -117,5 +117,6 @@ def episode_group(s: Session, episode: Episode) -> dict:
     elif view["status"] == "trained" and step is not None:
         why_not = f"step {step.step} is {step.status}" + (f": {step.error}" if step.error else "")
     else:
-        why_not = f"the group was {view['label']}" + (f": {view['reason']}" if view["reason"] else "")
+        why_not = f"the group is {view['label']}"
     return {**view, "trained": trained, "why_not": why_not, "current": episode.id}
+

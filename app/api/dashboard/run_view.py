@@ -15,8 +15,10 @@ from app.api.dashboard.charts import UPDATE_METRICS, metric, not_computed, step_
 from app.api.dashboard.compare import eval_results
 from app.api.dashboard.data import age, seconds_between
 from app.api.dashboard.groups import run_groups
+from app.api.group_state import group_states
 from app.api.dashboard.heldout import heldout_view
 from app.api.serialize import waiting_reason
+from app.control.failure import failure_reason
 from app.provenance import chosen_rows
 from app.tables import EPISODE_STATES, Completion, Episode, Run, TaskInstance, TrainingStep, utcnow
 from app.transitions import TERMINAL
@@ -67,17 +69,16 @@ def _episodes(s: Session, run_id: int, status: str | None, instance: str | None,
     calls = dict(s.execute(select(Completion.episode_id, func.count()).where(
         Completion.episode_id.in_([e.id for e, _ in rows])).group_by(Completion.episode_id)).all()) if rows else {}
     episodes = []
+    states = group_states(s, s.get(Run, run_id)) if rows else {}
     for e, name in rows:
-        reason = e.error
-        if reason is None and e.timed_out:
-            reason = "harness timed out"
+        # why it did not resolve (app.control.failure); its step: its group's (app.api.group_state)
+        failure = failure_reason(e.status, e.resolved, e.error, e.timed_out, e.patch, e.grading_report)
+        reason = failure["text"] if failure else None
         forfeit = (e.grading_report or {}).get("forfeit") if e.status == "completed" else None
-        if reason is None and forfeit:  # scored 0 for the agent's own actions (app.control.stages)
-            reason = forfeit.get("reason")
-        if reason is None and e.grading_report and (e.grading_report.get("apply") or {}).get("reason"):
-            reason = e.grading_report["apply"]["reason"]
+        state = states.get(e.group_index) or {}
         episodes.append({
-            "id": e.id, "instance": name, "step": e.step, "group": e.group_index, "sample": e.sample_index,
+            "id": e.id, "instance": name, "step": state.get("step"), "step_label": state.get("label"),
+            "failure_kind": failure["kind"] if failure else None, "group": e.group_index, "sample": e.sample_index,
             "status": e.status, "reward": e.reward, "resolved": e.resolved, "attempts": e.attempts,
             "duration_s": seconds_between(e.started_at, e.rollout_finished_at or e.finished_at),
             "calls": calls.get(e.id, 0), "exit_status": e.exit_status, "reason": reason,
