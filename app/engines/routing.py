@@ -109,7 +109,8 @@ class RouteReplay:
     ``set(routes)`` with ``routes`` ``[rows, layers, top_k]`` (int, ``rows`` = batch × sequence
     of the next forward, row-major as the router flattens it) before each forward.  Each router
     still computes its logits; its output ids are replaced by the forced ones and its gate
-    weights recomputed at them (``gate_weights``), so the router weight gets gradients.  The
+    weights recomputed at them (``gate_weights``), so the router weight gets gradients; hooks
+    entered before or after (``record_routes``) see the forced ids.  The
     forced tensor stays until the next ``set``, so a checkpointed layer's recompute replays
     the same experts.
 
@@ -140,7 +141,8 @@ class RouteReplay:
         return hook
 
     def __enter__(self) -> RouteReplay:
-        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        # prepend: the forced ids replace the output before any other hook (a recorder) sees it.
+        self._handles = [r.register_forward_hook(self._hook(i), prepend=True) for i, r in enumerate(self.routers)]
         return self
 
     def __exit__(self, *exc) -> None:

@@ -63,10 +63,10 @@ def test_replay_forces_other_experts_and_router_gets_gradients(moe):
     experts = route_shape(model)[2]
     forced = (routes.astype(np.int64) + 1) % experts  # a different, still duplicate-free choice
     model.zero_grad()
-    with RouteReplay(model) as replay, record_routes(model) as seen:
+    with record_routes(model) as seen, RouteReplay(model) as replay:
         replay.set(forced)
         model(ids).logits.float().logsumexp(-1).sum().backward()
-    # The recorder sees the router's own choice (hooks run in registration order: replay first).
+    # A recorder hooked before the replay still sees the forced ids (the replay hook runs first).
     assert np.array_equal(stack_routes(seen), forced.astype(np.int16))
     for router in moe_routers(model):
         assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
