@@ -12,7 +12,7 @@ experts are still computed from the live router logits, so the router keeps its 
 
 Routes are an int16 array ``[tokens, layers, top_k]`` (expert ids, MoE layers in model order);
 ``encode_routes`` stores them as little-endian int16 bytes: ``2 * layers * top_k`` bytes per
-token (32 B for the tiny MoE, 768 B for Qwen3-30B-A3B's 48 layers × top-8).
+token (8 B for the tiny MoE, 768 B for Qwen3-30B-A3B's 48 layers × top-8).
 
 Hooks sit on each layer's router module (``Qwen3MoeTopKRouter`` in transformers 5: returns
 ``(router_logits, gate_weights, expert_ids)`` for the flattened ``[rows, hidden]`` input).
