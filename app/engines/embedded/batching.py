@@ -50,6 +50,7 @@ from app.engines.embedded import adapters
 from app.engines.modeling import load_state_into
 from app.engines.embedded.events import Aborted, Failed, GenerationRequest, Started, TokenEvent
 from app.engines.embedded.prefix_cache import PrefixCache
+from app.engines.embedded.routes import RouteTap, joined
 from app.engines.embedded.sampling import TokenSample, sample_batch
 from app.runconfig import WEIGHT_UPDATE_MODES
 
@@ -89,6 +90,7 @@ class _Row:
     context: list[int] | None = None   # ids to prefill: the prompt (None), or, when a `keep` update
                                        # recomputes a running row's KV, its tokens already in the cache
     kv_version: int = 0                # oldest policy version among the KV entries of this row
+    routes: list = field(default_factory=list)  # MoE: [n, layers, top_k] blocks, one per cached token
 
     @property
     def resuming(self) -> bool:
@@ -132,6 +134,7 @@ class BatchScheduler:
         self._mask: torch.Tensor | None = None      # [B, L] long, 0 = left padding
         self._pending_reload: tuple | None = None
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self._routes = RouteTap(model)
         self.adapters = adapters.AdapterSet(model)  # LoRA adapters requests may name
         self._reload_lock = threading.Lock()
         self._running = False
@@ -276,7 +279,7 @@ class BatchScheduler:
         """Send every running row back to prefill its cached tokens under the new weights
         (``keep`` with ``recompute_kv``); rows mid-prefill start their prefill again."""
         for row in self._prefilling:
-            row.cache, row.prefilled = DynamicCache(), 0
+            row.cache, row.prefilled, row.routes = DynamicCache(), 0, []
             row.kv_version = self._version_of(row.request)
         resumed = []
         for row in self._active:
@@ -315,6 +318,7 @@ class BatchScheduler:
             if hit is not None:
                 row.cache = DynamicCache(ddp_cache_data=hit.layers)
                 row.prefilled = hit.length
+                row.routes = [] if hit.routes is None else [hit.routes]
                 self.stats["prefix_hit_tokens"] += hit.length
         start = row.prefilled
         chunk = context[start:start + self.prefill_chunk]
@@ -323,6 +327,7 @@ class BatchScheduler:
         with adapters.rows([request.adapter], self.device):
             out = self.model(input_ids=ids, position_ids=positions, past_key_values=row.cache,
                              use_cache=True, logits_to_keep=1)
+        self._routes.deal([row.routes])
         row.prefilled += len(chunk)
         self.stats["recompute_tokens" if row.resuming else "prefill_tokens"] += len(chunk)
         if row.prefilled < len(context):
@@ -349,6 +354,7 @@ class BatchScheduler:
         with adapters.rows([r.request.adapter for r in rows], self.device):  # mixed adapters share the batch
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                              past_key_values=self._cache, use_cache=True)
+        self._routes.deal([r.routes for r in rows])
         self._mask = mask
         self._cache = out.past_key_values
         for row in rows:
@@ -371,7 +377,9 @@ class BatchScheduler:
             finish, stop_token = "stop", sample.token_id
         elif row.generated >= request.max_tokens:
             finish = "length"
-        request.events.put(TokenEvent(sample, finish, stop_token, self._version_of(request), row.kv_version))
+        # The last token never ran through the model: routes cover prompt + completion - 1 tokens.
+        routes = joined(row.routes) if finish is not None else None
+        request.events.put(TokenEvent(sample, finish, stop_token, self._version_of(request), row.kv_version, routes))
         return finish is not None
 
     # ------------------------------------------------------------------ batch KV cache
@@ -409,7 +417,7 @@ class BatchScheduler:
                 i, n = self._active.index(row), row.num_tokens
                 self.prefix_cache.store(row.tokens[:n], [
                     (layer.keys[i:i + 1, :, -n:].clone(), layer.values[i:i + 1, :, -n:].clone())
-                    for layer in self._cache.layers], row.request.cache_key)
+                    for layer in self._cache.layers], row.request.cache_key, joined(row.routes))
         keep = [i for i, r in enumerate(self._active) if r not in rows]
         self._active = [self._active[i] for i in keep]
         if not keep:

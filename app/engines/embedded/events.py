@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.engines.embedded import adapters
 from app.engines.embedded.sampling import SamplingParams, TokenSample
@@ -34,6 +35,8 @@ class TokenEvent:
     policy_version: int | None = None  # version of the weights that sampled this token
     kv_version: int | None = None      # oldest version of the KV this token attended to (< policy_version
                                        # only after a `keep` update without recompute_kv)
+    routes: Any = None                 # MoE, on the last event: int16 [prompt + completion - 1, layers,
+                                       # top_k] expert ids the engine ran (the last token never ran)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [1, kv_heads, T, head_dim]
@@ -25,6 +26,7 @@ Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), ea
 class PrefixHit:
     length: int      # prompt tokens whose KV is reused
     layers: Layers   # KV of exactly those tokens
+    routes: np.ndarray | None = None  # MoE: routed experts [length, layers, top_k] of those tokens
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
@@ -46,15 +48,17 @@ class PrefixCache:
     def __init__(self, max_tokens: int = 16384, min_hit: int = 16) -> None:
         self.max_tokens = max_tokens
         self.min_hit = min_hit
-        self._entries: OrderedDict[tuple, Layers] = OrderedDict()  # (namespace, tokens) -> KV
+        # (namespace, tokens) -> (KV, routes): an MoE hit must hand back the cached tokens' routes.
+        self._entries: OrderedDict[tuple, tuple[Layers, np.ndarray | None]] = OrderedDict()
         self._size = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def store(self, tokens: list[int], layers: Layers, namespace=None) -> None:
+    def store(self, tokens: list[int], layers: Layers, namespace=None, routes: np.ndarray | None = None) -> None:
         """Keep ``layers`` (KV of exactly ``tokens``, computed under ``namespace``: None for the
-        base model, an adapter's (name, version)); the caller passes tensors it no longer mutates."""
+        base model, an adapter's (name, version)); the caller passes tensors it no longer mutates.
+        ``routes``: an MoE model's expert ids ``[len(tokens), layers, top_k]`` of those tokens."""
         key = tuple(tokens)
         if not self.max_tokens or len(key) > self.max_tokens or len(key) < self.min_hit:
             return
@@ -65,7 +69,7 @@ class PrefixCache:
         for old in [k for k in self._entries if k[0] == namespace and len(k[1]) <= len(key) and key[: len(k[1])] == k[1]]:
             self._size -= len(old[1])
             del self._entries[old]
-        self._entries[(namespace, key)] = layers
+        self._entries[(namespace, key)] = (layers, routes)
         self._size += len(key)
         while self._size > self.max_tokens:
             old, _ = self._entries.popitem(last=False)
@@ -85,8 +89,9 @@ class PrefixCache:
         if best_key is None or best < self.min_hit:
             return None
         self._entries.move_to_end(best_key)
-        layers = [(k[:, :, :best], v[:, :, :best]) for k, v in self._entries[best_key]]
-        return PrefixHit(best, layers)
+        kv, routes = self._entries[best_key]
+        layers = [(k[:, :, :best], v[:, :, :best]) for k, v in kv]
+        return PrefixHit(best, layers, None if routes is None else routes[:best])
 
     def clear(self) -> None:
         self._entries.clear()
