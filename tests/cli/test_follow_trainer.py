@@ -131,3 +131,28 @@ def test_the_run_json_names_the_trainer_in_every_other_state(api, status, steps,
 def test_eval_runs_have_no_trainer(api):
     _run_id, eval_id = _seed()
     assert api.test_client().get(f"/api/runs/{eval_id}", headers=AUTH).get_json()["trainer"] is None
+
+
+def test_on_a_terminal_the_live_table_shows_the_trainer_and_each_trained_step_is_printed_above_it(api, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    run_id, _eval_id = _seed()
+    with session_scope() as s:
+        s.add(TrainingStep(run_id=run_id, step=0, status="completed", policy_version=1, metrics=METRICS))
+        s.add(TrainingStep(run_id=run_id, step=1, status="training", started_at=_ago(3)))
+
+    def finish(_seconds):
+        with session_scope() as s:
+            s.get(Run, run_id).status = "completed"
+            _step(run_id, step=1, status="completed", policy_version=2, metrics=METRICS)
+
+    monkeypatch.setattr(cli_client.time, "sleep", finish)
+    screen = io.StringIO()
+    final = cli_client.follow_run(run_id, console=Console(file=screen, force_terminal=True, width=200))
+    assert final["trainer"]["text"] == "all 2 steps trained"
+    shown = screen.getvalue()
+    assert shown.count("step 0 trained: reward 0.500, loss -0.0077") == 1  # once, however often it is polled
+    assert shown.count("step 1 trained: reward 0.500") == 1
+    assert re.search(r"trainer\s*│\s*all 2 steps trained", shown), shown  # the live table's last frame
