@@ -235,19 +235,22 @@ class TrainingConfig(BaseModel):
                     "no-grad forward per step to know the masks before it weights the step.")
     seq_is_cap: float = Field(
         5.0, ge=1, description="Cap of the chain-level importance weight of off_policy_correction seq_tis. The "
-                               "default is SkyRL's published value (verl suggests 2-10), not yet measured here.")
+                               "default is SkyRL's published value (verl suggests 2-10).")
     seq_mis_bounds: list[float] = Field(
         [0.5, 2.0], min_length=2, max_length=2,
         description="[lo, hi] of the chain weight prod_t r_t kept by off_policy_correction seq_mis. The default is "
-                    "verl's and SkyRL's published value, not yet measured here.")
+                    "verl's and SkyRL's published value; on a measured keep/wait run it kept every on-policy chain (spread "
+                    "1e-4 nats) and masked lagged ones at both ends in 4 of 8 steps (docs/inflight-updates.md).")
     geo_mask_bounds: list[float] = Field(
         [0.99, 1.01], min_length=2, max_length=2,
         description="[lo, hi] of the geometric-mean ratio exp(mean_t log r_t) kept by off_policy_correction "
-                    "geo_mask. The default is SkyRL's published value, not yet measured here.")
+                    "geo_mask. The default is SkyRL's published value; on a measured keep/wait run it kept every on-policy "
+                    "chain (spread 1e-6) and masked a lagged one in 1 of 8 steps (docs/inflight-updates.md).")
     icepop_bounds: list[float] = Field(
         [0.5, 2.0], min_length=2, max_length=2,
         description="[alpha, beta] of the token ratio r_t kept by off_policy_correction icepop. The default is "
-                    "SkyRL's published value (the IcePop paper used [0.5, 5.0]), not yet measured here.")
+                    "SkyRL's published value (the IcePop paper used [0.5, 5.0]); on a measured keep/wait run it kept every "
+                    "on-policy token and masked under 0.1% of lagged ones (docs/inflight-updates.md).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the initial policy (0 = off).")
     kl_estimator: KLEstimator = Field(
         "k3", description="Per-token KL term put in the loss. \"k3\" (exp(d) - d - 1, d = ref - logp; the default, "
