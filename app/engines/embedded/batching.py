@@ -377,8 +377,7 @@ class BatchScheduler:
             finish, stop_token = "stop", sample.token_id
         elif row.generated >= request.max_tokens:
             finish = "length"
-        # The last token never ran through the model: routes cover prompt + completion - 1 tokens.
-        routes = joined(row.routes) if finish is not None else None
+        routes = row.routes if self._routes.routers else None  # the live list (see routes.routes_of)
         request.events.put(TokenEvent(sample, finish, stop_token, self._version_of(request), row.kv_version, routes))
         return finish is not None
 

@@ -35,8 +35,8 @@ class TokenEvent:
     policy_version: int | None = None  # version of the weights that sampled this token
     kv_version: int | None = None      # oldest version of the KV this token attended to (< policy_version
                                        # only after a `keep` update without recompute_kv)
-    routes: Any = None                 # MoE, on the last event: int16 [prompt + completion - 1, layers,
-                                       # top_k] expert ids the engine ran (the last token never ran)
+    routes: Any = None                 # MoE: the row's growing list of route blocks; read it with
+                                       # app.engines.embedded.routes.routes_of (None: dense model)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from app.engines.embedded.outputs import (
     usage,
     version_fields,
 )
+from app.engines.embedded.routes import routes_of
 from app.engines.embedded.templates import TemplateError, render_prompt
 from app.engines.embedded.validation import EngineError, get_field, json_body, resolve_max_tokens, sampling_params, stop_strings
 
@@ -158,6 +159,7 @@ def chat(engine: Engine) -> Response:
         model=get_field(body, "model", str, engine.served_model_name) or engine.served_model_name,
         stop=stop_strings(body), logprobs=params.top_logprobs > 0 or get_field(body, "logprobs", bool, False),
         top_logprobs=params.top_logprobs, return_token_ids=get_field(body, "return_token_ids", bool, False),
+        return_routed_experts=get_field(body, "return_routed_experts", bool, False),
         return_tokens_as_token_ids=get_field(body, "return_tokens_as_token_ids", bool, False),
         skip_special_tokens=get_field(body, "skip_special_tokens", bool, True),
         parse_tools=bool(body.get("tools")) and body.get("tool_choice") != "none",
@@ -170,11 +172,23 @@ def chat(engine: Engine) -> Response:
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         deltas, version = _collect(req, assembler)
-        return jsonify(build_response(options, prompt_ids, deltas, version, engine.engine_id))
+        out = build_response(options, prompt_ids, deltas, version, engine.engine_id)
+        return jsonify({**out, **routed_experts(options, assembler, prompt_ids)})
     except ClientLeft:
         return _client_left()
     finally:
         req.cancel()
+
+
+def routed_experts(options: ChatOptions, assembler: ChoiceAssembler, prompt_ids: list[int]) -> dict:
+    """``{"routed_experts": ids}`` when asked for and the model is a mixture of experts, else ``{}``.
+
+    ``ids`` is ``[tokens][layers][top_k]`` expert ids (the shape of vLLM's ``routed_experts``) of
+    the prompt and every sampled token but the last, which never ran through the model.
+    """
+    if not options.return_routed_experts or assembler.route_blocks is None or not assembler.token_ids:
+        return {}
+    return {"routed_experts": routes_of(assembler.route_blocks, len(prompt_ids) + len(assembler.token_ids) - 1).tolist()}
 
 
 def _client_left() -> Response:
@@ -213,6 +227,7 @@ def completions(engine: Engine) -> Response:
     options = ChatOptions(model=get_field(body, "model", str, engine.served_model_name) or engine.served_model_name,
                           stop=stop_strings(body), logprobs=top is not None, top_logprobs=top or 0,
                           return_token_ids=get_field(body, "return_token_ids", bool, False),
+                          return_routed_experts=get_field(body, "return_routed_experts", bool, False),
                           skip_special_tokens=get_field(body, "skip_special_tokens", bool, True),
                           include_usage=bool(get_field(body, "stream_options", dict, {}).get("include_usage")))
     req = engine.scheduler.submit(GenerationRequest(prompt_ids, max_tokens, params, frozenset(stop_ids),
@@ -243,7 +258,7 @@ def completions(engine: Engine) -> Response:
             out.update(version_fields(deltas))
             if options.return_token_ids:
                 out["prompt_token_ids"] = prompt_ids
-            return jsonify(out)
+            return jsonify({**out, **routed_experts(options, assembler, prompt_ids)})
         except ClientLeft:
             return _client_left()
         finally:
@@ -297,6 +312,9 @@ def _stream(engine: Engine, req: GenerationRequest, assembler: ChoiceAssembler, 
                 chunk = builder.delta(assembler.add(event) if isinstance(event, TokenEvent) else assembler.abort())
                 if chunk is not None:
                     yield _sse(chunk)
+        routed = routed_experts(options, assembler, prompt_ids) if assembler.finished else {}
+        if builder is not None and routed:  # one chunk after the last token's, as the usage chunk
+            yield _sse({**builder._chunk([]), **routed})
         if builder is not None and assembler.finished and options.include_usage:
             yield _sse(builder.usage_chunk(len(assembler.token_ids)))
         yield "data: [DONE]\n\n"

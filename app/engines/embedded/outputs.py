@@ -76,6 +76,7 @@ class ChatOptions:
     top_logprobs: int = 0
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    return_routed_experts: bool = False  # MoE: the experts each token ran through (vLLM's routed_experts)
     skip_special_tokens: bool = True
     parse_tools: bool = False
     include_usage: bool = False
@@ -133,6 +134,7 @@ class ChoiceAssembler:
         self._emitted = 0
         self._parser = ToolCallParser() if options.parse_tools else None
         self.finished = False
+        self.route_blocks = None  # MoE: the scheduler's live route list of this request
 
     def _logprob_entry(self, event: TokenEvent) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
@@ -150,6 +152,7 @@ class ChoiceAssembler:
         delta = ChoiceDelta(token_ids=[event.sample.token_id], policy_version=event.policy_version,
                             kv_version=event.kv_version)
         self.token_ids.append(event.sample.token_id)
+        self.route_blocks = event.routes
         if self.options.logprobs:
             delta.logprobs.append(self._logprob_entry(event))
         done = event.finish_reason is not None

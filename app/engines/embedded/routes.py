@@ -41,3 +41,22 @@ class RouteTap:
 def joined(blocks: list[np.ndarray]) -> np.ndarray | None:
     """The row's routes ``[tokens, layers, top_k]`` in token order, or None when it has none (dense)."""
     return np.concatenate(blocks, axis=0) if blocks else None
+
+
+def routes_of(blocks: list[np.ndarray] | None, tokens: int) -> np.ndarray | None:
+    """Routes ``[tokens, layers, top_k]`` of a request's first ``tokens`` tokens (prompt, then sampled).
+
+    ``blocks`` is the scheduler's live list from a ``TokenEvent`` (it may already hold later
+    tokens when the reader is behind; they are cut off).  A request's last sampled token never
+    ran through the model, so ``tokens`` is at most ``prompt + completion - 1``.  None if dense.
+
+    Raises:
+        ValueError: fewer than ``tokens`` tokens have routes (a row that lost its routes).
+    """
+    if blocks is None:
+        return None
+    routes = joined(list(blocks))
+    have = 0 if routes is None else routes.shape[0]
+    if have < tokens:
+        raise ValueError(f"routes of {have} tokens recorded, {tokens} needed")
+    return routes[:tokens]

@@ -13,6 +13,7 @@ import torch
 
 from app.engines.embedded.batching import BatchScheduler
 from app.engines.embedded.events import GenerationRequest, TokenEvent
+from app.engines.embedded.routes import routes_of
 from app.engines.embedded.sampling import SamplingParams
 from app.engines.modeling import build_tiny_model, load_model
 from app.engines.routing import check_routes, record_routes, route_shape, stack_routes
@@ -29,14 +30,15 @@ def run(sched: BatchScheduler, prompts: list[list[int]], max_tokens: int = 12) -
     requests = [sched.submit(GenerationRequest(list(p), max_tokens, SamplingParams(temperature=1.0, seed=i)))
                 for i, p in enumerate(prompts)]
     out = []
-    for request in requests:
+    for p, request in zip(prompts, requests):
         ids = []
         while True:
             event = request.events.get(timeout=300)
             if isinstance(event, TokenEvent):
                 ids.append(event.sample.token_id)
                 if event.finish_reason is not None:
-                    out.append((ids, event.routes))
+                    routes = None if event.routes is None else routes_of(event.routes, len(p) + len(ids) - 1)
+                    out.append((ids, routes))
                     break
     return out
 
