@@ -20,11 +20,13 @@ def register_api(flask_app: Flask) -> None:
     from app.api.dashboard import bp as dashboard_bp
     from app.api.errors import register_error_handlers
     from app.api.labels import bp as labels_bp
+    from app.api.metrics import bp as metrics_bp
     from app.api.runs import bp as runs_bp
 
     flask_app.url_map.converters["id"] = RowIdConverter
     flask_app.register_blueprint(runs_bp, url_prefix="/api")
     flask_app.register_blueprint(labels_bp, url_prefix="/api")
+    flask_app.register_blueprint(metrics_bp, url_prefix="/api")
     flask_app.register_blueprint(comparisons_bp, url_prefix="/api")
     flask_app.register_blueprint(dashboard_bp)
     register_error_handlers(flask_app)

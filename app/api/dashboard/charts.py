@@ -9,6 +9,7 @@ never as a measured 0: the trainer writes 0.0 for such terms, so the zero is rep
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 from app.tables import TrainingStep
@@ -27,13 +28,16 @@ UPDATE_METRICS = {"loss", "kl", "clip_fraction", "grad_norm", "tis_weight_mean",
 
 
 def metric(m: Metrics | None, path: str) -> float | None:
-    """`m[a][b]` for path `a.b` as a float; None when absent or not a number (bools are not numbers)."""
+    """`m[a][b]` for path `a.b` as a float; None when absent, not a number (bools are not numbers) or
+    not finite: a NaN loss is not a value to draw, and NaN is not JSON (the page's chart data would not parse)."""
     node: Any = m or {}
     for key in path.split("."):
         if not isinstance(node, dict) or key not in node:
             return None
         node = node[key]
-    return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
+    if not isinstance(node, (int, float)) or isinstance(node, bool) or not math.isfinite(node):
+        return None
+    return float(node)
 
 
 def not_computed(config: dict, path: str) -> str | None:
