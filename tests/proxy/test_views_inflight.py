@@ -101,7 +101,9 @@ def test_an_abort_update_is_a_503_the_sdks_retry_and_the_retry_is_served_by_the_
     """Mode `abort`: the engine ends the running call with finish_reason "abort"; the gateway
     answers 503 (OpenAI server_error / Anthropic overloaded_error), which the real openai and
     anthropic SDKs retry on their own; the retry is answered by the new weights and the call's
-    row holds the retry, whole, with the new version."""
+    row holds the retry, whole, with the new version.  The retry samples deterministically (a seed;
+    Anthropic's Messages API has none, so greedy) from the known perturbed weights: unseeded, the tiny model
+    sometimes drew its stop token before `max_tokens` and the call ended "stop", not "length"."""
     import httpx
 
     from app.training.weight_sync import push_weights
@@ -121,13 +123,14 @@ def test_an_abort_update_is_a_503_the_sdks_retry_and_the_retry_is_served_by_the_
 
                 answer = OpenAI(base_url=f"{gateway_url}/v1", api_key=token, max_retries=2, timeout=300) \
                     .chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go"}],
-                                             max_tokens=1500)
+                                             max_tokens=1500, seed=2)
                 out["finish"] = answer.choices[0].finish_reason
             else:
                 from anthropic import Anthropic
 
                 answer = Anthropic(base_url=gateway_url, api_key=token, max_retries=2, timeout=300) \
-                    .messages.create(model="tiny", max_tokens=1500, messages=[{"role": "user", "content": "go"}])
+                    .messages.create(model="tiny", max_tokens=1500, messages=[{"role": "user", "content": "go"}],
+                                     extra_body={"temperature": 0.0})  # SDK 2.x has no keyword for it
                 out["finish"] = answer.stop_reason
         except BaseException as exc:  # noqa: BLE001 - reported below
             out["error"] = exc
