@@ -6,10 +6,8 @@ from __future__ import annotations
 import datetime as dt
 import re
 
-import httpx
 import pytest
 
-from app import create_app
 from app.cli import client as cli_client
 from app.cli import main
 from app.control import heldout
@@ -23,14 +21,6 @@ TRAIN = {"kind": "train", "group_size": 2, "tasks_per_step": 2, "steps": 2, "eva
          "simulate": {"episode_median_s": 0.05, "train_s": 0.1, "reward_p": 0.5}}
 METRICS = {"reward_mean": 0.5, "loss": -0.0077, "logprob_gap_max_abs": 0.0021, "logprob_gap_mean_abs": 0.00031,
            "step_time_s": 12.5}
-
-
-@pytest.fixture
-def api(database, redis_db, monkeypatch):
-    flask_app = create_app({"TESTING": True})
-    monkeypatch.setattr(cli_client, "api_client", lambda: httpx.Client(transport=httpx.WSGITransport(app=flask_app),
-                                                                      base_url="http://api", headers=AUTH))
-    return flask_app
 
 
 def _ago(seconds: float) -> dt.datetime:

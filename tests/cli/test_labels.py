@@ -4,25 +4,12 @@ from __future__ import annotations
 
 import json
 
-import httpx
-import pytest
 
-from app import create_app
-from app.cli import client as cli_client
 from app.cli import main
 from app.db import session_scope
 from app.tables import Run
-from support import AUTH
 
 REDIS_DB = 10
-
-
-@pytest.fixture
-def api(database, redis_db, monkeypatch):
-    flask_app = create_app({"TESTING": True})
-    monkeypatch.setattr(cli_client, "api_client", lambda: httpx.Client(transport=httpx.WSGITransport(app=flask_app),
-                                                                  base_url="http://api", headers=AUTH))
-    return flask_app
 
 
 def _labels(run_id: int) -> tuple:

@@ -16,7 +16,6 @@ import threading
 import httpx
 import pytest
 
-from app import create_app
 from app.cli import build_parser, main
 from app.cli import client as cli_client
 from app.db import session_scope
@@ -24,15 +23,6 @@ from app.tables import Run, utcnow
 from support import AUTH, ROOT
 
 REDIS_DB = 10
-
-
-@pytest.fixture
-def api(database, redis_db, monkeypatch):
-    """The CLI's HTTP client talks to `create_app()` in-process."""
-    flask_app = create_app({"TESTING": True})
-    monkeypatch.setattr(cli_client, "api_client", lambda: httpx.Client(transport=httpx.WSGITransport(app=flask_app),
-                                                                  base_url="http://api", headers=AUTH))
-    return flask_app
 
 
 def _runs() -> int:

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from app import config as settings
-from app import create_app
-from app.cli import client as cli_client
 from app.cli import main
 from app.db import session_scope
 from app.paths import RunPaths
 from app.tables import Run
-from support import AUTH, ROOT
+from support import ROOT
 
 REDIS_DB = 10
 DEMO = str(ROOT / "demo" / "train.json")
@@ -29,11 +26,9 @@ def var_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def api(var_dir, database, redis_db, monkeypatch):
-    flask_app = create_app({"TESTING": True})
-    monkeypatch.setattr(cli_client, "api_client", lambda: httpx.Client(transport=httpx.WSGITransport(app=flask_app),
-                                                                  base_url="http://api", headers=AUTH))
-    return flask_app
+def api(var_dir, api):
+    """The CLI's in-process API (tests/cli/conftest.py), over this test's own var folder."""
+    return api
 
 
 @pytest.fixture

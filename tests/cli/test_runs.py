@@ -3,27 +3,15 @@ from __future__ import annotations
 
 import datetime as dt
 
-import httpx
 import pytest
 
-from app import create_app
 from app.cli import main
 from app.cli import client as cli_client
 from app.cli import runs as runs_cli
 from app.db import session_scope
 from app.tables import Episode, Run, TaskInstance
-from support import AUTH
 
 REDIS_DB = 10
-
-
-@pytest.fixture
-def api(database, redis_db, monkeypatch):
-    """The CLI's HTTP client talks to `create_app()` in-process."""
-    flask_app = create_app({"TESTING": True})
-    monkeypatch.setattr(cli_client, "api_client", lambda: httpx.Client(transport=httpx.WSGITransport(app=flask_app),
-                                                                  base_url="http://api", headers=AUTH))
-    return flask_app
 
 
 def _run(status: str = "completed", rewards=(1.0, 0.0, 1.0, 1.0), age_s: float = 90.0,
