@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import httpx
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -10,13 +11,22 @@ from support import AUTH
 WAIT_S = 20
 
 
+def wait_until(browser, condition, message: str = "", *, timeout: float = WAIT_S):
+    """`condition(browser)`'s first truthy value within `timeout` seconds (selenium's
+    WebDriverWait).  A condition that read an element the page replaced meanwhile is tried again:
+    a live page re-renders whole sections on each poll (dashboard.js, runs.js), so an element
+    found a moment ago can be detached by the time its text is read (StaleElementReferenceException).
+    `message` goes into the TimeoutException raised when the time runs out."""
+    return WebDriverWait(browser, timeout, ignored_exceptions=(StaleElementReferenceException,)).until(condition, message)
+
+
 def open_page(browser, site, path: str) -> None:
     """Load `path` and wait for the document; the same path must answer 200 over HTTP (a 500
     page also renders in the browser, so readyState alone would not catch it)."""
     status = httpx.get(site["url"] + path, headers=AUTH, timeout=30).status_code
     assert status == 200, f"{path} answered HTTP {status}\n{site['log'].output()[-3000:]}"
     browser.get(site["url"] + path)
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.execute_script("return document.readyState") == "complete")
+    wait_until(browser, lambda d: d.execute_script("return document.readyState") == "complete")
 
 
 def console_clean(browser, allowed: tuple[str, ...] = ()) -> None:

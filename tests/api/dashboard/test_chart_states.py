@@ -17,9 +17,8 @@ import httpx
 import pytest
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.ui import WebDriverWait
 
-from api.dashboard.pages import WAIT_S, console_clean, open_page, text
+from api.dashboard.pages import console_clean, open_page, text, wait_until
 from support import AUTH
 from support.chart_seed import seed_chart_states, step_metrics
 
@@ -50,7 +49,7 @@ def runs(site):
 
 def _load(browser, site, run_id: int) -> None:
     open_page(browser, site, f"/runs/{run_id}")
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.execute_script(
+    wait_until(browser, lambda d: d.execute_script(
         "return document.querySelectorAll('figure.chart canvas').length > 0 && Object.keys(CHARTS).length > 0"))
 
 
@@ -87,7 +86,7 @@ def _hover(browser, chart: str, step: int, series: int = 1) -> str:
     left = min(max(round(left), 1), width - 2)  # the first and last step sit on the edges: stay inside
     ActionChains(browser).move_to_element_with_offset(over, left - width // 2, 0).perform()
     cell = f"#{chart} .u-legend .u-series:nth-child({series + 1}) .u-value"
-    WebDriverWait(browser, WAIT_S).until(lambda d: text(d, cell) not in ("", "-"))
+    wait_until(browser, lambda d: text(d, cell) not in ("", "-"))
     return text(browser, cell)
 
 
@@ -165,7 +164,7 @@ def test_zoom_and_reset(browser, site, runs):
         ActionChains(browser).move_to_element_with_offset(over, int(-width * 0.4), 0).click_and_hold() \
             .move_by_offset(int(width * 0.4), 0).release().perform()
         scale = "const x = CHARTS[arguments[0]].plot.scales.x; return [x.min, x.max];"
-        WebDriverWait(browser, WAIT_S).until(lambda d: d.execute_script(scale, chart) != full, state)
+        wait_until(browser, lambda d: d.execute_script(scale, chart) != full, state)
         browser.find_element(By.CSS_SELECTOR, f'button.chart-reset[data-chart="{chart}"]').click()
         assert browser.execute_script(scale, chart) == full
         console_clean(browser)

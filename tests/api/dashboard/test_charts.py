@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.ui import WebDriverWait
 
-from api.dashboard.pages import WAIT_S, console_clean, open_page, text
+from api.dashboard.pages import console_clean, open_page, text, wait_until
 
 
 def _chart_id(browser, title: str) -> str:
@@ -15,7 +14,7 @@ def _chart_id(browser, title: str) -> str:
 
 
 def _drawn(browser) -> None:
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.execute_script("return Object.keys(CHARTS).length") > 0)
+    wait_until(browser, lambda d: d.execute_script("return Object.keys(CHARTS).length") > 0)
 
 
 def test_recorded_metrics_are_charted_and_unrecorded_ones_named(browser, site):
@@ -55,7 +54,7 @@ def test_hover_shows_values_and_not_computed(browser, site, shots):
     values = []
     for fraction in (0.02, 0.98):  # steps 0 and 1 sit at the two ends of the x axis
         ActionChains(browser).move_to_element_with_offset(over, int(width * (fraction - 0.5)), 0).perform()
-        WebDriverWait(browser, WAIT_S).until(
+        wait_until(browser, 
             lambda d: d.find_element(By.CSS_SELECTOR, f"#{loss_id} .u-legend .u-series:nth-child(2) .u-value").text)
         values.append(text(browser, f"#{loss_id} .u-legend .u-series:nth-child(2) .u-value"))
     # step 0's measured loss; step 1 made no optimizer update: its recorded 0.0 is shown as not computed
@@ -67,7 +66,7 @@ def test_hover_shows_values_and_not_computed(browser, site, shots):
     reward = browser.find_element(By.CSS_SELECTOR, f"#{reward_id} .u-over")
     ActionChains(browser).move_to_element_with_offset(reward, int(reward.size["width"] * 0.48), 0).perform()
     mean = f"#{reward_id} .u-legend .u-series:nth-child(2) .u-value"
-    WebDriverWait(browser, WAIT_S).until(lambda d: text(d, mean) not in ("", "-"))
+    wait_until(browser, lambda d: text(d, mean) not in ("", "-"))
     assert 0 <= float(text(browser, mean)) <= 1
     browser.save_screenshot(str(shots / "run-live-charts.png"))  # the cursor on step 1 of the reward chart
     console_clean(browser)
@@ -82,7 +81,7 @@ def test_drag_zoom_then_reset_shows_every_step(browser, site):
     ActionChains(browser).move_to_element_with_offset(over, int(-width * 0.45), 0).click_and_hold() \
         .move_by_offset(int(width * 0.5), 0).release().perform()
     scale = "const x = CHARTS[arguments[0]].plot.scales.x; return [x.min, x.max];"
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.execute_script(scale, chart)[1] < 2)
+    wait_until(browser, lambda d: d.execute_script(scale, chart)[1] < 2)
     browser.find_element(By.CSS_SELECTOR, f'button.chart-reset[data-chart="{chart}"]').click()
     assert browser.execute_script(scale, chart) == [0, 2]
     console_clean(browser)

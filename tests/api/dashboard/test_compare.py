@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as EC
-from selenium.webdriver.support.ui import WebDriverWait
 
 from api.dashboard.compare_seed import CASES, REFUSALS, seed_pairs
-from api.dashboard.pages import console_clean, open_page, rows, text
+from api.dashboard.pages import console_clean, open_page, rows, text, wait_until
 from app.api.configdiff import config_diff
 from app.api.dashboard.compare import REPLICATES
 from app.control.heldout import samples as instance_samples
@@ -63,7 +62,7 @@ def test_compare_page_refuses_with_a_notice_and_compares_when_forced(browser, si
     assert f"Runs #{a} and #{b} cannot be compared" in notice and reason in notice
     assert not browser.find_elements(By.ID, "compare")  # no numbers for a refused pair
     browser.find_element(By.ID, "compare-force").click()
-    WebDriverWait(browser, 30).until(EC.presence_of_element_located((By.ID, "compare")))
+    wait_until(browser, EC.presence_of_element_located((By.ID, "compare")), timeout=30)
     assert "force=1" in browser.current_url and not browser.find_elements(By.ID, "compare-refused")
     assert reason in text(browser, "#compare-warnings")
     assert text(browser, "#compare-heldout").startswith("Not a held-out comparison")

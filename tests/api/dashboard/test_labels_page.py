@@ -10,11 +10,11 @@ import uuid
 
 import pytest
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.ui import Select, WebDriverWait
+from selenium.webdriver.support.ui import Select
 
 from app.db import session_scope
 from app.tables import Run
-from api.dashboard.pages import WAIT_S, console_clean, open_page, rows
+from api.dashboard.pages import console_clean, open_page, rows, wait_until
 
 CFG = {"harness": "mini-swe-agent", "task_set": "synthetic", "model": {"name": "smollm2"}, "steps": 2}
 
@@ -46,18 +46,18 @@ def test_runs_list_shows_labels_and_searches_them(browser, site, shots):
     assert "second line" not in row  # the list shows the notes' first line
     browser.find_element(By.ID, "run-search").send_keys(word)
     browser.find_element(By.CSS_SELECTOR, "#run-filters button").click()
-    WebDriverWait(browser, WAIT_S).until(lambda d: f"q={word}" in d.current_url)
+    wait_until(browser, lambda d: f"q={word}" in d.current_url)
     assert _shown(browser) == {named, noted}  # in a name, a tag or the notes, any case
     browser.save_screenshot(str(shots / "runs-search.png"))
     Select(browser.find_element(By.NAME, "status")).select_by_value("failed")
     browser.find_element(By.CSS_SELECTOR, "#run-filters button").click()
-    WebDriverWait(browser, WAIT_S).until(lambda d: "status=failed" in d.current_url)
+    wait_until(browser, lambda d: "status=failed" in d.current_url)
     assert _shown(browser) == {noted}
     open_page(browser, site, f"/?tag={word}")
     assert _shown(browser) == {named} and other not in _shown(browser)
     open_page(browser, site, "/")
     browser.find_element(By.CSS_SELECTOR, f'tr[data-run="{named}"] a.tag').click()  # a tag links to its runs
-    WebDriverWait(browser, WAIT_S).until(lambda d: f"tag={word}" in d.current_url)
+    wait_until(browser, lambda d: f"tag={word}" in d.current_url)
     assert _shown(browser) == {named}
     open_page(browser, site, f"/?q=nothing-{word}")
     assert "No runs match these filters" in browser.find_element(By.ID, "no-runs").text
@@ -83,14 +83,14 @@ def test_runs_list_refreshes_live_with_its_filters(browser, site):
     browser.execute_script("window.__notReloaded = true;")
     _run(name="does not match")
     later = _run(name=f"later {word}", status="running")
-    WebDriverWait(browser, WAIT_S).until(lambda d: later in _shown(d))
+    wait_until(browser, lambda d: later in _shown(d))
     assert _shown(browser) == {first, later}
     assert browser.execute_script("return window.__notReloaded === true;")
     assert browser.find_element(By.CSS_SELECTOR, f'tr[data-run="{first}"] input[name="compare"]').is_selected()
     with session_scope() as s:  # a state change and a new tag show too
         run = s.get(Run, later)
         run.status, run.tags = "completed", [word]
-    WebDriverWait(browser, WAIT_S).until(
+    wait_until(browser, 
         lambda d: "completed" in d.find_element(By.CSS_SELECTOR, f'tr[data-run="{later}"]').text
         and word in d.find_element(By.CSS_SELECTOR, f'tr[data-run="{later}"] a.tag').text)
     assert browser.find_element(By.ID, "runs-live").text == "live"
@@ -106,7 +106,7 @@ def test_run_page_sets_and_clears_name_tags_and_notes(browser, site, shots):
     browser.find_element(By.ID, "label-tags").send_keys("Sweep, lr-3e-5")
     browser.find_element(By.ID, "label-notes").send_keys("warm start from run 1\nsecond try")
     browser.find_element(By.CSS_SELECTOR, "#labels-form button").click()
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_elements(By.ID, "run-name"))
+    wait_until(browser, lambda d: d.find_elements(By.ID, "run-name"))
     assert browser.find_element(By.ID, "run-name").text == "sweep lr=3e-5"
     assert [t.text for t in browser.find_elements(By.CSS_SELECTOR, "#run-labels-shown a.tag")] == ["lr-3e-5", "sweep"]
     assert browser.find_element(By.ID, "run-notes").text == "warm start from run 1\nsecond try"
@@ -121,7 +121,7 @@ def test_run_page_sets_and_clears_name_tags_and_notes(browser, site, shots):
     tags.clear()
     tags.send_keys("has space")
     browser.find_element(By.CSS_SELECTOR, "#labels-form button").click()
-    WebDriverWait(browser, WAIT_S).until(lambda d: "not saved" in d.find_element(By.ID, "labels-result").text)
+    wait_until(browser, lambda d: "not saved" in d.find_element(By.ID, "labels-result").text)
     assert "tags.0" in browser.find_element(By.ID, "labels-result").text
     assert browser.find_element(By.ID, "label-tags").get_attribute("value") == "has space"
     with session_scope() as s:
@@ -131,7 +131,7 @@ def test_run_page_sets_and_clears_name_tags_and_notes(browser, site, shots):
     for field in ("label-name", "label-tags", "label-notes"):
         browser.find_element(By.ID, field).clear()
     browser.find_element(By.CSS_SELECTOR, "#labels-form button").click()
-    WebDriverWait(browser, WAIT_S).until(lambda d: not d.find_elements(By.ID, "run-name"))
+    wait_until(browser, lambda d: not d.find_elements(By.ID, "run-name"))
     assert not browser.find_elements(By.ID, "run-labels-shown")
     with session_scope() as s:
         run = s.get(Run, run_id)

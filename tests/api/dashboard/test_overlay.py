@@ -9,9 +9,8 @@ import html
 import httpx
 import pytest
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.ui import WebDriverWait
 
-from api.dashboard.pages import WAIT_S, console_clean, open_page, rows, text
+from api.dashboard.pages import console_clean, open_page, rows, text, wait_until
 from support import AUTH
 
 
@@ -23,7 +22,7 @@ def test_runs_overlaid_on_one_page_named_by_kind_harness_model_and_task_set(brow
     assert list(legend) == [str(a), str(b)]
     assert f"#{a} train · mini-swe-agent · smollm2 · synthetic" in legend[str(a)]
     assert "3" in legend[str(a)].split()[-1] and legend[str(b)].split()[-1] == "2"  # completed steps
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#chart-0 canvas"))
+    wait_until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#chart-0 canvas"))
     reward = browser.find_element(By.CSS_SELECTOR, "#chart-0 .u-legend").text
     assert f"#{a} mean" in reward and f"#{b} mean" in reward
     # hover: every run's value at the pointed step (step 0: both runs have it)
@@ -60,7 +59,7 @@ def test_the_runs_list_leads_to_the_overlay(browser, site):
     for run_id in (ids["train"], ids["failed_train"]):
         browser.find_element(By.CSS_SELECTOR, f'#runs input[name=compare][value="{run_id}"]').click()
     browser.find_element(By.ID, "overlay-button").click()
-    WebDriverWait(browser, WAIT_S).until(lambda d: "/runs?compare=" in d.current_url)
+    wait_until(browser, lambda d: "/runs?compare=" in d.current_url)
     assert [r.get_attribute("data-run") for r in rows(browser, "#overlay-runs")] == [str(ids["train"]),
                                                                                     str(ids["failed_train"])]
     console_clean(browser)

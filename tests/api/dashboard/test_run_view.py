@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.ui import WebDriverWait
 
-from api.dashboard.pages import WAIT_S, console_clean, open_page, rows, text
+from api.dashboard.pages import console_clean, open_page, rows, text, wait_until
 from app.db import session_scope
 from app.tables import EPISODE_STATES, Episode
 
@@ -88,12 +87,12 @@ def test_a_failed_refresh_says_so_then_recovers(browser, site, shots):
     browser.execute_cdp_cmd("Network.enable", {})
     browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*/api/runs/*"]})
     try:
-        WebDriverWait(browser, WAIT_S).until(lambda d: "refresh failed" in text(d, "#live-indicator"))
+        wait_until(browser, lambda d: "refresh failed" in text(d, "#live-indicator"))
         assert "stale" in browser.find_element(By.ID, "live-indicator").get_attribute("class")
         browser.save_screenshot(str(shots / "run-refresh-failed.png"))
     finally:
         browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": []})
-    WebDriverWait(browser, WAIT_S).until(lambda d: text(d, "#live-indicator") == "live")
+    wait_until(browser, lambda d: text(d, "#live-indicator") == "live")
     console_clean(browser, allowed=("ERR_BLOCKED_BY_CLIENT",))
 
 

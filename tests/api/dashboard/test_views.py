@@ -10,25 +10,17 @@ import datetime as dt
 import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as EC
-from selenium.webdriver.support.ui import Select, WebDriverWait
+from selenium.webdriver.support.ui import Select
 from sqlalchemy import select
 
 from app.db import session_scope
+from api.dashboard.pages import console_clean, wait_until
 from app.tables import Completion, Episode, Run, Trajectory
-
-WAIT_S = 20
 
 
 def _open(browser, site, path: str):
     browser.get(site["url"] + path)
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.execute_script("return document.readyState") == "complete")
-
-
-def _assert_console_clean(browser, allowed: tuple[str, ...] = ()) -> None:
-    """No SEVERE entry in the browser log, except messages containing one of `allowed`."""
-    severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"
-              and not any(a in e["message"] for a in allowed)]
-    assert not severe, severe
+    wait_until(browser, lambda d: d.execute_script("return document.readyState") == "complete")
 
 
 def _shot(browser, path, element_id: str | None = None) -> None:
@@ -57,7 +49,7 @@ def test_runs_page_lists_runs_and_filters(browser, site, shots):
     browser.save_screenshot(str(shots / "runs.png"))
     Select(browser.find_element(By.NAME, "kind")).select_by_value("eval")
     browser.find_element(By.CSS_SELECTOR, "#run-filters button").click()
-    WebDriverWait(browser, WAIT_S).until(lambda d: "kind=eval" in d.current_url)
+    wait_until(browser, lambda d: "kind=eval" in d.current_url)
     shown = {r.get_attribute("data-run") for r in _rows(browser, "runs")}
     # Exactly the eval runs in the database: the seeded ones, and any another test of this module
     # submitted before this one (tests run in any order), and no run of another kind.
@@ -65,7 +57,7 @@ def test_runs_page_lists_runs_and_filters(browser, site, shots):
         evals = {str(run_id) for run_id in s.scalars(select(Run.id).where(Run.kind == "eval"))}
     assert {str(ids[k]) for k in ("eval_base", "eval_trained", "queued_eval", "cancelling_eval")} <= evals
     assert shown == evals
-    _assert_console_clean(browser)
+    console_clean(browser)
 
 
 def test_runs_page_shows_two_lora_runs_live_on_one_engine(browser, site, shots):
@@ -98,7 +90,7 @@ def test_runs_page_shows_two_lora_runs_live_on_one_engine(browser, site, shots):
     held = browser.find_element(By.CSS_SELECTOR, "#engines td.held").text
     assert held == "3 calls, 4.5 s; 1 now", held  # the gateway's reload-hold counters of that engine
     _shot(browser, shots / "runs-engines.png", "engines")
-    _assert_console_clean(browser)
+    console_clean(browser)
 
 
 def test_run_page_shows_config_curves_and_episodes(browser, site, shots):
@@ -111,7 +103,7 @@ def test_run_page_shows_config_curves_and_episodes(browser, site, shots):
                   "trainer busy / rollout slots", "queue waits (s)", "staleness (policy versions)"):
         assert title in captions
     # uPlot drew one canvas per chart
-    WebDriverWait(browser, WAIT_S).until(
+    wait_until(browser, 
         lambda d: len(d.find_elements(By.CSS_SELECTOR, "figure.chart canvas")) == len(captions))
     assert not browser.find_elements(By.CSS_SELECTOR, ".not-computed")  # this run's KL was computed (kl_coef 0.001)
     legend = browser.find_element(By.CSS_SELECTOR, "#chart-0 .u-legend").text
@@ -124,11 +116,11 @@ def test_run_page_shows_config_curves_and_episodes(browser, site, shots):
     _shot(browser, shots / "run-episodes.png", "episodes-section")
     Select(browser.find_element(By.CSS_SELECTOR, "#episode-filters select[name=status]")).select_by_value("failed")
     browser.find_element(By.CSS_SELECTOR, "#episode-filters button").click()
-    WebDriverWait(browser, WAIT_S).until(lambda d: "status=failed" in d.current_url)
+    wait_until(browser, lambda d: "status=failed" in d.current_url)
     rows = _rows(browser, "episodes")
     assert len(rows) == 1 and "No module named 'yaml'" in rows[0].text
     assert "Cancel run" not in browser.page_source  # finished runs cannot be cancelled
-    _assert_console_clean(browser)
+    console_clean(browser)
 
 
 def test_episode_page_shows_grading_patch_log_calls_and_tokens(browser, site, shots):
@@ -157,7 +149,7 @@ def test_episode_page_shows_grading_patch_log_calls_and_tokens(browser, site, sh
     _shot(browser, shots / "episode.png")
     _shot(browser, shots / "episode-calls.png", "calls")
     _shot(browser, shots / "episode-tokens.png", "tokens")
-    _assert_console_clean(browser)
+    console_clean(browser)
 
 
 def test_episode_page_shows_cut_reasons_and_diff(browser, site, shots):
@@ -169,7 +161,7 @@ def test_episode_page_shows_cut_reasons_and_diff(browser, site, shots):
     assert "history rewritten" in browser.find_elements(By.CSS_SELECTOR, "#calls article.call")[2].text
     assert browser.find_element(By.CSS_SELECTOR, "#diff .d-add").text == "+    return b - a"  # an unresolved try
     browser.save_screenshot(str(shots / "episode-cut.png"))
-    _assert_console_clean(browser)
+    console_clean(browser)
 
 
 def test_compare_page_shows_pass_at_k_with_intervals(browser, site, shots):
@@ -179,10 +171,10 @@ def test_compare_page_shows_pass_at_k_with_intervals(browser, site, shots):
     Select(browser.find_element(By.NAME, "b")).select_by_value(str(ids["eval_trained"]))
     browser.find_element(By.CSS_SELECTOR, "#compare-form button").click()
     # the seeded "after" eval samples the train run's policy on the instances it trained on
-    WebDriverWait(browser, WAIT_S).until(EC.presence_of_element_located((By.ID, "compare-refused")))
+    wait_until(browser, EC.presence_of_element_located((By.ID, "compare-refused")))
     assert "instance(s) it trained on" in browser.find_element(By.ID, "compare-refused").text
     browser.find_element(By.ID, "compare-force").click()
-    WebDriverWait(browser, WAIT_S).until(EC.presence_of_element_located((By.ID, "compare")))
+    wait_until(browser, EC.presence_of_element_located((By.ID, "compare")))
     assert len(_rows(browser, "compare")) == 3
     calc = browser.find_element(By.CSS_SELECTOR, 'tr[data-instance="synthetic__calc-add"]').text
     assert "1/4" in calc and "3/4" in calc and "0.25 [0.05, 0.70]" in calc
@@ -190,7 +182,7 @@ def test_compare_page_shows_pass_at_k_with_intervals(browser, site, shots):
     assert "2/12" in overall and "7/12" in overall  # resolved samples before and after
     assert "0.67 [0.21, 0.94]" in overall and "1.00 [0.44, 1.00]" in overall  # pass@4 over instances
     browser.save_screenshot(str(shots / "compare.png"))
-    _assert_console_clean(browser)
+    console_clean(browser)
 
 
 def test_submit_form_shows_every_api_error_inline_then_creates_the_run(browser, site, shots):
@@ -201,7 +193,7 @@ def test_submit_form_shows_every_api_error_inline_then_creates_the_run(browser, 
     form.find_element(By.CSS_SELECTOR, '[data-path="timeouts.agent_s"]').send_keys("0")
     form.find_element(By.ID, "submit-run").click()
     slot = '[data-error-for="{}"]'
-    WebDriverWait(browser, WAIT_S).until(
+    wait_until(browser, 
         lambda d: d.find_element(By.CSS_SELECTOR, slot.format("group_size")).text)
     assert "valid integer" in browser.find_element(By.CSS_SELECTOR, slot.format("group_size")).text
     assert "greater than or equal to 1" in browser.find_element(By.CSS_SELECTOR, slot.format("timeouts.agent_s")).text
@@ -216,13 +208,13 @@ def test_submit_form_shows_every_api_error_inline_then_creates_the_run(browser, 
             el.clear()
             el.send_keys(value)
     form.find_element(By.ID, "submit-run").click()
-    WebDriverWait(browser, WAIT_S).until(EC.presence_of_element_located((By.ID, "run-page")))
+    wait_until(browser, EC.presence_of_element_located((By.ID, "run-page")))
     run_id = int(browser.find_element(By.ID, "run-page").get_attribute("data-run-id"))
     with session_scope() as s:
         run = s.get(Run, run_id)
         assert run.kind == "eval" and run.config["group_size"] == 2 and run.config["simulate"]["episode_median_s"] == 0.1
     # the two rejected posts are the only console entries allowed
-    _assert_console_clean(browser, allowed=("/api/runs - Failed to load resource: the server responded with a status of 400",))
+    console_clean(browser, allowed=("/api/runs - Failed to load resource: the server responded with a status of 400",))
 
 
 def test_running_run_refreshes_live_and_cancels(browser, site, shots):
@@ -234,22 +226,22 @@ def test_running_run_refreshes_live_and_cancels(browser, site, shots):
         ep = s.query(Episode).filter_by(run_id=run_id, sample_index=0).one()
         ep.status, ep.reward, ep.resolved = "completed", 1.0, True
         ep.rollout_finished_at = ep.finished_at = dt.datetime.now(dt.timezone.utc)
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_element(By.ID, "stat-reward").text == "1.000")
+    wait_until(browser, lambda d: d.find_element(By.ID, "stat-reward").text == "1.000")
     assert "completed 1" in browser.find_element(By.ID, "run-stats").text
     browser.save_screenshot(str(shots / "run-live.png"))
     browser.find_element(By.ID, "cancel-run").click()
-    WebDriverWait(browser, WAIT_S).until(EC.alert_is_present()).accept()
-    WebDriverWait(browser, WAIT_S).until(
+    wait_until(browser, EC.alert_is_present()).accept()
+    wait_until(browser, 
         lambda d: "cancelling" in d.find_element(By.CSS_SELECTOR, "#run-head h1").text)
     with session_scope() as s:
         assert s.get(Run, run_id).status == "cancelling"
-    _assert_console_clean(browser)
+    console_clean(browser)
 
 
 def test_unknown_pages_answer_an_html_404_and_the_api_keeps_json(browser, site):
     _open(browser, site, "/runs/99999")
     assert "run 99999 not found" in browser.find_element(By.ID, "error-message").text
-    _assert_console_clean(browser, allowed=("status of 404",))
+    console_clean(browser, allowed=("status of 404",))
     import httpx
 
     from support import AUTH
@@ -285,7 +277,7 @@ def test_episode_page_opens_the_log_at_its_end_and_the_tokens_at_the_first_sampl
     scroll, height, first, total = box
     assert total > height and first > height, box  # the prompt's grey context fills more than the view
     assert scroll <= first < scroll + height, box  # the first sampled token is in view
-    _assert_console_clean(browser)
+    console_clean(browser)
 
 
 def test_episode_page_says_how_the_harness_ended_once(browser, site):
