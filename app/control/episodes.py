@@ -26,7 +26,7 @@ from sqlalchemy import update
 from app.control import lease, scheduler, redis_state
 from app.control.plan import Plan, celery_priority
 from app.control.runs import stages_for
-from app.control.stages import Claim, HarnessOutcome, forfeit_record
+from app.control.stages import STAGE_FAILED, Claim, HarnessOutcome, forfeit_record
 from app.config import get_settings
 from app.db import session_scope
 from app.retry import retry_transient
@@ -114,7 +114,7 @@ def prepare(episode_id: int) -> Plan:
         with lease.Heartbeat(episode_id, "preparing", owner):
             runtime = stages.prepare(record, episode_id, cfg)
     except Exception as exc:  # noqa: BLE001 (any prepare error fails the episode with its reason)
-        return fail(episode_id, f"prepare failed: {type(exc).__name__}: {exc}", owner)
+        return fail(episode_id, f"{STAGE_FAILED['prepare']}{type(exc).__name__}: {exc}", owner)
     runtime = placed_here(runtime)
 
     def write() -> bool:
@@ -186,7 +186,7 @@ def rollout(episode_id: int) -> Plan:
                 claim, token, cancelled=lambda: beat.lost or redis_state.cancel_polled(episode_id))
     except Exception as exc:  # noqa: BLE001 (any rollout error fails the episode with its reason)
         redis_state.free_slot(claim.run_id)
-        return fail(episode_id, f"rollout failed: {type(exc).__name__}: {exc}", owner)
+        return fail(episode_id, f"{STAGE_FAILED['rollout']}{type(exc).__name__}: {exc}", owner)
     if not closing_write(lambda: lease.holds(episode_id, owner), f"episode {episode_id} rollout lease"):
         return Plan()  # taken over (this worker stalled past its lease): the runtime is the successor's now
     if closing_write(lambda: redis_state.is_cancelled(episode_id), f"episode {episode_id} cancel flag"):
@@ -294,7 +294,7 @@ def grade(episode_id: int) -> Plan:
                 forfeit = forfeit_record("patch_extraction", f"grading could not extract the applied patch: {exc}")
                 outcome = stages.forfeit(record, episode_id, cfg, forfeit)
     except Exception as exc:  # noqa: BLE001 (any grading error fails the episode with its reason)
-        return fail(episode_id, f"grading failed: {type(exc).__name__}: {exc}", owner)
+        return fail(episode_id, f"{STAGE_FAILED['grading']}{type(exc).__name__}: {exc}", owner)
     def write() -> bool:
         with session_scope() as s:
             return transition(s, Episode, episode_id, "completed", expect=("grading",), where={"lease_owner": owner},

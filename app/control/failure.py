@@ -8,7 +8,7 @@ The first cause in the pipeline's order wins: the setup, the harness, the patch,
 """
 from __future__ import annotations
 
-from app.control.stages import HARNESS_FAILED
+from app.control.stages import HARNESS_FAILED, LEASE_LOST, STAGE_FAILED
 from app.transitions import TERMINAL
 
 # `kind` of a failure reason: one word a filter or a test can match.
@@ -31,11 +31,10 @@ def _failed(error: str | None, timed_out: bool) -> tuple[str, str]:
     line = _first_line(error)
     if error and error.startswith(HARNESS_FAILED):
         return ("timeout" if timed_out else "harness_error"), line
-    for prefix, kind in (("prepare failed:", "setup_error"), ("rollout failed:", "harness_error"),
-                         ("grading failed:", "grading_error")):
-        if line.startswith(prefix):
+    for stage, kind in (("prepare", "setup_error"), ("rollout", "harness_error"), ("grading", "grading_error")):
+        if line.startswith(STAGE_FAILED[stage]):
             return kind, line
-    if " lost with " in line and "lease expired" in line:
+    if LEASE_LOST in line:
         return "worker_lost", line
     if timed_out:
         return "timeout", line or "the harness timed out"

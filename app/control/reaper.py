@@ -35,6 +35,7 @@ from app.config import get_settings
 from app.control import lease, redis_state
 from app.control.plan import Plan, celery_priority
 from app.control.runs import stages_for
+from app.control.stages import LEASE_LOST
 from app.db import session_scope
 from app.tables import Episode, Run, utcnow
 
@@ -109,7 +110,7 @@ def reap_expired_leases(now: dt.datetime, queued: set[tuple[str, int]] | None) -
 def _fail(row, now: dt.datetime, lost: str, limit: int) -> bool:
     """Fail an episode out of redeliveries (compare-and-set on its lease); release its runtime."""
     held, expired = _lease_condition(row.lease_owner, now)
-    error = (f"{row.status} lost with {lost}: the stage's lease expired after {row.redeliveries} re-dispatches "
+    error = (f"{row.status} lost with {lost}: {LEASE_LOST} after {row.redeliveries} re-dispatches "
              f"(TURNSTILE_MAX_REDELIVERIES={limit})")
     with session_scope() as s:
         won = s.execute(

@@ -31,6 +31,11 @@ class Claim:
 # Every harness-failure episode's error starts with this, so the scheduler and the summary
 # can count them in SQL (`Episode.error LIKE HARNESS_FAILED + '%'`).
 HARNESS_FAILED = "harness failed before any usable model call: "
+# An episode failed by an exception in one of its stages: its error starts with the stage's prefix
+# (`app.control.episodes`), and the failure reason is read back by it (`app.control.failure`).
+STAGE_FAILED = {"prepare": "prepare failed: ", "rollout": "rollout failed: ", "grading": "grading failed: "}
+# An episode failed by the reaper after its stage's lease expired too often (`app.control.reaper`).
+LEASE_LOST = "the stage's lease expired"
 
 
 @dataclass
