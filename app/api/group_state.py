@@ -64,8 +64,7 @@ def group_state(ctx: RunSteps, row: Group | None, planned_step: int) -> dict:
             return _state("done", None, "done", reason)
         return _state("sampling", None, "sampling", reason)
     if status in SET_ASIDE:
-        step = row.step if row.step is not None else None
-        return _state("set_aside", step, f"set aside: {reason or status}", reason)
+        return _state("set_aside", row.step, f"set aside: {reason or status}", reason)
     if status == "trained" and row.step is not None:
         n = row.step
         step_status, error = ctx.steps.get(n, ("pending", None))
