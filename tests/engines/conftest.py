@@ -5,50 +5,10 @@ The subprocess is started with the repository's var dir so the cached SmolLM2 to
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-from app.config import ROOT
-
 import pytest
 
 from app.conformance import scripted
-from app.engines.client import EngineClient
-from support import free_port
-
-
-class EngineProcess:
-    """``python -m app.engines.embedded.server`` in a subprocess; ``client`` talks to it."""
-
-    def __init__(self, model: str = "tiny", *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"engine-{self.port}.log"), "w+")
-        self.proc = subprocess.Popen(
-            # One torch thread: on a shared 2-core box OpenMP's spinning barriers make
-            # 2 threads up to 20x slower whenever another process holds a core.
-            [sys.executable, "-m", "app.engines.embedded.server", "--model", model, "--port", str(self.port),
-             "--threads", "1", *extra],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
-        self.client = EngineClient(self.url, timeout=120)
-        try:
-            self.client.health(wait_s=120)
-        except TimeoutError:
-            self.stop()
-            self.log.seek(0)
-            raise RuntimeError(f"engine did not start:\n{self.log.read()[-3000:]}")
-
-    def stop(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self.log.close()
+from support.engine_process import EngineProcess
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from app.engines.modeling import load_model
 from app.engines.routing import check_routes, record_routes, route_shape, stack_routes
 
-from ..conftest import EngineProcess
+from support.engine_process import EngineProcess
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
 
