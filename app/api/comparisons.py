@@ -10,8 +10,8 @@ from __future__ import annotations
 from flask import Blueprint, jsonify, request
 
 from app.api.configdiff import config_diff
-from app.api.dashboard.compare import NotComparable, compare_runs, force_flag
-from app.api.errors import ApiError
+from app.api.dashboard.compare import NotComparable, compare_runs
+from app.api.errors import ApiError, query_flag
 from app.db import session_scope
 from app.tables import Run
 
@@ -33,10 +33,7 @@ def _missing(s, *ids: int) -> ApiError | None:
 @bp.get("/compare")
 def compare():
     a, b = _run_arg("a"), _run_arg("b")
-    try:
-        force = force_flag(request.args.get("force"))
-    except ValueError as exc:
-        raise ApiError(400, str(exc), "force") from None
+    force = query_flag("force")
     with session_scope() as s:
         if (err := _missing(s, a, b)) is not None:
             raise err

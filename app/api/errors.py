@@ -13,6 +13,28 @@ class ApiError(Exception):
         self.status, self.message, self.field, self.details = status, message, field, details
 
 
+FLAG_TRUE, FLAG_FALSE = {"1", "true", "yes"}, {"", "0", "false", "no"}
+
+
+def parse_flag(name: str, raw: str | None) -> bool:
+    """A yes/no query parameter `name`: 1/true/yes, or 0/false/no/absent (any case).
+
+    Raises ValueError naming `name` for anything else: a mistyped flag must not act as its
+    default (`?dry_run=yes please` creating the run it meant to check)."""
+    value = (raw or "").strip().lower()
+    if value not in FLAG_TRUE | FLAG_FALSE:
+        raise ValueError(f"{name}: {(raw or '')[:40]!r} is not one of 1, 0, true, false")
+    return value in FLAG_TRUE
+
+
+def query_flag(name: str) -> bool:
+    """`parse_flag` of the request's query parameter `name`; ApiError 400 naming it otherwise."""
+    try:
+        return parse_flag(name, request.args.get(name))
+    except ValueError as exc:
+        raise ApiError(400, str(exc), name) from None
+
+
 def error_body(message: str, field: str | None = None, details: list | None = None) -> dict:
     err: dict = {"message": message}
     if field is not None:

@@ -73,8 +73,11 @@ def openapi_spec() -> dict:
             "/api/runs": {
                 "post": {
                     "summary": "Create a run (train, eval or collect); it is queued and started by the control queue.",
+                    "parameters": [{"name": "dry_run", "in": "query", "schema": {"type": "string", "enum": ["1", "0", "true", "false"]},
+                                    "description": "1: check the config and the labels (every problem in one 400) and answer "
+                                                   "200 with the config and each setting's source; no run is created"}],
                     "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RunConfig"}}}},
-                    "responses": {"202": run, "400": err},
+                    "responses": {"202": run, "200": {"description": "dry_run: the checked config and its provenance"}, "400": err},
                 },
                 "get": {"summary": "List runs, newest first; `q` searches name, notes and tags (any case), `tag` "
                                    "(repeated or comma-separated) keeps runs with every tag given.",

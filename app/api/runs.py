@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from sqlalchemy import Integer, cast, func, select
 
 from app.api import problems
-from app.api.errors import ApiError
+from app.api.errors import ApiError, query_flag
 from app.api.group_state import group_states
 from app.api.openapi import openapi_spec
 from app.api.trainer_state import trainer_state
@@ -163,7 +163,7 @@ def create_run():
 
     stored = cfg.model_dump(mode="json")
     origins = record(stored, body, parse_claim(request.headers.get(HEADER)))
-    if request.args.get("dry_run") in ("1", "true"):  # checked only: the CLI asks before a warm start
+    if query_flag("dry_run"):  # checked only: the CLI asks before a warm start
         return jsonify({"config": stored, "provenance": origins})
     # eval runs default to 5; a priority the body gives (0 included) is kept
     priority = cfg.priority if origins.get("priority") != "default" else (5 if cfg.kind == "eval" else 0)

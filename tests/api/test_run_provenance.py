@@ -67,6 +67,15 @@ def test_dry_run_checks_everything_and_creates_nothing(client):
     assert _count() == 0
 
 
+@pytest.mark.parametrize("value", ["yes please", "2", "dry"])
+def test_a_mistyped_dry_run_is_a_400_naming_it_and_creates_nothing(client, value):
+    resp = client.post(f"/api/runs?dry_run={value}", json={**SIM, "kind": "eval"})
+    assert resp.status_code == 400 and resp.get_json()["error"]["field"] == "dry_run"
+    assert _count() == 0
+    assert client.post("/api/runs?dry_run=false", json={**SIM, "kind": "eval"}).status_code == 202  # 0/false: created
+    assert _count() == 1
+
+
 def test_an_eval_runs_priority_the_body_gives_is_kept(client):
     """Eval runs default to priority 5, but an explicit 0 is the user's and wins."""
     chosen = client.post("/api/runs", json={**SIM, "kind": "eval", "priority": 0}).get_json()

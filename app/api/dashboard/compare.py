@@ -12,12 +12,12 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from app.api.errors import parse_flag
 from app.control import heldout
 from app.stats import compare_samples, pass_at_k, wilson
 from app.tables import Episode, Run, TaskInstance
 
 REPLICATES = 2000  # enough for a 95% percentile interval to ±0.01 on a page that answers at once
-FORCE_TRUE, FORCE_FALSE = {"1", "true", "yes"}, {"", "0", "false", "no"}
 
 
 def _cell(flags: list[bool], k: int) -> dict:
@@ -53,11 +53,8 @@ def eval_results(s: Session, run: Run) -> dict:
 
 
 def force_flag(raw: str | None) -> bool:
-    """`force` of a query string: 1/true/yes or 0/false/no/absent; ValueError otherwise."""
-    value = (raw or "").strip().lower()
-    if value not in FORCE_TRUE | FORCE_FALSE:
-        raise ValueError(f"force: {raw[:40]!r} is not one of 1, 0, true, false")
-    return value in FORCE_TRUE
+    """`force` of a query string (`app.api.errors.parse_flag`); ValueError otherwise."""
+    return parse_flag("force", raw)
 
 
 class NotComparable(ValueError):
