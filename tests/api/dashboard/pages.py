@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import httpx
 from selenium.common.exceptions import StaleElementReferenceException
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -42,3 +43,29 @@ def rows(browser, selector: str) -> list:
 
 def text(browser, selector: str) -> str:
     return browser.find_element(By.CSS_SELECTOR, selector).text
+
+
+X_SCALE_JS = "const x = CHARTS[arguments[0]].plot.scales.x; return [x.min, x.max];"
+
+
+def chart_id(browser, title: str) -> str:
+    """The element id of the run page's chart titled `title`."""
+    return browser.find_element(By.CSS_SELECTOR, f'figure.chart[data-title="{title}"]').get_attribute("id")
+
+
+def x_scale(browser, chart: str) -> list:
+    """[min, max] of chart `chart`'s x scale (steps), as uPlot holds it."""
+    return browser.execute_script(X_SCALE_JS, chart)
+
+
+def drag_zoom(browser, chart: str, start: float, by: float) -> None:
+    """Drag across chart `chart`'s plot area from `start` (a fraction of its width, off its centre:
+    -0.5 is the left edge) `by` a fraction of its width to the right."""
+    over = browser.find_element(By.CSS_SELECTOR, f"#{chart} .u-over")
+    width = over.size["width"]
+    ActionChains(browser).move_to_element_with_offset(over, int(width * start), 0).click_and_hold() \
+        .move_by_offset(int(width * by), 0).release().perform()
+
+
+def reset_zoom(browser, chart: str) -> None:
+    browser.find_element(By.CSS_SELECTOR, f'button.chart-reset[data-chart="{chart}"]').click()

@@ -18,7 +18,7 @@ import pytest
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 
-from api.dashboard.pages import console_clean, open_page, text, wait_until
+from api.dashboard.pages import chart_id, console_clean, drag_zoom, open_page, reset_zoom, text, wait_until, x_scale
 from support import AUTH
 from support.chart_seed import seed_chart_states, step_metrics
 
@@ -51,10 +51,6 @@ def _load(browser, site, run_id: int) -> None:
     open_page(browser, site, f"/runs/{run_id}")
     wait_until(browser, lambda d: d.execute_script(
         "return document.querySelectorAll('figure.chart canvas').length > 0 && Object.keys(CHARTS).length > 0"))
-
-
-def _chart_id(browser, title: str) -> str:
-    return browser.find_element(By.CSS_SELECTOR, f'figure.chart[data-title="{title}"]').get_attribute("id")
 
 
 def _check_axes(browser, steps: list[int]) -> dict:
@@ -106,7 +102,7 @@ def test_every_axis_reads_right(browser, site, runs, state, steps):
     _load(browser, site, runs[state])
     axes = _check_axes(browser, steps)
     n = len(steps)
-    loss, grad = _chart_id(browser, "loss"), _chart_id(browser, "grad norm (before clipping)")
+    loss, grad = chart_id(browser, "loss"), chart_id(browser, "grad norm (before clipping)")
     assert all(label.startswith("-") for label in axes[loss][1]["values"])  # loss is negative throughout
     for step in steps:
         stored = step_metrics(step, n)
@@ -129,7 +125,7 @@ def test_every_axis_reads_right(browser, site, runs, state, steps):
 
 def test_tis_ratio_chart_with_one_step(browser, site, runs):
     _load(browser, site, runs["one"])
-    chart = _chart_id(browser, "TIS weight / PPO ratio (mean)")
+    chart = chart_id(browser, "TIS weight / PPO ratio (mean)")
     assert browser.find_elements(By.CSS_SELECTOR, f"#{chart} canvas")
     assert _hover(browser, chart, 0, 1) == "1" and _hover(browser, chart, 0, 2) == _fmt(step_metrics(0, 1)["ratio_mean"])
     low, high = browser.execute_script("const y = CHARTS[arguments[0]].plot.scales.y; return [y.min, y.max];", chart)
@@ -146,9 +142,9 @@ def test_no_steps_says_why(browser, site, runs):
 
 def test_constant_and_mixed_sign_series(browser, site, runs):
     _load(browser, site, runs["fifty"])
-    clip = _chart_id(browser, "clip fraction")
+    clip = chart_id(browser, "clip fraction")
     assert browser.execute_script("return CHARTS[arguments[0]].plot.scales.y.min", clip) == 0  # a rate: 0..1
-    adv = _chart_id(browser, "advantages")
+    adv = chart_id(browser, "advantages")
     labels = browser.execute_script(AXES_JS)[adv][1]["values"]
     assert any(v.startswith("-") for v in labels) and any(not v.startswith("-") and float(v) > 0 for v in labels)
     assert _hover(browser, adv, 17) == _fmt(step_metrics(17, 50)["advantage_mean"])
@@ -158,24 +154,17 @@ def test_constant_and_mixed_sign_series(browser, site, runs):
 def test_zoom_and_reset(browser, site, runs):
     for state, full in (("fifty", [0, 49]), ("two", [0, 1])):
         _load(browser, site, runs[state])
-        chart = _chart_id(browser, "loss")
-        over = browser.find_element(By.CSS_SELECTOR, f"#{chart} .u-over")
-        width = over.size["width"]
-        ActionChains(browser).move_to_element_with_offset(over, int(-width * 0.4), 0).click_and_hold() \
-            .move_by_offset(int(width * 0.4), 0).release().perform()
-        scale = "const x = CHARTS[arguments[0]].plot.scales.x; return [x.min, x.max];"
-        wait_until(browser, lambda d: d.execute_script(scale, chart) != full, state)
-        browser.find_element(By.CSS_SELECTOR, f'button.chart-reset[data-chart="{chart}"]').click()
-        assert browser.execute_script(scale, chart) == full
+        chart = chart_id(browser, "loss")
+        drag_zoom(browser, chart, -0.4, 0.4)
+        wait_until(browser, lambda d: x_scale(d, chart) != full, state)
+        reset_zoom(browser, chart)
+        assert x_scale(browser, chart) == full
         console_clean(browser)
     _load(browser, site, runs["one"])  # one step: nothing to zoom into, the axis stays one step either side
-    chart = _chart_id(browser, "loss")
-    over = browser.find_element(By.CSS_SELECTOR, f"#{chart} .u-over")
-    ActionChains(browser).move_to_element_with_offset(over, -100, 0).click_and_hold().move_by_offset(80, 0) \
-        .release().perform()
-    browser.find_element(By.CSS_SELECTOR, f'button.chart-reset[data-chart="{chart}"]').click()
-    assert browser.execute_script("const x = CHARTS[arguments[0]].plot.scales.x; return [x.min, x.max];",
-                                  chart) == [-1, 1]
+    chart = chart_id(browser, "loss")
+    drag_zoom(browser, chart, -0.3, 0.25)
+    reset_zoom(browser, chart)
+    assert x_scale(browser, chart) == [-1, 1]
     console_clean(browser)
 
 
@@ -183,7 +172,7 @@ def test_smoothing_is_debiased_ema_kept_per_user_with_raw_line(browser, site, ru
     _load(browser, site, runs["twelve"])
     browser.execute_script("""const s = document.getElementById('chart-smoothing');
                               s.value = '0.6'; s.dispatchEvent(new Event('input'));""")
-    loss = _chart_id(browser, "loss")
+    loss = chart_id(browser, "loss")
     raw = [step_metrics(i, 12)["loss"] for i in range(12)]
     last, expected = 0.0, []
     for i, v in enumerate(raw, 1):  # W&B / TensorBoard debiased EMA
@@ -204,7 +193,7 @@ def test_smoothing_is_debiased_ema_kept_per_user_with_raw_line(browser, site, ru
 
 def test_csv_of_a_chart(browser, site, runs):
     _load(browser, site, runs["two"])
-    chart = _chart_id(browser, "grad norm (before clipping)")
+    chart = chart_id(browser, "grad norm (before clipping)")
     assert browser.find_element(By.CSS_SELECTOR, f'button.chart-csv[data-chart="{chart}"]').is_displayed()
     body = browser.execute_script("return chartCsv(CHARTS[arguments[0]].chart);", chart)
     rows = list(csv.reader(io.StringIO(body)))

@@ -6,11 +6,7 @@ import pytest
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 
-from api.dashboard.pages import console_clean, open_page, text, wait_until
-
-
-def _chart_id(browser, title: str) -> str:
-    return browser.find_element(By.CSS_SELECTOR, f'figure.chart[data-title="{title}"]').get_attribute("id")
+from api.dashboard.pages import chart_id, console_clean, drag_zoom, open_page, reset_zoom, text, wait_until, x_scale
 
 
 def _drawn(browser) -> None:
@@ -26,7 +22,7 @@ def test_recorded_metrics_are_charted_and_unrecorded_ones_named(browser, site):
         assert title in captions
     assert "entropy" in text(browser, "#missing-charts")  # the trainer does not record it
     _drawn(browser)
-    legend = text(browser, f"#{_chart_id(browser, 'advantages')} .u-legend")
+    legend = text(browser, f"#{chart_id(browser, 'advantages')} .u-legend")
     assert all(label in legend for label in ("mean", "std", "min", "max"))
     console_clean(browser)
 
@@ -36,9 +32,9 @@ def test_rates_and_rewards_sit_on_a_unit_axis(browser, site):
     _drawn(browser)
     for title in ("reward (mean ± std)", "resolved rate", "clip fraction", "trainer busy / rollout slots"):
         low, high = browser.execute_script("const y = CHARTS[arguments[0]].plot.scales.y; return [y.min, y.max];",
-                                           _chart_id(browser, title))
+                                           chart_id(browser, title))
         assert (low, high) == (0, 1), title
-    loss = browser.execute_script("return CHARTS[arguments[0]].plot.scales.y.max;", _chart_id(browser, "loss"))
+    loss = browser.execute_script("return CHARTS[arguments[0]].plot.scales.y.max;", chart_id(browser, "loss"))
     assert loss < 0.1  # other metrics fit their own values
     console_clean(browser)
 
@@ -48,21 +44,21 @@ def test_hover_shows_values_and_not_computed(browser, site, shots):
     _drawn(browser)
     kl = browser.find_element(By.CSS_SELECTOR, 'figure.chart[data-title="KL"]')
     assert kl.text.endswith("not computed: kl_coef is 0") and not kl.find_elements(By.TAG_NAME, "canvas")
-    loss_id = _chart_id(browser, "loss")
+    loss_id = chart_id(browser, "loss")
     over = browser.find_element(By.CSS_SELECTOR, f"#{loss_id} .u-over")
     width = over.size["width"]
     values = []
     for fraction in (0.02, 0.98):  # steps 0 and 1 sit at the two ends of the x axis
         ActionChains(browser).move_to_element_with_offset(over, int(width * (fraction - 0.5)), 0).perform()
-        wait_until(browser, 
-            lambda d: d.find_element(By.CSS_SELECTOR, f"#{loss_id} .u-legend .u-series:nth-child(2) .u-value").text)
+        wait_until(
+            browser, lambda d: d.find_element(By.CSS_SELECTOR, f"#{loss_id} .u-legend .u-series:nth-child(2) .u-value").text)
         values.append(text(browser, f"#{loss_id} .u-legend .u-series:nth-child(2) .u-value"))
     # step 0's measured loss; step 1 made no optimizer update: its recorded 0.0 is shown as not computed
     assert values[0] not in ("", "-", "not computed") and float(values[0]) > 0
     assert values[1] == "not computed"
     step_values = browser.execute_script("return CHARTS[arguments[0]].plot.data[1];", loss_id)
     assert step_values[1] is None
-    reward_id = _chart_id(browser, "reward (mean ± std)")
+    reward_id = chart_id(browser, "reward (mean ± std)")
     reward = browser.find_element(By.CSS_SELECTOR, f"#{reward_id} .u-over")
     ActionChains(browser).move_to_element_with_offset(reward, int(reward.size["width"] * 0.48), 0).perform()
     mean = f"#{reward_id} .u-legend .u-series:nth-child(2) .u-value"
@@ -75,15 +71,11 @@ def test_hover_shows_values_and_not_computed(browser, site, shots):
 def test_drag_zoom_then_reset_shows_every_step(browser, site):
     open_page(browser, site, f"/runs/{site['ids']['train']}")
     _drawn(browser)
-    chart = _chart_id(browser, "loss")
-    over = browser.find_element(By.CSS_SELECTOR, f"#{chart} .u-over")
-    width = over.size["width"]
-    ActionChains(browser).move_to_element_with_offset(over, int(-width * 0.45), 0).click_and_hold() \
-        .move_by_offset(int(width * 0.5), 0).release().perform()
-    scale = "const x = CHARTS[arguments[0]].plot.scales.x; return [x.min, x.max];"
-    wait_until(browser, lambda d: d.execute_script(scale, chart)[1] < 2)
-    browser.find_element(By.CSS_SELECTOR, f'button.chart-reset[data-chart="{chart}"]').click()
-    assert browser.execute_script(scale, chart) == [0, 2]
+    chart = chart_id(browser, "loss")
+    drag_zoom(browser, chart, -0.45, 0.5)
+    wait_until(browser, lambda d: x_scale(d, chart)[1] < 2)
+    reset_zoom(browser, chart)
+    assert x_scale(browser, chart) == [0, 2]
     console_clean(browser)
 
 

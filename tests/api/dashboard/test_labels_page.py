@@ -90,8 +90,8 @@ def test_runs_list_refreshes_live_with_its_filters(browser, site):
     with session_scope() as s:  # a state change and a new tag show too
         run = s.get(Run, later)
         run.status, run.tags = "completed", [word]
-    wait_until(browser, 
-        lambda d: "completed" in d.find_element(By.CSS_SELECTOR, f'tr[data-run="{later}"]').text
+    wait_until(
+        browser, lambda d: "completed" in d.find_element(By.CSS_SELECTOR, f'tr[data-run="{later}"]').text
         and word in d.find_element(By.CSS_SELECTOR, f'tr[data-run="{later}"] a.tag').text)
     assert browser.find_element(By.ID, "runs-live").text == "live"
     console_clean(browser)

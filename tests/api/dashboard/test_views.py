@@ -103,8 +103,8 @@ def test_run_page_shows_config_curves_and_episodes(browser, site, shots):
                   "trainer busy / rollout slots", "queue waits (s)", "staleness (policy versions)"):
         assert title in captions
     # uPlot drew one canvas per chart
-    wait_until(browser, 
-        lambda d: len(d.find_elements(By.CSS_SELECTOR, "figure.chart canvas")) == len(captions))
+    wait_until(
+        browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "figure.chart canvas")) == len(captions))
     assert not browser.find_elements(By.CSS_SELECTOR, ".not-computed")  # this run's KL was computed (kl_coef 0.001)
     legend = browser.find_element(By.CSS_SELECTOR, "#chart-0 .u-legend").text
     assert "mean" in legend and "mean + std" in legend
@@ -193,8 +193,8 @@ def test_submit_form_shows_every_api_error_inline_then_creates_the_run(browser, 
     form.find_element(By.CSS_SELECTOR, '[data-path="timeouts.agent_s"]').send_keys("0")
     form.find_element(By.ID, "submit-run").click()
     slot = '[data-error-for="{}"]'
-    wait_until(browser, 
-        lambda d: d.find_element(By.CSS_SELECTOR, slot.format("group_size")).text)
+    wait_until(
+        browser, lambda d: d.find_element(By.CSS_SELECTOR, slot.format("group_size")).text)
     assert "valid integer" in browser.find_element(By.CSS_SELECTOR, slot.format("group_size")).text
     assert "greater than or equal to 1" in browser.find_element(By.CSS_SELECTOR, slot.format("timeouts.agent_s")).text
     assert "invalid run config" in browser.find_element(By.ID, "submit-errors").text
@@ -231,8 +231,8 @@ def test_running_run_refreshes_live_and_cancels(browser, site, shots):
     browser.save_screenshot(str(shots / "run-live.png"))
     browser.find_element(By.ID, "cancel-run").click()
     wait_until(browser, EC.alert_is_present()).accept()
-    wait_until(browser, 
-        lambda d: "cancelling" in d.find_element(By.CSS_SELECTOR, "#run-head h1").text)
+    wait_until(
+        browser, lambda d: "cancelling" in d.find_element(By.CSS_SELECTOR, "#run-head h1").text)
     with session_scope() as s:
         assert s.get(Run, run_id).status == "cancelling"
     console_clean(browser)
