@@ -18,6 +18,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -242,6 +243,9 @@ class Completion(Base):
     None when equal to `policy_versions`): the oldest version of the KV each token attended to,
     older than its sampling version only after a `keep` update without KV recompute.
     Encoding and decoding: `app.versions`.
+    `routed_experts` (MoE policies only, else None): the engine's chosen expert ids of the
+    prompt and every sampled token but the last, `app.engines.routing.encode_routes` bytes
+    (int16 LE, `[P + S - 1, layers, top_k]`); `route_shape` is `[layers, top_k]`.
     """
 
     __tablename__ = "completions"
@@ -273,6 +277,8 @@ class Completion(Base):
     policy_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     policy_versions: Mapped[list[list[int]] | None] = mapped_column(JSONType, nullable=True)
     kv_versions: Mapped[list[list[int]] | None] = mapped_column(JSONType, nullable=True)
+    routed_experts: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    route_shape: Mapped[list[int] | None] = mapped_column(JSONType, nullable=True)
     queue_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     first_token_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     total_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -293,6 +299,9 @@ class Trajectory(Base):
 
     `token_ids` int32 [T]; `loss_mask` uint8 [T] (1 = sampled by the policy);
     `logprobs` float32 [T] (rollout logprob where mask is 1, 0.0 elsewhere).
+    `routed_experts` (MoE policies only, else None): the chain's expert ids int16
+    `[T, layers, top_k]` as `app.engines.routing.encode_routes` bytes, -1 at the last token;
+    the shape `[layers, top_k]` is `meta["route_shape"]`.
     """
 
     __tablename__ = "trajectories"
@@ -307,6 +316,7 @@ class Trajectory(Base):
     logprobs: Mapped[list[float]] = mapped_column(Float32Array)
     completion_ids: Mapped[list[Any]] = mapped_column(JSONType)
     meta: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
+    routed_experts: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
