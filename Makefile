@@ -47,7 +47,7 @@ system:
 	bash scripts/system_deps.sh
 
 venv: .venv/.installed
-.venv/.installed: requirements.txt requirements-dev.txt requirements-model.txt scripts/install.sh pyproject.toml
+.venv/.installed: requirements.txt requirements-dev.txt requirements-tinker.txt requirements-tinker-cookbook.txt requirements-model.txt scripts/install.sh pyproject.toml
 	bash scripts/install.sh
 	touch $@
 

