@@ -51,7 +51,7 @@ class Base(DeclarativeBase):
 
 # --- runs ---------------------------------------------------------------------------
 
-RUN_KINDS = ("train", "eval", "collect")
+RUN_KINDS = ("train", "eval", "collect", "tinker")  # tinker: a model of the Tinker service (app.tinker)
 RUN_STATES = (
     "queued",      # created; control.start_run not yet done
     "running",     # episodes and steps in progress
@@ -382,3 +382,94 @@ class TrainingStep(Base):
         if "gpu_queue_wait_s" not in scheduling:
             scheduling["gpu_queue_wait_s"] = max(0.0, (now - aware_utc(self.created_at)).total_seconds())
         return {"started_at": now, "metrics": {**metrics, "scheduling": scheduling}}
+
+
+# --- the Tinker service (app.tinker) ------------------------------------------------
+
+TINKER_FUTURE_STATES = (
+    "pending",    # created; its Celery task not yet started
+    "running",    # claimed by a worker under a lease (`lease_expires_at`)
+    "completed",  # `result` holds the SDK's response JSON for the op
+    "failed",     # `error` holds {"error": message, "category": "User" | "Server" | "Unknown"}
+)
+
+
+class TinkerSession(Base):
+    """One Tinker SDK client session (`POST /api/v1/create_session`), kept alive by heartbeats."""
+
+    __tablename__ = "tinker_sessions"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_name: Mapped[str] = mapped_column(String(64), index=True)  # the API key's name (app.tinker.keys)
+    sdk_version: Mapped[str] = mapped_column(String(32))
+    tags: Mapped[list[Any]] = mapped_column(JSONType)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    heartbeat_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TinkerModel(Base):
+    """A Tinker training model: a LoRA tenant of the trainer, recorded as the `runs` row of kind
+    `tinker` it trains under (`run_id`).  `id` is the SDK's model id."""
+
+    __tablename__ = "tinker_models"
+    __table_args__ = (UniqueConstraint("session_id", "seq_id", name="uq_tinker_model_seq"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), unique=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("tinker_sessions.id", ondelete="CASCADE"), index=True)
+    seq_id: Mapped[int] = mapped_column(Integer)  # the SDK's model_seq_id within its session
+    key_name: Mapped[str] = mapped_column(String(64), index=True)
+    base_model: Mapped[str] = mapped_column(String(255))
+    lora_rank: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TinkerSamplingSession(Base):
+    """A sampling session (`POST /api/v1/create_sampling_session`): the base model, or a sampler
+    checkpoint (`model_path`, tinker://<model id>/sampler_weights/<name>) of one of the key's models."""
+
+    __tablename__ = "tinker_sampling_sessions"
+    __table_args__ = (UniqueConstraint("session_id", "seq_id", name="uq_tinker_sampling_seq"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("tinker_sessions.id", ondelete="CASCADE"), index=True)
+    seq_id: Mapped[int] = mapped_column(Integer)  # the SDK's sampling_session_seq_id
+    key_name: Mapped[str] = mapped_column(String(64), index=True)
+    base_model: Mapped[str] = mapped_column(String(255))
+    model_id: Mapped[str | None] = mapped_column(ForeignKey("tinker_models.id", ondelete="CASCADE"), nullable=True)
+    model_path: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    clients: Mapped[int] = mapped_column(Integer, default=1)  # join_sampling_session hands out client counters
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TinkerFuture(Base):
+    """One Tinker op the SDK polls for (`retrieve_future`): SQL is its one source of truth.
+
+    `request_id` is the SDK's idempotency key for the request (its retries send the same one), so a
+    retried request finds its row instead of making a second.  `payload` is the request's JSON (the
+    SDK pydantic type's `model_dump(mode="json")`), `result` the response type's JSON.  Status moves
+    by compare-and-set only (`app.control.tinker_futures`); a running row holds a lease that the
+    reaper sees expire.
+    """
+
+    __tablename__ = "tinker_futures"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    key_name: Mapped[str] = mapped_column(String(64), index=True)
+    model_id: Mapped[str | None] = mapped_column(ForeignKey("tinker_models.id", ondelete="CASCADE"),
+                                                 nullable=True, index=True)
+    sampling_session_id: Mapped[str | None] = mapped_column(
+        ForeignKey("tinker_sampling_sessions.id", ondelete="CASCADE"), nullable=True, index=True)
+    op: Mapped[str] = mapped_column(String(32))
+    seq_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the SDK's per-client order of requests
+    status: Mapped[str] = mapped_column(String(16), default="pending", index=True)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # claims so far (a re-claim after a lost lease: 2)
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
