@@ -33,6 +33,7 @@ from app.engines.errors import (EngineCallError, EngineConnectionError, EngineHT
                                 error_message, parse_body)
 from app.engines.answer import ChatAnswer
 from app.engines.connections import Target
+from app.engines.routed import normalize_routed_experts
 from app.engines.stream import DONE, EOF, ChatStream, stream_items
 from app.engines.transport import one_write_transport
 
@@ -197,12 +198,18 @@ class EngineClient:
         non-stream answer is silent until it is done); an exception it raises abandons the call,
         closing the connection so the engine aborts the request, and propagates to the caller.
 
+        A vLLM answer's routed experts (base64 ``.npy`` per choice) are rewritten to the embedded
+        engine's top-level ``routed_experts`` list, kept only when ``body`` asked for them
+        (``app.engines.routed.normalize_routed_experts``).
+
         Raises:
             EngineHTTPError: the engine answered 4xx/5xx.
             EngineConnectionError: transport failure or timeout.
+            ValueError: vLLM's routed experts do not decode.
         """
         with ChatAnswer(self._streams, body, headers) as call:
-            return call.result(idle, idle_s)
+            answer = call.result(idle, idle_s)
+        return normalize_routed_experts(answer, bool(body.get("return_routed_experts")))
 
     def open_stream(self, body: dict, *, headers: dict | None = None) -> ChatStream:
         """Start a streamed ``POST /v1/chat/completions`` with ``body`` as given (it should say
