@@ -191,3 +191,33 @@ def decode_routes(data: bytes, layers: int, top_k: int) -> np.ndarray:
 def concat_routes(parts: list[np.ndarray]) -> np.ndarray:
     """Routes of consecutive token spans joined (prefix merging and splicing keep token order)."""
     return np.concatenate(parts, axis=0) if parts else np.zeros((0, 0, 0), dtype=ROUTE_DTYPE)
+
+
+def score_completion(model: nn.Module, tokens: list[int] | torch.Tensor, prompt_len: int,
+                     routes: np.ndarray | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
+    """The trainer's view of one sample: logprobs of its completion tokens in one forward.
+
+    ``tokens`` is prompt + completion (``prompt_len`` prompt tokens, at least one completion
+    token).  The forward runs over all tokens but the last, whose logit scores nothing: exactly
+    the tokens an engine returns routes for (``prompt + completion - 1``).  With ``routes``
+    ``[len(tokens) - 1, layers, top_k]`` the experts are forced (``RouteReplay``).  Gradients
+    flow when the caller has them enabled.
+
+    Returns ``(logprobs, seen)``: fp32 ``[completion]`` logprobs of ``tokens[prompt_len:]``
+    (log-softmax of the logits), and the ``[len(tokens) - 1, layers, top_k]`` routes the forward
+    ran (``None`` for a dense model).
+
+    Raises:
+        ValueError: no completion token, or ``routes`` of another shape (from ``RouteReplay``).
+    """
+    ids = torch.as_tensor(tokens, dtype=torch.long).view(1, -1)
+    if not 0 < prompt_len < ids.shape[1]:
+        raise ValueError(f"prompt_len {prompt_len} must leave at least one of {ids.shape[1]} tokens to score")
+    inputs = ids[:, :-1]
+    with record_routes(model) as calls, contextlib.ExitStack() as stack:
+        if routes is not None:
+            stack.enter_context(RouteReplay(model)).set(routes)
+        logits = model(inputs).logits
+    logp = torch.log_softmax(logits[0, prompt_len - 1:].float(), dim=-1)
+    chosen = logp.gather(-1, ids[0, prompt_len:, None])[:, 0]
+    return chosen, (stack_routes(calls) if calls else None)

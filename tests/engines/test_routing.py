@@ -14,6 +14,7 @@ from app.engines.routing import (
     moe_routers,
     record_routes,
     route_shape,
+    score_completion,
     stack_routes,
 )
 
@@ -152,3 +153,20 @@ def test_encode_decode_round_trip_and_size():
     assert np.array_equal(decode_routes(data, 2, 4), routes)
     with pytest.raises(ValueError, match="multiple"):
         decode_routes(data[:-1], 2, 4)
+
+
+def test_score_completion_scores_the_completion_over_all_tokens_but_the_last(moe):
+    _, model, tokenizer = moe
+    ids = _ids(tokenizer)[0].tolist()
+    p = 5
+    logits, routes = _recorded(model, torch.tensor([ids[:-1]]))
+    want = torch.log_softmax(logits[0, p - 1:].float(), -1).gather(-1, torch.tensor(ids[p:])[:, None])[:, 0]
+    with torch.no_grad():
+        free, seen = score_completion(model, ids, p)
+        forced, seen_forced = score_completion(model, ids, p, routes)
+    assert torch.equal(free, want) and torch.equal(forced, want)
+    assert np.array_equal(seen, routes) and np.array_equal(seen_forced, routes)
+    with pytest.raises(ValueError, match="at least one"):
+        score_completion(model, ids, len(ids))
+    with pytest.raises(ValueError, match="rows"):
+        score_completion(model, ids, p, routes[1:])
