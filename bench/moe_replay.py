@@ -10,6 +10,13 @@ This is a model of the engine (transformers' own forward with a KV cache, not th
 engine's server nor vLLM): it measures what replay changes once the routes are captured.
 
     .venv/bin/python bench/moe_replay.py [--models tiny-moe tiny-moe-wide tiny] [--samples 8] [--tokens 48]
+    .venv/bin/python bench/moe_replay.py --engine embedded   # sample from the embedded engine's server
+    .venv/bin/python bench/moe_replay.py --shape qwen3-30b-a3b --layers 16 [...]   # GPU: memory and step time
+
+``--engine embedded`` samples from the embedded engine's real server instead
+(``bench/moe_replay_engine.py``: fp32, all samples decoded in one batch), whose routes the
+trainer replays; vLLM's CPU build can serve neither the tiny models nor routes (docs/moe.md).
+``--shape`` runs ``bench/moe_replay_shape.py`` (its flags follow) on a real model's shape.
 
 Printed per model: share of completion tokens whose expert set differs between rollout and
 trainer for each MoE layer, mean |trainer - rollout| logprob over sampled tokens, and the
@@ -100,16 +107,35 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny-moe", "tiny-moe-wide", "tiny"])
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=48)
-    args = parser.parse_args()
+    parser.add_argument("--engine", choices=["embedded"],
+                        help="sample from this engine's server (default: transformers' own bf16 forward)")
+    parser.add_argument("--shape", help="run bench/moe_replay_shape.py with the remaining flags")
+    args, rest = parser.parse_known_args()
+    if args.shape:
+        from moe_replay_shape import main as shape_main  # beside this script
+
+        shape_main(["--shape", args.shape, *rest])
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     torch.set_num_threads(1)
+    print(f"rollout: {args.engine or 'transformers bf16 KV cache'}; trainer: fp32 forward + backward")
     print(f"{'model':<15} {'replay':<6} {'routes differ per layer':<26} {'|logprob gap|':>14} {'step ms':>8}")
     for spec in args.models:
-        result = measure(spec, args.samples, args.tokens)
+        if args.engine:
+            from moe_replay_engine import measure as measure_engine  # beside this script
+
+            result = measure_engine(spec, args.samples, args.tokens)
+        else:
+            result = measure(spec, args.samples, args.tokens)
         for mode, r in result.items():
             if r["gap"] is None:
                 continue
-            diff = "dense" if r["diff"] is None else " ".join(f"{x:.3f}" for x in r["diff"])
-            print(f"{spec:<15} {mode:<6} {diff:<26} {r['gap']:>14.5f} {r['ms']:>8.1f}")
+            if r["diff"] is not None:
+                diff = " ".join(f"{x:.3f}" for x in r["diff"])
+            else:
+                diff = "dense" if spec == "tiny" else "no routes from engine"
+            print(f"{spec:<15} {mode:<6} {diff:<26} {r['gap']:>14.3e} {r['ms']:>8.1f}")
 
 
 if __name__ == "__main__":
