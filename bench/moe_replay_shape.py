@@ -4,7 +4,8 @@ A Qwen3-30B-A3B-shaped Qwen3-MoE with random weights (``--shape qwen3-30b-a3b``;
 https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json: 48 layers, hidden 2048,
 128 experts top-8 renormalised, moe_intermediate 768, 32 query / 4 KV heads of 128, vocab
 151936, untied embeddings, RoPE θ 1e6, RMSNorm ε 1e-6), cut to ``--layers`` so it fits one
-GPU (weights + gradients in bf16 cost about 2.4 GiB per layer plus 2.3 GiB of embeddings).
+GPU (623 M parameters a layer, 622 M in the untied embeddings: weights + gradients in bf16 cost
+about 2.3 GiB per layer plus 2.3 GiB, before activations; fp32 logits of batch × seq × 151936).
 
 One "engine" pass (no grad) records the routes of a ``[batch, seq]`` batch of random tokens;
 then each step is a forward + backward of ``-mean(logprob)`` over the same batch, replay off
@@ -13,7 +14,7 @@ routes), measured ``--steps`` times after one warm-up.  Printed per mode: median
 peak memory (``torch.cuda.max_memory_allocated`` on CUDA, reset before each mode; on CPU the
 process's peak RSS, which only grows), and the routes' own size (``2 × layers × top_k`` B/token).
 
-    .venv/bin/python bench/moe_replay_shape.py --shape qwen3-30b-a3b --layers 16 --batch 4 --seq 2048
+    .venv/bin/python bench/moe_replay_shape.py --shape qwen3-30b-a3b --layers 16 --batch 2 --seq 2048
     .venv/bin/python bench/moe_replay_shape.py --shape qwen3-30b-a3b --layers 1 --experts 16 --vocab 2048 \\
         --batch 1 --seq 32 --steps 1 --device cpu     # the CPU smoke run the tests do
 """
