@@ -301,6 +301,15 @@ class TrainingConfig(BaseModel):
                                      "the sampled tokens with dropout off too, so that its logprobs equal the engine's "
                                      "(a dropout in the scoring forward moved them by ~1.5 nats and corrupted the PPO "
                                      "ratio and the TIS weight); a dropout > 0 would never act, so it is refused.")
+    routing_replay: bool = Field(
+        False, description="Mixture-of-experts policies: every trainer forward that scores the sampled tokens (the "
+                           "policy's, the old-logprob pass, the KL reference) forces each MoE layer to the experts "
+                           "the engine chose for each token, gate weights still from the live router (routing "
+                           "replay, R3: Ma et al. 2025, arXiv:2510.11370; app/engines/routing.py). Needs an MoE model "
+                           "and an engine that returns routed experts (the embedded engine; vLLM started with "
+                           "--enable-return-routed-experts); run creation refuses it otherwise. A chain recorded "
+                           "without routes is left out of the step, counted as 'no routed experts' in "
+                           "merge.rejected_reasons; malformed routes fail the step naming the chain.")
     seed: int = Field(0, description="Seed for torch (dropout, LoRA init).")
 
     @field_validator("off_policy_correction", mode="before")

@@ -114,6 +114,11 @@ class RouteReplay:
     forced tensor stays until the next ``set``, so a checkpointed layer's recompute replays
     the same experts.
 
+    `set(routes, recorded)` with ``recorded`` bool ``[rows]`` (the rows whose routes were
+    recorded, not filler) also counts, per layer, the recorded rows whose forced expert set
+    differs from the one the live router would have chosen (once per ``set``: a checkpoint
+    recompute is not counted twice); ``mismatch()`` reads the counts.
+
     Raises (from the hook, during forward):
         ValueError: no routes set, or their rows differ from the layer's input rows.
     """
@@ -121,13 +126,35 @@ class RouteReplay:
     def __init__(self, model: nn.Module):
         self.routers = moe_routers(model)
         self.routes: torch.Tensor | None = None
+        self.recorded: torch.Tensor | None = None
+        self._counted: set[int] = set()
+        self.differ = [0] * len(self.routers)  # recorded rows whose free routing differs, per layer
+        self.compared = [0] * len(self.routers)
         self._handles: list = []
 
-    def set(self, routes: np.ndarray | torch.Tensor) -> None:
+    def set(self, routes: np.ndarray | torch.Tensor, recorded: torch.Tensor | None = None) -> None:
         routes = torch.as_tensor(routes)
         if routes.dim() != 3 or routes.shape[1] != len(self.routers):
             raise ValueError(f"routes must be [rows, {len(self.routers)} layers, top_k]; got {tuple(routes.shape)}")
+        if recorded is not None and tuple(recorded.shape) != (routes.shape[0],):
+            raise ValueError(f"recorded must be [{routes.shape[0]}] rows; got {tuple(recorded.shape)}")
         self.routes = routes.to(torch.long)
+        self.recorded = recorded
+        self._counted = set()
+
+    def mismatch(self) -> tuple[list[int], list[int]]:
+        """``(differ, compared)`` per MoE layer since construction: recorded rows whose forced
+        expert set differs from the live router's own top-k, and recorded rows seen."""
+        return list(self.differ), list(self.compared)
+
+    def _count(self, layer: int, own: torch.Tensor, forced: torch.Tensor) -> None:
+        if self.recorded is None or layer in self._counted:
+            return
+        self._counted.add(layer)
+        keep = self.recorded.to(own.device)
+        same = (own.sort(dim=-1).values == forced.sort(dim=-1).values).all(dim=-1)
+        self.differ[layer] += int((~same & keep).sum())
+        self.compared[layer] += int(keep.sum())
 
     def _hook(self, layer: int):
         def hook(router, _inputs, output):
@@ -137,6 +164,7 @@ class RouteReplay:
             if self.routes.shape[0] != logits.shape[0]:
                 raise ValueError(f"routing replay: layer {layer} has {logits.shape[0]} rows, routes have {self.routes.shape[0]}")
             ids = self.routes[:, layer, :].to(logits.device)
+            self._count(layer, output[2].detach(), ids)
             return logits, gate_weights(router, logits, ids), ids
         return hook
 

@@ -19,6 +19,13 @@ Either way a sequence longer than the budget gets a micro-batch of its own, and 
 padding fraction of a step is 1 - sum(tokens) / sum(padded_tokens) over its micro-batches
 (`padding_fraction`).
 
+With routing replay (`TrainingConfig.routing_replay`) every sequence carries the routes the
+engine recorded, `[T, layers, top_k]` expert ids; a micro-batch holds them laid out exactly as
+its tokens (`MicroBatch.routes`, one row per input position, row-major as the MoE router flattens
+`[B, T]`), so a packed row replays each of its sequences' own routes.  Positions without a
+recorded route (a sequence's last token, whose output scores no logit, and padding) get the
+experts 0..top_k-1: any valid distinct ids do, since nothing trained reads their outputs.
+
 Each micro-batch carries its trainable tokens' loss weights (`aggregation_weights`: token-level
 or per-episode sequence-level means over the whole step), which `grpo.policy_loss` sums over.
 """
@@ -27,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
+import numpy as np
 import torch
 
 from app.runconfig import LOSS_AGGREGATIONS
@@ -44,7 +52,10 @@ class StepSequence:
     the trainer's (0: on-policy, so its logprob gap measures sampling-vs-training mismatch alone);
     `token_lags` int [T] the same per position, from the per-token versions the gateway recorded
     (a chain that spans an in-flight weight update has tokens of several lags; 0 on context
-    tokens; None: every token lags `policy_lag`).
+    tokens; None: every token lags `policy_lag`).  `routes` int16 [T, layers, top_k]: the expert
+    ids the engine's MoE layers chose at each position (-1 at the last token, which ran through
+    no forward that scored anything; `Trajectory.routed_experts`), for routing replay; None
+    without.
     """
 
     token_ids: Sequence[int]
@@ -55,6 +66,7 @@ class StepSequence:
     transform: SequenceTransform | None = None
     policy_lag: int = 0
     token_lags: Sequence[int] | None = None
+    routes: np.ndarray | None = None
 
     @property
     def trainable(self) -> int:
@@ -79,6 +91,9 @@ class MicroBatch:
     With a distillation teacher's top-k (`app.training.opd.apply_token_advantages`):
     `teacher_top_ids` int64 [N, k], `teacher_top_logprobs` float32 [N, k], `teacher_top_rows`
     bool [N] (which tokens have them).
+    Under routing replay: `routes` int64 [B * T, layers, top_k], the forced experts of every
+    input position in row-major order (module docstring), and `route_recorded` bool [B * T]
+    (the rows whose routes the engine recorded; False at fillers), else both None.
     """
 
     input_ids: torch.Tensor
@@ -103,6 +118,8 @@ class MicroBatch:
     teacher_top_ids: torch.Tensor | None = None
     teacher_top_logprobs: torch.Tensor | None = None
     teacher_top_rows: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
+    route_recorded: torch.Tensor | None = None
 
     def transform(self) -> dict:
         """The sampling-transform keyword arguments of `app.training.policy.token_logprobs`."""
@@ -208,6 +225,36 @@ def _token_lags(seq: StepSequence, positions: torch.Tensor) -> torch.Tensor:
     return torch.tensor(list(seq.token_lags), dtype=torch.long)[positions]
 
 
+def _route_rows(sequences, indices, width: int | None = None) -> dict:
+    """`MicroBatch.routes` and `route_recorded` of sequences `indices`: each sequence's routes,
+    its unrouted rows (-1: the last token) set to experts 0..top_k-1, padded to `width` rows with
+    those (padded micro-batches; None: packed, back to back).  {} when no sequence has routes.
+    Raises ValueError when only some have routes, or their layer/top-k shapes differ."""
+    present = [sequences[i].routes is not None for i in indices]
+    if not any(present):
+        return {}
+    if not all(present):
+        missing = [sequences[i].episode_id for i, p in zip(indices, present) if not p]
+        raise ValueError(f"routing replay: sequences of episodes {missing} have no routes, others in their "
+                         "micro-batch do")
+    shapes = {tuple(sequences[i].routes.shape[1:]) for i in indices}
+    if len(shapes) != 1:
+        raise ValueError(f"routing replay: sequences of one micro-batch have routes of shapes {sorted(shapes)}")
+    layers, top_k = shapes.pop()
+    filler = torch.arange(top_k, dtype=torch.long).expand(layers, top_k)
+    parts, recorded = [], []
+    for i in indices:
+        routes = torch.as_tensor(np.asarray(sequences[i].routes), dtype=torch.long)
+        unrouted = (routes < 0).any(dim=-1, keepdim=True)
+        routes = torch.where(unrouted, filler, routes)
+        recorded.append(~unrouted.any(dim=1)[:, 0])
+        if width is not None and routes.shape[0] < width:
+            recorded.append(torch.zeros(width - routes.shape[0], dtype=torch.bool))
+            routes = torch.cat([routes, filler.expand(width - routes.shape[0], layers, top_k)])
+        parts.append(routes)
+    return {"routes": torch.cat(parts), "route_recorded": torch.cat(recorded)}
+
+
 def _trainable_positions(seq: StepSequence) -> torch.Tensor:
     mask = torch.tensor(list(seq.loss_mask), dtype=torch.bool)
     positions = torch.nonzero(mask, as_tuple=True)[0]
@@ -254,6 +301,7 @@ def _tensorize_packed(sequences, indices, aggregation, step_tokens, step_samples
         position_ids=torch.cat(pos).unsqueeze(0),
         token_lag=torch.cat(lags),
         segment_lengths=tuple(len(sequences[i].token_ids) for i in indices),
+        **_route_rows(sequences, indices),
         **_transform_tensors(sequences, indices, trainable),
     )
 
@@ -296,6 +344,7 @@ def _tensorize(sequences, indices, aggregation, step_tokens, step_samples, total
         tokens=tokens,
         padded_tokens=len(indices) * width,
         token_lag=torch.cat(lags),
+        **_route_rows(sequences, indices, width),
         **_transform_tensors(sequences, indices, trainable),
     )
 

@@ -334,6 +334,26 @@ def token_lags(row, policy_version: int | None) -> list[int] | None:
     return lags
 
 
+NO_ROUTES = "no routed experts"  # merge.rejected_reasons: a chain left out of a routing-replay step
+
+
+def trajectory_routes(row):
+    """The chain routes of Trajectory `row`, int16 numpy [T, layers, top_k] (-1 at the last token),
+    or None when it was recorded without them (a dense model, or an engine that returned none).
+    Raises ValueError when the bytes do not fit `meta.route_shape` or the token count."""
+    if row.routed_experts is None:
+        return None
+    from app.engines.routing import decode_routes  # numpy and torch: the trainer's process only
+
+    shape = (row.meta or {}).get("route_shape")
+    if not shape or len(shape) != 2:
+        raise ValueError(f"trajectory {row.id}: routed_experts stored without meta.route_shape [layers, top_k]")
+    routes = decode_routes(row.routed_experts, int(shape[0]), int(shape[1]))
+    if len(routes) != len(row.token_ids):
+        raise ValueError(f"trajectory {row.id}: routes of {len(routes)} tokens for {len(row.token_ids)} tokens")
+    return routes
+
+
 def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, vocab_size: int,
                    policy_version: int | None = None):
     """Trajectories of the step's episodes with their advantages, and the data metrics.
@@ -344,6 +364,9 @@ def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, 
     Every sequence of an episode carries that episode's advantage, scaled by its group's
     `weight` (< 1 for groups the scheduler down-weighted for staleness), and its `policy_lag`
     behind `policy_version` (the version of the weights the trainer holds; None: all 0).
+    With `config.routing_replay` each sequence carries its chain's routes (`trajectory_routes`);
+    a chain recorded without them is left out, counted in `merge.sequences_no_routes` and, per
+    completion of it, as `NO_ROUTES` in `merge.rejected_reasons` (never trained unreplayed).
     """
     with session_scope() as s:
         episodes = list(s.scalars(select(Episode).where(Episode.id.in_(episode_ids), Episode.run_id == run_id)))
@@ -376,9 +399,14 @@ def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, 
                 if row.token_ids and max(row.token_ids) >= vocab_size:
                     merge["sequences_out_of_vocab"] += 1
                     continue
+                routes = trajectory_routes(row) if config.routing_replay else None
+                if config.routing_replay and routes is None:
+                    merge["sequences_no_routes"] += 1
+                    rejected_reasons[NO_ROUTES] += max(1, len(row.completion_ids or []))
+                    continue
                 sequence = StepSequence(row.token_ids, row.loss_mask, row.logprobs, advantage[e.id], e.id,
                                         trajectory_transform(row), policy_lag(row, policy_version),
-                                        token_lags(row, policy_version))
+                                        token_lags(row, policy_version), routes)
                 if distill is not None:  # per-token advantages; a chain without teacher scores is never trained
                     sequence = distill.sequence(row, sequence)
                     if sequence is None:

@@ -8,6 +8,15 @@ the forwards (`forward_logprobs`, `reference_logprobs`, `logprobs`) and the step
 checkpointing plan (`plan_checkpointing`).  Checkpoints (`save`/`load`) hold the weights the
 engines load and the optimizer state.
 
+Routing replay (`TrainingConfig.routing_replay`, MoE policies): `RouteReplay` hooks stay on
+every router of the policy (and of the frozen KL reference) for the trainer's life, and each
+forward first sets its micro-batch's recorded routes (`MicroBatch.routes`), so the backward's
+activation-checkpointing recompute of a layer replays the same experts.  Every forward that
+scores the sampled tokens replays: the policy's (with grad), the old-logprob pass (it is the
+PPO ratio's denominator and the trainer-vs-rollout gap, both about the function that sampled),
+and the KL reference (the initial policy scored on the same tokens: free routing would make the
+KL partly a routing difference, not a weight difference).
+
 Memory per token: no KV cache in training forwards, the LM head only at sampled positions in
 chunks (`policy.token_logprobs`), and activation checkpointing of the decoder layers
 (`TrainingConfig.activation_checkpointing`, on by default on CUDA).
@@ -25,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from app.engines.routing import RouteReplay, check_routes, route_shape
 from app.runconfig import TrainingConfig
 from app.training import distributed, head, memory, packing, policy
 from app.training.batching import MicroBatch, StepSequence, make_micro_batches
@@ -84,6 +94,8 @@ class Trainer:
             attention = "flex_attention"
         self.attention = attention
         self.shape = memory.Shape.of(lm_config)
+        self.route_shape = route_shape(model)  # (MoE layers, top_k, experts) or None (dense)
+        self.replays: list[RouteReplay] = []  # entered while routing replay is on
         self._apply_settings(config)
         self._mask_cache: tuple | None = None
         # The KL reference is the initial policy: the adapters switched off under LoRA,
@@ -97,6 +109,7 @@ class Trainer:
             distributed.shard(self.forward, policy.causal_lm(self.model).model.layers, group)
             if self.reference_forward is not None:
                 distributed.shard(self.reference_forward, self.reference.model.layers, group)
+        self._use_replay(config.routing_replay)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -104,6 +117,62 @@ class Trainer:
             betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,
         )
+
+    def _use_replay(self, enabled: bool) -> None:
+        """Enter (or leave) `RouteReplay` on the policy and the frozen reference.
+        Raises ValueError naming training.routing_replay for a dense model."""
+        if enabled and not self.replays:
+            if self.route_shape is None:
+                raise ValueError("training.routing_replay: the policy has no mixture-of-experts layers to replay")
+            self.replays = [RouteReplay(m).__enter__() for m in (self.model, self.reference) if m is not None]
+        elif not enabled and self.replays:
+            for replay in self.replays:
+                replay.__exit__(None, None, None)
+            self.replays = []
+
+    def _set_routes(self, mb: MicroBatch, measure: bool = True) -> None:
+        """Force the next forward (and its recompute) to `mb`'s recorded routes under routing replay;
+        `measure`: tally where the live router disagrees (the policy's forwards, not the reference's).
+        Raises ValueError for a micro-batch without routes."""
+        if not self.replays:
+            return
+        if mb.routes is None:
+            raise ValueError("training.routing_replay: a micro-batch has no routes (its chains were recorded without "
+                             "routed experts)")
+        for replay in self.replays:
+            replay.set(mb.routes, mb.route_recorded if measure else None)
+
+    def route_mismatch(self) -> dict | None:
+        """Routing replay's tally over the policy's forwards since the last call, then reset: the
+        share of recorded (token, layer) pairs whose experts the live router would have chosen
+        otherwise, overall and per MoE layer, and the tokens compared (each forward of a token
+        counts: the old-logprob pass and the update's forward both, when a step runs both);
+        None when replay is off."""
+        if not self.replays:
+            return None
+        replay = self.replays[0]
+        differ, compared = replay.mismatch()
+        replay.differ, replay.compared = [0] * len(differ), [0] * len(compared)
+        return {"route_mismatch_fraction": sum(differ) / sum(compared) if sum(compared) else 0.0,
+                "route_mismatch_by_layer": [d / c if c else 0.0 for d, c in zip(differ, compared)],
+                "tokens_compared": compared[0] if compared else 0}
+
+    def check_routes(self, sequences: list[StepSequence]) -> None:
+        """Under routing replay, refuse (ValueError naming the episode) a trainable sequence whose
+        routes are missing, of another shape than the model's `[T, layers, top_k]`, or hold an
+        out-of-range or repeated expert id (`app.engines.routing.check_routes`; the last row
+        may be -1, unrouted)."""
+        if not self.replays:
+            return
+        for i, seq in enumerate(sequences):
+            if seq.trainable == 0:
+                continue
+            name = f"training.routing_replay: sequence {i} (episode {seq.episode_id}, {len(seq.token_ids)} tokens)"
+            routes = seq.routes
+            if routes is not None and len(routes) == len(seq.token_ids) and len(routes) and (routes[-1] < 0).all():
+                check_routes(routes[:-1], len(seq.token_ids) - 1, self.route_shape, name)
+            else:
+                check_routes(routes, len(seq.token_ids), self.route_shape, name)
 
     def _apply_settings(self, config: TrainingConfig) -> None:
         """Take `config`'s per-run settings: the length limit, packing and checkpointing."""
@@ -131,6 +200,7 @@ class Trainer:
             self.config = config  # same per-run settings: limits, packing and the checkpointing plan stay
         else:
             self._apply_settings(config)
+        self._use_replay(config.routing_replay)
         for group in self.optimizer.param_groups:
             group.update(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                          weight_decay=config.weight_decay)
@@ -188,6 +258,7 @@ class Trainer:
         (that, the student's logprobs of the teacher's k tokens [N, k], log of its mass outside
         them [N])."""
         extra = mb.teacher_top_ids if top else None
+        self._set_routes(mb)
         with torch.set_grad_enabled(grad), policy.autocast(self.device):
             # under the sampling transform each token was drawn with (identity: all None)
             return self.forward(mb.input_ids, self._mask(mb), mb.position_ids, mb.rows, mb.cols, mb.targets,
@@ -198,6 +269,7 @@ class Trainer:
         LoRA, else the frozen initial copy); None when `kl_coef` is 0."""
         if self.config.kl_coef <= 0:
             return None
+        self._set_routes(mb, measure=False)  # the policy forward's micro-batch: its recompute still replays
         with torch.no_grad(), policy.autocast(self.device):
             args = (mb.input_ids, self._mask(mb), mb.position_ids, mb.rows, mb.cols, mb.targets)
             if self.config.lora:
@@ -212,6 +284,7 @@ class Trainer:
         """
         self._lead("logprobs", sequences)
         self.check_lengths(sequences)
+        self.check_routes(sequences)
         out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
         for mb in make_micro_batches(sequences, self.config.micro_batch_tokens, "token", self.pad_id, self.packing):
             mb = mb.to(self.device)

@@ -50,13 +50,16 @@ def run_update(trainer, sequences: list[StepSequence]) -> dict:
     micro_batches_zero_advantage (forward only: their gradient is exactly zero), grad_norm (largest
     pre-clip norm), tokens_trained, tokens_processed (real tokens through the model),
     padded_tokens, sequences, micro_batches, optimizer_updates, update_time_s,
-    activation_checkpointing, world_size.
+    activation_checkpointing, world_size, routing_replay (`Trainer.route_mismatch`: the share of
+    recorded routes the live router would not have chosen; None when replay is off).
     Raises `app.training.trainer.SequenceTooLongError` before any forward pass (`Trainer.check_lengths`),
     and ValueError for a teacher top-k token outside the student's vocabulary.
     """
     start = time.perf_counter()
     cfg = trainer.config
     trainer.check_lengths(sequences)
+    trainer.check_routes(sequences)  # routing replay: every trained chain's routes replayable, else named
+    trainer.route_mismatch()  # start this step's tally
     # Chains with advantage 0 everywhere add exactly 0 to the loss and its gradient: with one update
     # per step and no KL term they are left out before any forward pass (`skip_zero_advantage`).
     # A mask must see every chain: it may drop their tokens from the denominator.
@@ -218,6 +221,8 @@ def run_update(trainer, sequences: list[StepSequence]) -> dict:
         "micro_batches_zero_advantage": skipped,
         "nonfinite_updates_skipped": nonfinite,
         "update_time_s": time.perf_counter() - start,
+        # routing replay: recorded (token, layer) pairs the live router would have routed elsewhere
+        "routing_replay": trainer.route_mismatch(),
     })
 
 
