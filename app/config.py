@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +74,18 @@ def _check_url(value: str | None, schemes: set[str] | None, *, host: bool, examp
 
 _HTTP = {"http", "https"}
 _REDIS = {"redis", "rediss", "unix"}
+
+
+class TinkerQuota(BaseModel):
+    """What one Tinker API key may hold at once (`TURNSTILE_TINKER_KEYS`); the service answers a
+    request over a limit with a clear error (app.tinker.quotas)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_models: int = Field(4, ge=0, description="Tinker models (LoRA tenants) not yet finished")
+    max_sessions: int = Field(16, ge=0, description="SDK sessions heartbeating now")
+    max_inflight: int = Field(256, ge=1, description="futures pending or running (more: 429, the SDK backs off)")
+    max_request_mb: float = Field(64.0, gt=0, description="one request body, MiB (after zstd decompression)")
 
 
 class Settings(BaseSettings):
@@ -330,6 +342,32 @@ class Settings(BaseSettings):
                                         description="Redis DB of `python -m app harness check-pipeline` "
                                                     "(default: DB 15 of REDIS_URL).")
 
+    # --- the Tinker service (app.tinker) --------------------------------------------------
+    tinker_bind: str = Field("127.0.0.1:8300", **_env("TURNSTILE_TINKER_BIND"),
+                             description="gunicorn bind address of the Tinker service (the SDK's base_url).")
+    tinker_workers: int = Field(2, ge=1, **_env("TURNSTILE_TINKER_WORKERS"),
+                                description="gunicorn worker processes of the Tinker service.")
+    tinker_keys: dict[str, TinkerQuota] = Field(
+        {"default": TinkerQuota()}, **_env("TURNSTILE_TINKER_KEYS"),
+        description='Tinker API keys by name, with their quotas, as JSON: {"alice": {"max_models": 2}, "bob": {}}. '
+                    "A key's secret is derived from the API token (`turnstile token --tinker NAME` prints it).")
+    tinker_sdk_versions: Annotated[list[str], NoDecode] = Field(
+        ["0.38.0"], min_length=1, **_env("TURNSTILE_TINKER_SDK_VERSIONS"),
+        description="tinker SDK versions the service accepts (comma-separated); another gets a 400 naming these.")
+    tinker_base_models: Annotated[list[str], NoDecode] = Field(
+        ["smollm2", "tiny"], min_length=1, **_env("TURNSTILE_TINKER_BASE_MODELS"),
+        description="base models a Tinker model may be created on (comma-separated model specs the trainer loads).")
+    tinker_lora_ranks: Annotated[list[int], NoDecode] = Field(
+        [1, 2, 4, 8, 16, 32, 64], min_length=1, **_env("TURNSTILE_TINKER_LORA_RANKS"),
+        description="LoRA ranks a Tinker model may have (comma-separated).")
+    tinker_pending_timeout_s: float = Field(
+        3600.0, gt=0, allow_inf_nan=False, **_env("TURNSTILE_TINKER_PENDING_TIMEOUT_S"),
+        description="a Tinker future no worker started within this many seconds is failed by the reaper.")
+    tinker_session_timeout_s: float = Field(
+        120.0, gt=0, allow_inf_nan=False, **_env("TURNSTILE_TINKER_SESSION_TIMEOUT_S"),
+        description="a Tinker session with no heartbeat for this long no longer counts against its key's quota "
+                    "(the SDK beats every 10 s).")
+
     # --- validation -----------------------------------------------------------------------
     @field_validator("var_dir")
     @classmethod
@@ -345,6 +383,13 @@ class Settings(BaseSettings):
     @classmethod
     def _upper(cls, value: Any) -> Any:
         return value.strip().upper() if isinstance(value, str) else value
+
+    @field_validator("tinker_sdk_versions", "tinker_base_models", "tinker_lora_ranks", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @field_validator("task_dirs", mode="before")
     @classmethod

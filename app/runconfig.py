@@ -412,7 +412,9 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["train", "eval", "collect"] = "train"
+    kind: Literal["train", "eval", "collect", "tinker"] = Field(
+        "train", description="tinker: a Tinker service model (a LoRA tenant its SDK client trains; app.tinker makes "
+                             "them, not POST /api/runs)")
     task_set: str = Field("synthetic", min_length=1, max_length=4096,
                           description="a named set or a path inside an allowed folder (see README)")
     instances: list[Annotated[str, Field(min_length=1, max_length=255)]] | None = Field(
@@ -475,6 +477,8 @@ class RunConfig(BaseModel):
             close = difflib.get_close_matches(self.harness, HARNESSES, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             problems.append(f"harness: unknown harness {self.harness!r}; {hint}choose one of {', '.join(HARNESSES)}")
+        if self.kind == "tinker" and not self.training.lora:
+            problems.append("training.lora: a Tinker model is a LoRA tenant; set it true")
         if self.kind == "train" and self.steps < 1:
             problems.append(f"steps: a train run needs at least one step, got {self.steps}")
         if self.kind == "train" and self.group_size < 2 and self.training.algorithm != "opd":

@@ -22,6 +22,7 @@ def _port_of_bind(bind: str) -> int | None:
 def server_ports(settings: Settings) -> dict[str, int]:
     """{process name: TCP port} of the Procfile's servers, from `settings`."""
     ports = {"api": _port_of_bind(settings.api_bind), "gateway": _port_of_bind(settings.gateway_bind),
+             "tinker": _port_of_bind(settings.tinker_bind),
              "engine": settings.engine_port, "flower": settings.flower_port, "tensorboard": settings.tensorboard_port}
     return {name: port for name, port in ports.items() if port is not None}
 

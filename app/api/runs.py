@@ -153,6 +153,9 @@ def create_run():
     body = {k: v for k, v in body.items() if k not in LABEL_FIELDS}
     cfg, config_details = config_problems(body)
     details += config_details
+    if cfg is not None and cfg.kind == "tinker":
+        details.append({"field": "kind", "message": "'tinker': a Tinker model is made by its SDK client through the "
+                                                    "Tinker service (create_lora_training_client), not here"})
     if not details:  # train runs sharing this deployment's engines: LoRA pool or full fine-tune alone
         from app.control.tenancy import engine_problems
 

@@ -93,8 +93,10 @@ def watchdog(in_workers: set[tuple[int, int]], queue_depth: int) -> Plan:
     stuck_before = utcnow() - dt.timedelta(seconds=settings.lease_ttl_s + settings.watchdog_interval_s)
     with session_scope() as s:
         live = s.execute(select(Run.id, Run.status, Run.summary, Run.started_at)
-                         .where(Run.status.in_(("running", "cancelling")))).all()
-        unstarted = list(s.scalars(select(Run.id).where(Run.status == "queued", Run.created_at < stuck_before)))
+                         .where(Run.status.in_(("running", "cancelling")), Run.kind != "tinker")).all()
+        # A Tinker model's run has no episodes to schedule: the Tinker service drives it (app.tinker).
+        unstarted = list(s.scalars(select(Run.id).where(Run.status == "queued", Run.kind != "tinker",
+                                                        Run.created_at < stuck_before)))
     running = [run_id for run_id, _, _, _ in live]
     half_started = [run_id for run_id, status, summary, started_at in live
                     if status == "running" and (summary or {}).get("instance_ids") is None

@@ -77,9 +77,22 @@ def _watchdog_pass() -> dict:
         send(plan)
     plan = control_watchdog.watchdog(_steps(in_workers), gpu_depth)
     send(plan)
-    return {"resent": plan.train, "ticked": plan.tick, "restarted": plan.start, "episodes": report,
+    return {"tinker_futures": _reap_tinker_futures(), "resent": plan.train, "ticked": plan.tick, "restarted": plan.start, "episodes": report,
             "runtimes_removed": control_watchdog.sweep_runtimes(),
             "engines_resynced": engine_resync.resync_engines(), "engines_resumed": engine_pauses.resume_stale_pauses()}
+
+
+def _reap_tinker_futures() -> dict:
+    """Tinker futures whose worker was lost are sent once more, then failed; those no worker started
+    within `tinker_pending_timeout_s` are failed (`app.control.tinker_futures.reap`)."""
+    from app.control import tinker_futures
+    from app.tasks.send import send_tinker_future
+
+    with session_scope() as s:
+        reaped = tinker_futures.reap(s, utcnow(), pending_timeout_s=get_settings().tinker_pending_timeout_s)
+    for future_id, op in reaped.resend:
+        send_tinker_future(future_id, op)
+    return {"resent": [fid for fid, _ in reaped.resend], "failed": reaped.failed}
 
 
 @shared_task(name="control.step_failed")

@@ -44,3 +44,19 @@ def send_start_run(run_id: int, priority: int) -> None:
 def send_cancel_run(run_id: int) -> None:
     """Send `control.cancel_run` for a run the API just moved to `cancelling` (committed)."""
     celery_app.send_task("control.cancel_run", args=[run_id], priority=9)
+
+
+# The Tinker service's ops (app.tinker): gpu ops to the trainer, sampling to the rollout workers.
+# The task names are the tasks' module paths (Celery's default name of a task without `name=`).
+TINKER_GPU_TASK = "app.tasks.tinker.run_future"
+TINKER_SAMPLE_TASK = "app.tasks.tinker_sample.sample_future"
+TINKER_SAMPLE_OPS = ("sample",)
+
+
+def send_tinker_future(future_id: int, op: str) -> None:
+    """Send Tinker future `future_id` (committed) to its worker: `sample` to the rollout queue, every
+    other op (forward, forward_backward, optim_step, save/load weights ...) to the gpu queue."""
+    if op in TINKER_SAMPLE_OPS:
+        celery_app.send_task(TINKER_SAMPLE_TASK, args=[future_id], queue="rollout")
+    else:
+        celery_app.send_task(TINKER_GPU_TASK, args=[future_id], queue="gpu")

@@ -1,0 +1,179 @@
+"""Sessions, models and sampling sessions of the Tinker service, each owned by one API key.
+
+A Tinker model is a LoRA tenant of the trainer: `create_model` writes a `runs` row of kind
+`tinker` (its config a `RunConfig` with `training.lora`, the base model as `model.name`, the LoRA
+rank as `training.lora_r`, the SDK's seed as `training.seed`) and the `tinker_models` row that names
+it for the SDK (`tinker-<run id>`).  The trainer builds the tenant from that run's config on its
+first op (app.training.tenants).  Every lookup takes the caller's key name and treats another
+key's object as missing (404), so a tenant cannot tell another's model from one that does not exist.
+Quotas (`TURNSTILE_TINKER_KEYS`): models not finished, live sessions, futures in flight.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from app.config import get_settings
+from app.runconfig import RunConfig
+from app.tables import Run, TinkerFuture, TinkerModel, TinkerSamplingSession, TinkerSession, utcnow
+from app.tinker.http import TinkerError
+
+ACTIVE_RUN_STATES = ("queued", "running", "cancelling")
+
+
+def _quota(key_name: str):
+    return get_settings().tinker_keys[key_name]
+
+
+def create_session(s: Session, key_name: str, *, sdk_version: str, tags: list[str],
+                   user_metadata: dict[str, Any] | None) -> TinkerSession:
+    """A new session of `key_name`.  403 when the key already has `max_sessions` live sessions
+    (a heartbeat within `TURNSTILE_TINKER_SESSION_TIMEOUT_S`)."""
+    since = utcnow() - dt.timedelta(seconds=get_settings().tinker_session_timeout_s)
+    live = s.scalar(select(func.count()).select_from(TinkerSession)
+                    .where(TinkerSession.key_name == key_name, TinkerSession.heartbeat_at >= since))
+    limit = _quota(key_name).max_sessions
+    if live >= limit:
+        raise TinkerError(403, f"Tinker key {key_name!r} has {live} live sessions, its quota's max_sessions is "
+                               f"{limit}: close a ServiceClient (or wait {get_settings().tinker_session_timeout_s:g} "
+                               "s after one stopped) or raise the quota in TURNSTILE_TINKER_KEYS")
+    row = TinkerSession(id=f"session-{uuid.uuid4()}", key_name=key_name, sdk_version=sdk_version,
+                        tags=sorted(set(tags)), user_metadata=dict(user_metadata or {}))
+    s.add(row)
+    s.flush()
+    return row
+
+
+def session_of(s: Session, key_name: str, session_id: str) -> TinkerSession:
+    """Session `session_id` of `key_name`; 404 otherwise."""
+    row = s.get(TinkerSession, session_id)
+    if row is None or row.key_name != key_name:
+        raise TinkerError(404, f"no session {session_id!r} for this key")
+    return row
+
+
+def heartbeat(s: Session, key_name: str, session_id: str) -> None:
+    session_of(s, key_name, session_id).heartbeat_at = utcnow()
+
+
+def check_model_choice(base_model: str, rank: int | None) -> None:
+    """400 naming the supported choices when `base_model` or the LoRA `rank` is not one of them."""
+    settings = get_settings()
+    if base_model not in settings.tinker_base_models:
+        raise TinkerError(400, f"base model {base_model!r} is not served here; supported: "
+                               f"{', '.join(settings.tinker_base_models)} (ServiceClient.get_server_capabilities)")
+    if rank is None:
+        raise TinkerError(400, "this server trains LoRA adapters only: create_lora_training_client(base_model, rank)")
+    if rank not in settings.tinker_lora_ranks:
+        raise TinkerError(400, f"LoRA rank {rank} is not allowed here; choose one of "
+                               f"{', '.join(map(str, settings.tinker_lora_ranks))} (TURNSTILE_TINKER_LORA_RANKS)")
+
+
+def create_model(s: Session, key_name: str, *, session_id: str, seq_id: int, base_model: str, rank: int,
+                 seed: int | None, user_metadata: dict[str, Any] | None,
+                 train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True) -> TinkerModel:
+    """The model `seq_id` of session `session_id`: made now (its run row of kind `tinker` included),
+    or the one an earlier try of the same request made.  400 for an unsupported base model or rank,
+    403 over the key's `max_models`."""
+    session_of(s, key_name, session_id)
+    existing = s.scalars(select(TinkerModel).where(TinkerModel.session_id == session_id,
+                                                   TinkerModel.seq_id == seq_id)).first()
+    if existing is not None:
+        return existing
+    check_model_choice(base_model, rank)
+    active = s.scalar(select(func.count()).select_from(TinkerModel).join(Run, Run.id == TinkerModel.run_id)
+                      .where(TinkerModel.key_name == key_name, Run.status.in_(ACTIVE_RUN_STATES)))
+    limit = _quota(key_name).max_models
+    if active >= limit:
+        raise TinkerError(403, f"Tinker key {key_name!r} has {active} models, its quota's max_models is {limit}: "
+                               "unload one or raise the quota in TURNSTILE_TINKER_KEYS")
+    targets = _targets(train_attn, train_mlp)
+    training: dict[str, Any] = {"lora": True, "lora_r": rank, "lora_target_modules": targets}
+    if seed is not None:
+        training["seed"] = seed
+    cfg = RunConfig.model_validate({"kind": "tinker", "model": {"name": base_model}, "steps": 0,
+                                    "training": training})
+    now = utcnow()
+    run = Run(kind="tinker", status="running", config=cfg.model_dump(mode="json"), started_at=now,
+              name=(user_metadata or {}).get("name") or f"tinker {base_model} r{rank}",
+              summary={"tinker": {"session_id": session_id, "key": key_name, "train_unembed": train_unembed,
+                                  "user_metadata": dict(user_metadata or {})}})
+    s.add(run)
+    s.flush()
+    model = TinkerModel(id=f"tinker-{run.id}", run_id=run.id, session_id=session_id, seq_id=seq_id,
+                        key_name=key_name, base_model=base_model, lora_rank=rank)
+    s.add(model)
+    s.flush()
+    return model
+
+
+def _targets(train_attn: bool, train_mlp: bool) -> list[str]:
+    """LoRA target modules of the SDK's train_attn / train_mlp flags (Llama module names)."""
+    attn = ["q_proj", "k_proj", "v_proj", "o_proj"] if train_attn else []
+    mlp = ["gate_proj", "up_proj", "down_proj"] if train_mlp else []
+    if not attn and not mlp:
+        raise TinkerError(400, "train_attn and train_mlp are both false: this server adapts attention and/or MLP "
+                               "projections (train_unembed alone is not supported)")
+    return attn + mlp
+
+
+def model_of(s: Session, key_name: str, model_id: str) -> TinkerModel:
+    """Model `model_id` of `key_name`; 404 otherwise (another key's model reads as missing)."""
+    row = s.get(TinkerModel, model_id)
+    if row is None or row.key_name != key_name:
+        raise TinkerError(404, f"no model {model_id!r} for this key")
+    return row
+
+
+def check_inflight(s: Session, key_name: str) -> None:
+    """429 when the key has `max_inflight` futures pending or running (the SDK backs off and retries)."""
+    n = s.scalar(select(func.count()).select_from(TinkerFuture)
+                 .where(TinkerFuture.key_name == key_name, TinkerFuture.status.in_(("pending", "running"))))
+    limit = _quota(key_name).max_inflight
+    if n >= limit:
+        raise TinkerError(429, f"Tinker key {key_name!r} has {n} requests in flight, its quota's max_inflight is "
+                               f"{limit}; retry when some finish")
+
+
+def create_sampling_session(s: Session, key_name: str, *, session_id: str, seq_id: int, base_model: str | None,
+                            model_path: str | None) -> TinkerSamplingSession:
+    """Sampling session `seq_id` of session `session_id` on `base_model` or on the sampler
+    checkpoint `model_path` (tinker://<model id>/...) of one of the key's models; the same row for
+    a retry.  400 for neither or an unsupported base model, 404 for another key's model."""
+    session_of(s, key_name, session_id)
+    existing = s.scalars(select(TinkerSamplingSession).where(TinkerSamplingSession.session_id == session_id,
+                                                             TinkerSamplingSession.seq_id == seq_id)).first()
+    if existing is not None:
+        return existing
+    model_id = None
+    if model_path:
+        model_id = parse_model_path(model_path)
+        base_model = model_of(s, key_name, model_id).base_model
+    elif not base_model:
+        raise TinkerError(400, "create_sampling_client needs model_path (tinker://...) or base_model")
+    elif base_model not in get_settings().tinker_base_models:
+        raise TinkerError(400, f"base model {base_model!r} is not served here; supported: "
+                               f"{', '.join(get_settings().tinker_base_models)}")
+    row = TinkerSamplingSession(id=f"sampler-{uuid.uuid4()}", session_id=session_id, seq_id=seq_id,
+                                key_name=key_name, base_model=base_model, model_id=model_id, model_path=model_path)
+    s.add(row)
+    s.flush()
+    return row
+
+
+def parse_model_path(path: str) -> str:
+    """The model id of a `tinker://<model id>/<kind>/<name>` path; 400 for another form."""
+    if not path.startswith("tinker://") or "/" not in path[len("tinker://"):]:
+        raise TinkerError(400, f"{path!r} is not a tinker://<model id>/<kind>/<name> path")
+    return path[len("tinker://"):].split("/", 1)[0]
+
+
+def sampling_session_of(s: Session, key_name: str, sampling_session_id: str) -> TinkerSamplingSession:
+    row = s.get(TinkerSamplingSession, sampling_session_id)
+    if row is None or row.key_name != key_name:
+        raise TinkerError(404, f"no sampling session {sampling_session_id!r} for this key")
+    return row

@@ -1,0 +1,224 @@
+"""The unmodified tinker SDK (tinker.ServiceClient) against a real Tinker service process.
+
+Futures are finished here through `app.control.tinker_futures`, as the gpu worker does: this file
+tests the service (routes, wire formats, auth, quotas, futures), not the trainer's numbers.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+import tinker
+from sqlalchemy import func, select
+from tinker import types
+
+from app.control import tinker_futures
+from app.db import session_scope
+from app.tables import Run, TinkerFuture, TinkerModel
+from support import wait_for
+
+SDK_HEADERS = {"X-Stainless-Package-Version": tinker.__version__, "Content-Type": "application/json"}
+
+
+def _client(url: str, api_key: str) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=url, api_key=api_key)
+
+
+def _datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": types.TensorData(data=tokens[1:], dtype="int64",
+                                                                         shape=[len(tokens) - 1]),
+                                       "weights": types.TensorData(data=[1.0] * (len(tokens) - 1), dtype="float32",
+                                                                   shape=[len(tokens) - 1])})
+
+
+def _futures(**where) -> list[TinkerFuture]:
+    with session_scope() as s:
+        rows = s.scalars(select(TinkerFuture).filter_by(**where).order_by(TinkerFuture.id)).all()
+        for row in rows:
+            s.expunge(row)
+        return rows
+
+
+def _finish_when_pending(op: str, result: dict) -> threading.Thread:
+    """Complete the next `op` future once it is pending (as the gpu worker would: claim, then complete)."""
+    def run() -> None:
+        row = wait_for(lambda: next(iter(_futures(op=op, status="pending")), None), 30, what=f"a pending {op}")
+        time.sleep(0.5)  # the SDK's first polls see it pending (try_again)
+        with session_scope() as s:
+            claimed = tinker_futures.claim(s, row.id, lease_s=30)
+            tinker_futures.complete(s, claimed.id, result, attempt=claimed.attempts)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_session_capabilities_model_and_info(tinker_url, key):
+    sc = _client(tinker_url, key("alice"))
+    names = [m.model_name for m in sc.get_server_capabilities().supported_models]
+    assert names == ["smollm2", "tiny"]
+    tc = sc.create_lora_training_client(base_model="tiny", rank=8, seed=3).result(timeout=60)
+    info = tc.get_info()
+    assert (info.model_name, info.lora_rank, info.is_lora) == ("tiny", 8, True)
+    with session_scope() as s:
+        model = s.get(TinkerModel, info.model_id)
+        run = s.get(Run, model.run_id)
+        assert (run.kind, run.status, model.key_name) == ("tinker", "running", "alice")
+        cfg = run.run_config()
+        assert (cfg.kind, cfg.model.name, cfg.training.lora, cfg.training.lora_r, cfg.training.seed) == \
+            ("tinker", "tiny", True, 8, 3)
+    assert tc.get_tokenizer().encode("hi")  # the tokenizer folder get_info names loads offline
+
+
+def test_forward_backward_is_pending_then_done(tinker_url, key):
+    tc = _client(tinker_url, key("alice")).create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    logprobs = [-1.25, -0.5, -2.0]
+    result = {"loss_fn_output_type": "ArrayRecord", "metrics": {"loss:sum": 3.75},
+              "loss_fn_outputs": [{"logprobs": {"data": logprobs, "dtype": "float32", "shape": [3]}}]}
+    finisher = _finish_when_pending("forward_backward", result)
+    future = tc.forward_backward([_datum([5, 6, 7, 8])], "cross_entropy")
+    with pytest.raises(TimeoutError):
+        future.result(timeout=0.2)  # still pending: the service answers try_again
+    out = future.result(timeout=60)
+    finisher.join(5)
+    assert out.metrics == {"loss:sum": 3.75}
+    assert out.loss_fn_outputs[0]["logprobs"].tolist() == logprobs
+    (row,) = _futures(op="forward_backward")
+    assert row.status == "completed" and row.attempts == 1
+    # the protobuf body, zstd-compressed by the SDK, stored as the ForwardBackwardInput JSON
+    assert row.payload["loss_fn"] == "cross_entropy"
+    assert row.payload["data"][0]["model_input"]["chunks"][0]["tokens"] == [5, 6, 7]
+    assert row.payload["data"][0]["loss_fn_inputs"]["target_tokens"]["data"] == [6, 7, 8]
+
+    finisher = _finish_when_pending("optim_step", {"metrics": {"grad_norm": 0.5}})
+    step = tc.optim_step(types.AdamParams(learning_rate=1e-3, beta1=0.8)).result(timeout=60)
+    finisher.join(5)
+    assert step.metrics == {"grad_norm": 0.5}
+    (opt,) = _futures(op="optim_step")
+    # the SDK's own JSON of OptimStepRequest names AdamParams "adam_params"
+    assert opt.payload["adam_params"]["learning_rate"] == 1e-3 and opt.payload["adam_params"]["beta1"] == 0.8
+
+
+def test_failed_future_raises_in_the_sdk(tinker_url, key):
+    tc = _client(tinker_url, key("alice")).create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    future = tc.forward([_datum([1, 2, 3])], "cross_entropy")
+    row = wait_for(lambda: next(iter(_futures(op="forward")), None), 30, what="the forward future")
+    with session_scope() as s:
+        tinker_futures.fail(s, row.id, {"error": "the worker ran out of memory", "category": "Server"})
+    with pytest.raises(tinker.RequestFailedError, match="ran out of memory"):
+        future.result(timeout=60)
+
+
+def test_same_request_id_twice_is_one_row(tinker_url, key):
+    sc = _client(tinker_url, key("alice"))
+    tc = sc.create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    model_id = tc.get_info().model_id
+    body = types.OptimStepRequest(optim_params=types.AdamParams(learning_rate=1e-4), model_id=model_id,
+                                  seq_id=1).model_dump(mode="json")
+    headers = {**SDK_HEADERS, "X-API-Key": key("alice"), "X-Idempotency-Key": f"stainless-python-retry-{uuid.uuid4()}"}
+    first = httpx.post(f"{tinker_url}/api/v1/optim_step", json=body, headers=headers).json()
+    again = httpx.post(f"{tinker_url}/api/v1/optim_step", json=body, headers=headers).json()
+    assert first == again and first["request_id"] == headers["X-Idempotency-Key"]
+    assert len(_futures(op="optim_step")) == 1
+
+
+def test_bad_key_is_401(tinker_url, key):
+    # a ServiceClient connects on first use (its session is made lazily)
+    with pytest.raises(tinker.AuthenticationError, match="invalid or missing Tinker API key"):
+        _client(tinker_url, key("alice")[:-4] + "AAAA").create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    with pytest.raises(tinker.AuthenticationError):
+        _client(tinker_url, "tml-carol-nothing").create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    assert _futures() == []
+
+
+def test_a_key_cannot_see_another_keys_model_or_future(tinker_url, key):
+    tc = _client(tinker_url, key("alice")).create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    model_id = tc.get_info().model_id
+    future = tc.optim_step(types.AdamParams(learning_rate=1e-4))
+    row = wait_for(lambda: next(iter(_futures(op="optim_step")), None), 30, what="the optim_step future")
+    bob = {**SDK_HEADERS, "X-API-Key": key("bob")}
+    info = httpx.post(f"{tinker_url}/api/v1/get_info", json={"model_id": model_id}, headers=bob)
+    assert info.status_code == 404 and model_id in info.json()["detail"]
+    poll = httpx.post(f"{tinker_url}/api/v1/retrieve_future", json={"request_id": row.request_id}, headers=bob)
+    assert poll.status_code == 404
+    step = httpx.post(f"{tinker_url}/api/v1/optim_step", headers=bob,
+                      json={"optim_params": {"learning_rate": 1e-4}, "model_id": model_id})
+    assert step.status_code == 404 and len(_futures(op="optim_step")) == 1
+    with session_scope() as s:
+        tinker_futures.complete(s, row.id, {"metrics": {}})
+    assert future.result(timeout=30).metrics == {}
+
+
+def test_malformed_bodies_are_400_and_leave_no_future(tinker_url, key):
+    tc = _client(tinker_url, key("alice")).create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    model_id = tc.get_info().model_id
+    headers = {**SDK_HEADERS, "X-API-Key": key("alice")}
+    proto = {**headers, "Content-Type": "application/x-protobuf"}
+    garbage = httpx.post(f"{tinker_url}/api/v1/forward_backward", content=b"\xff\x01not a protobuf", headers=proto)
+    assert garbage.status_code == 400 and "ForwardBackwardRequest" in garbage.json()["detail"]
+    zstd = httpx.post(f"{tinker_url}/api/v1/forward_backward", content=b"\x00" * 16,
+                      headers={**proto, "Content-Encoding": "zstd"})
+    assert zstd.status_code == 400 and "zstd" in zstd.json()["detail"]
+    broken = httpx.post(f"{tinker_url}/api/v1/optim_step", content=b'{"model_id": ', headers=headers)
+    assert broken.status_code == 400 and "not JSON" in broken.json()["detail"]
+    wrong = httpx.post(f"{tinker_url}/api/v1/optim_step", json={"model_id": model_id, "optim_params": 3},
+                       headers=headers)
+    assert wrong.status_code == 400 and "OptimStepRequest" in wrong.json()["detail"]
+    assert garbage.headers["x-should-retry"] == "false"
+    with session_scope() as s:
+        assert s.scalar(select(func.count()).select_from(TinkerFuture).where(TinkerFuture.op != "create_model")) == 0
+
+
+def test_unsupported_base_model_rank_and_loss_are_clear_errors(tinker_url, key):
+    sc = _client(tinker_url, key("alice"))
+    with pytest.raises(tinker.BadRequestError, match="base model 'Qwen/Qwen3-8B' is not served here"):
+        sc.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match="LoRA rank 3 is not allowed"):
+        sc.create_lora_training_client(base_model="tiny", rank=3).result(timeout=60)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match="loss function 'cispo' is not supported"):
+        tc.forward_backward([_datum([1, 2, 3])], "cispo").result(timeout=60)
+    assert _futures(op="forward_backward") == []
+
+
+def test_quota_max_models(tinker_url, key):
+    sc = _client(tinker_url, key("alice"))
+    for _ in range(3):
+        sc.create_lora_training_client(base_model="tiny", rank=4).result(timeout=60)
+    with pytest.raises(tinker.PermissionDeniedError, match="max_models is 3"):
+        sc.create_lora_training_client(base_model="tiny", rank=4).result(timeout=60)
+
+
+def test_unsupported_sdk_version_is_a_clear_error(tinker_env, spawn, monkeypatch, key):
+    monkeypatch.setenv("TURNSTILE_TINKER_SDK_VERSIONS", "0.37.0")
+    url = _start(spawn, monkeypatch)
+    with pytest.raises(tinker.BadRequestError, match=f"tinker SDK {tinker.__version__} is not supported"):
+        _client(url, key("alice")).create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+
+
+def _start(spawn, monkeypatch) -> str:
+    import os
+    import sys
+
+    from app import config
+    from support import free_port
+
+    port = free_port()
+    monkeypatch.setenv("TURNSTILE_TINKER_BIND", f"127.0.0.1:{port}")
+    config.reset_settings()
+    proc = spawn([os.path.join(os.path.dirname(sys.executable), "gunicorn"), "-c", "workers/tinker_conf.py",
+                  "app.tinker:create_tinker_app()"], name="tinker-old")
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(up, 60, what=lambda: proc.output()[-3000:])
+    return url
