@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 from app.config import get_settings
 
-# Models whose vocabulary is SmolLM2's (the embedded engine's `smollm2` and `tiny`).
-EMBEDDED_MODELS = ("smollm2", "tiny")
+# Models whose vocabulary is SmolLM2's (the embedded engine's `smollm2`, `tiny` and the tiny MoE).
+EMBEDDED_MODELS = ("smollm2", "tiny", "tiny-moe", "tiny-moe-wide")
 # Where `app.engines.modeling.load_tokenizer` caches SmolLM2's tokenizer, under the var folder.
 TOKENIZER_FILE = Path("models") / "smollm2-135m-instruct-tokenizer" / "tokenizer.json"
 BUILD_TIMEOUT_S = 300

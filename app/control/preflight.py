@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from app.runconfig import RunConfig
 
-EMBEDDED_MODELS = ("smollm2", "tiny")
+EMBEDDED_MODELS = ("smollm2", "tiny", "tiny-moe", "tiny-moe-wide")  # app.engines.modeling's built-ins
 # Context window (prompt + sampled tokens) of the embedded engine: its `--max-model-len`
 # default, `app.engines.embedded.engine.DEFAULT_MAX_MODEL_LEN` (SmolLM2's 8192 positions; the tiny model
 # shares SmolLM2's tokenizer and window).  Not imported from there: that module loads torch.
@@ -79,6 +79,58 @@ def check_pause_support(cfg: RunConfig) -> tuple[str, str] | None:
                     "LoRA adapters (training.lora: true), whose loads never pause")
         except EngineCallError:
             continue
+    return None
+
+
+def check_routing_replay(cfg: RunConfig, uses_engines: bool = True) -> tuple[str, str] | None:
+    """`("training.routing_replay", message)` when a train run asks for routing replay that cannot
+    apply, or None: the policy is dense (`app.engines.moe_config.moe_shape` of the checkpoint or
+    model name: no torch), or a vLLM engine answers without routed experts (`vllm serve
+    --enable-return-routed-experts` is server-wide; asked with a one-token completion).  The
+    embedded engine returns routes for every MoE model it serves.  A model only an external
+    engine knows is judged by that engine's answer; a server that does not answer is not judged
+    here (the run's start names it).  `uses_engines` False (simulated stages): the model alone.
+    """
+    if cfg.kind != "train" or not cfg.training.routing_replay:
+        return None
+    from app.engines.moe_config import moe_shape
+
+    spec = cfg.model.name
+    if cfg.model.checkpoint:
+        from app.training.checkpoints import resolve_checkpoint
+
+        try:
+            spec = str(resolve_checkpoint(cfg.model.checkpoint)[0])
+        except FileNotFoundError:
+            return None  # model.checkpoint's own problem says so
+    try:
+        shape = moe_shape(spec)
+    except LookupError:
+        shape = "unknown"
+    if shape is None:
+        return "training.routing_replay", (
+            f"model {spec!r} is dense (no mixture-of-experts layers), so it has no routes to replay: use an MoE "
+            "model (e.g. tiny-moe) or set training.routing_replay false")
+    if not uses_engines or cfg.model.engine != "vllm":
+        return None
+    from app.config import get_settings
+    from app.engines.client import EngineCallError, EngineClient
+
+    for url in cfg.model.engine_urls or get_settings().engine_urls:
+        try:
+            with EngineClient(url, timeout=PROBE_TIMEOUT_S, connect_timeout=PROBE_TIMEOUT_S) as client:
+                served = [m.get("id") for m in client.models(timeout=PROBE_TIMEOUT_S)]
+                answer = client.request("POST", "/v1/completions", {
+                    "model": served[0] if served else cfg.model.name, "prompt": "a", "max_tokens": 1,
+                    "return_routed_experts": True})
+        except EngineCallError:
+            continue
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        if not (answer.get("routed_experts") if isinstance(answer, dict) else None) and not first.get("routed_experts"):
+            return "training.routing_replay", (
+                f"vLLM server {url} returns no routed experts (a dense model, or `vllm serve` started without "
+                "--enable-return-routed-experts), so the trainer has no routes to replay")
     return None
 
 

@@ -50,8 +50,11 @@ def run_config_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     Run by the API before a run is created; imports nothing heavy (no torch).
     """
     from app.control.heldout import problems as heldout_problems
+    from app.control.preflight import check_routing_replay
 
-    return stages_for(cfg).preflight(cfg) + heldout_problems(cfg)
+    stages = stages_for(cfg)
+    replay = check_routing_replay(cfg, uses_engines=getattr(stages, "uses_engines", False))
+    return stages.preflight(cfg) + heldout_problems(cfg) + ([replay] if replay else [])
 
 
 def start_run(run_id: int) -> Plan:

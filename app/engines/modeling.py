@@ -48,6 +48,7 @@ from transformers import (
 )
 
 from app.config import get_settings
+from app.engines import moe_config
 from app.engines.quiet import quiet_model_libraries
 
 quiet_model_libraries()  # transformers' progress bars and peft's FutureWarning, unless TURNSTILE_VERBOSE
@@ -189,8 +190,9 @@ def build_tiny_model(seed: int = 0) -> LlamaForCausalLM:
     return model.to(torch.float32).eval()
 
 
-# name -> (experts, experts per token): the tiny MoE and a second config with more experts.
-TINY_MOE_SHAPES = {"tiny-moe": (8, 2), "tiny-moe-wide": (32, 4)}
+# name -> (experts, experts per token): the tiny MoE and a second config with more experts
+# (defined torch-free, where the API process reads them).
+TINY_MOE_SHAPES = moe_config.TINY_MOE_SHAPES
 
 
 def tiny_moe_config(name: str = "tiny-moe") -> Qwen3MoeConfig:
@@ -206,7 +208,7 @@ def tiny_moe_config(name: str = "tiny-moe") -> Qwen3MoeConfig:
     experts, top_k = TINY_MOE_SHAPES[name]
     return Qwen3MoeConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=moe_config.TINY_MOE_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1,
         mlp_only_layers=[], max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
         tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=2,

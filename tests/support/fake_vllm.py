@@ -9,7 +9,10 @@ breaking the other tests that share it.  The routes answer as vLLM 0.32's do
 ``{"status": "resumed"}`` (a no-op when not paused), ``GET /is_paused`` → ``{"is_paused": bool}``,
 ``POST /collective_rpc {"method", "args", "timeout"}`` → ``{"results": [...]}``,
 ``POST /reset_prefix_cache``.  ``pause_routes=False`` serves none of the pause routes (404), as an
-older vLLM build.
+older vLLM build.  ``routes`` True/False also answers ``GET /v1/models`` and a
+``POST /v1/completions`` whose choice carries (or not) ``routed_experts``, a base64 ``.npy`` of
+``[prompt + completion - 1, layers, top_k]`` uint8 ids, as ``vllm serve
+--enable-return-routed-experts`` does (its CPU build cannot start with that flag: docs/moe.md).
 """
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ class FakeVLLM:
     load arrived.
     """
 
-    def __init__(self, *, pause_routes: bool = True, load: str = "ok", resume_failures: int = 0) -> None:
+    def __init__(self, *, pause_routes: bool = True, load: str = "ok", resume_failures: int = 0,
+                 routes: bool | None = None) -> None:
         self.pause_routes, self.load, self.resume_failures = pause_routes, load, resume_failures
+        self.routes = routes
         self.paused = False
         self.pause_params: list[dict] = []
         self.calls: list[tuple[str, str]] = []
@@ -82,6 +87,20 @@ class FakeVLLM:
             if self.load == "fail":
                 return _json({"error": {"message": "turnstile_load_weights: no safetensors in folder"}}, 500)
             return _json({"results": [{"loaded": 1}]})
+        if route == ("GET", "/v1/models") and self.routes is not None:
+            return _json({"object": "list", "data": [{"id": "fake-moe", "object": "model"}]})
+        if route == ("POST", "/v1/completions") and self.routes is not None:
+            choice = {"index": 0, "text": "b", "finish_reason": "length"}
+            if self.routes:
+                import base64
+                import io
+
+                import numpy as np
+
+                buf = io.BytesIO()
+                np.save(buf, np.array([[[0, 1], [2, 3]]], dtype=np.uint8), allow_pickle=False)
+                choice["routed_experts"] = base64.b64encode(buf.getvalue()).decode()
+            return _json({"id": "cmpl-1", "object": "text_completion", "model": "fake-moe", "choices": [choice]})
         if route == ("POST", "/reset_prefix_cache"):
             return Response(status=200)
         return _json({"detail": "Not Found"}, 404)
