@@ -112,3 +112,15 @@ def test_the_tiny_moe_folder_matches_the_torch_free_shape():
     from app.engines.modeling import ensure_tiny_moe_folder
 
     assert moe_shape(ensure_tiny_moe_folder("tiny-moe")) == moe_shape("tiny-moe")
+
+
+def test_the_moe_demo_config_is_a_valid_replay_run(client):
+    """demo/moe-replay.json (the tiny MoE through the whole stack) passes run creation's checks
+    of routing replay, the model and the instances (simulated here: the same config, no stack)."""
+    from app.cli.client import read_config_file
+    from app.config import ROOT
+
+    config = read_config_file(str(ROOT / "demo" / "moe-replay.json"))
+    assert config["model"]["name"] == "tiny-moe" and config["training"]["routing_replay"] is True
+    resp = client.post("/api/runs?dry_run=true", json={**config, "simulate": {"episode_median_s": 0.1}})
+    assert resp.status_code == 200, resp.get_json()
