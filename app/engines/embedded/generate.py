@@ -75,6 +75,19 @@ def given_prompt(engine: Engine, body: dict) -> list[int] | None:
     return ids
 
 
+def extra_stop_ids(body: dict) -> set[int]:
+    """vLLM's ``stop_token_ids``: ids that end generation besides the model's own stop tokens
+    (kept with ``ignore_eos`` too, as in vLLM).
+
+    Raises:
+        EngineError: the field is not a list of integers (400, ``param`` "stop_token_ids").
+    """
+    extra = get_field(body, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in extra):
+        raise EngineError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    return set(extra)
+
+
 def _next_event(req: GenerationRequest):
     try:
         return req.events.get(timeout=EVENT_TIMEOUT_S)
@@ -150,10 +163,7 @@ def chat(engine: Engine) -> Response:
     max_tokens = resolve_max_tokens(body, len(prompt_ids), engine.max_model_len)
     params = sampling_params(body)
     stop_ids = set() if get_field(body, "ignore_eos", bool, False) else set(engine.stop_token_ids)
-    extra_stops = get_field(body, "stop_token_ids", list, [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in extra_stops):
-        raise EngineError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
-    stop_ids |= set(extra_stops)
+    stop_ids |= extra_stop_ids(body)
     stream_options = get_field(body, "stream_options", dict, {})
     options = ChatOptions(
         model=get_field(body, "model", str, engine.served_model_name) or engine.served_model_name,
@@ -224,6 +234,7 @@ def completions(engine: Engine) -> Response:
         raise EngineError("'logprobs' must be between 0 and 20", param="logprobs")
     params = sampling_params({**body, "logprobs": top is not None, "top_logprobs": top or 0})
     stop_ids = set() if get_field(body, "ignore_eos", bool, False) else set(engine.stop_token_ids)
+    stop_ids |= extra_stop_ids(body)
     options = ChatOptions(model=get_field(body, "model", str, engine.served_model_name) or engine.served_model_name,
                           stop=stop_strings(body), logprobs=top is not None, top_logprobs=top or 0,
                           return_token_ids=get_field(body, "return_token_ids", bool, False),

@@ -10,6 +10,8 @@ Here the request is answered by one prefill pass over the prompt outside the bat
 KV cache kept, no token generated: `max_tokens` is not used and `text` is empty); the LM head
 runs `SCORE_CHUNK` positions at a time so no [T, vocab] tensor exists.  Weights cannot change
 during the pass (`BatchScheduler.weights_pinned`).  Values are fp32 log-softmax, 1-based ranks.
+A `model` naming a loaded LoRA adapter scores under that adapter (`adapters.rows`, the hooks
+generation uses), so a tenant's prompt logprobs are its own policy's, not the base model's.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import time
 import torch
 from flask import Response, jsonify
 
+from app.engines.embedded import adapters
+from app.engines.embedded.adapters import Adapter
 from app.engines.embedded.engine import Engine
 from app.engines.embedded.generate import completion_prompt
 from app.engines.embedded.outputs import new_completion_id
@@ -32,10 +36,12 @@ def wants_prompt_logprobs(body: dict) -> bool:
     return isinstance(body, dict) and body.get("prompt_logprobs") is not None
 
 
-def prompt_logprobs(engine: Engine, ids: list[int], top: int) -> list[dict | None]:
-    """vLLM-shaped prompt logprobs of `ids` (int [T]) with `top` (0..20) alternatives each."""
+def prompt_logprobs(engine: Engine, ids: list[int], top: int, adapter: Adapter | None = None) -> list[dict | None]:
+    """vLLM-shaped prompt logprobs of `ids` (int [T]) with `top` (0..20) alternatives each, under
+    `adapter` (None: the served weights alone)."""
     model = engine.model
-    with torch.no_grad(), engine.scheduler.weights_pinned():
+    device = engine.scheduler.device
+    with torch.no_grad(), engine.scheduler.weights_pinned(), adapters.rows([adapter], device):
         tokens = torch.tensor([ids], dtype=torch.long, device=engine.scheduler.device)
         hidden = model.model(input_ids=tokens, use_cache=False).last_hidden_state[0]
         out: list[dict | None] = [None]
@@ -77,8 +83,9 @@ def completions_with_prompt_logprobs(engine: Engine) -> Response:
     if len(ids) > engine.max_model_len:
         raise EngineError(f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
                           f"requested {len(ids)} tokens ({len(ids)} in the prompt, 0 in the completion).", param="prompt")
+    adapter = adapters.request_adapter(engine, body)
     started = time.perf_counter()
-    entries = prompt_logprobs(engine, ids, top)
+    entries = prompt_logprobs(engine, ids, top, adapter)
     choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
               "prompt_logprobs": entries, "prompt_token_ids": list(ids)}
     return jsonify({"id": new_completion_id().replace("chatcmpl", "cmpl"), "object": "text_completion",
