@@ -29,7 +29,8 @@ app = Celery(
     "turnstile",
     broker=_settings.broker_url,
     backend=_settings.result_backend,
-    include=["app.tasks.control", "app.tasks.episodes", "app.tasks.training", "app.tasks.teacher"],
+    include=["app.tasks.control", "app.tasks.episodes", "app.tasks.training", "app.tasks.teacher",
+             "app.tasks.tinker_sample"],
 )
 
 app.conf.update(
