@@ -31,6 +31,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from app.engines.route_bytes import routes_from_answer
+
 log = logging.getLogger("turnstile.gateway")
 
 
@@ -86,6 +90,9 @@ class Result:
     finish_reason: OpenAI finish reason (stop | length | tool_calls | content_filter | None);
     stop_reason: vLLM's per-choice stop_reason (matched stop string, stop token id, or None).
     prompt_ids/sampled_ids: int token ids; logprobs: float nats, one per sampled id.
+    routed_experts: an MoE engine's chosen experts, int16 [P + S - 1, layers, top_k] (the prompt
+    and every sampled token but the last; `take_routes`), None when it sent none.  Recorded
+    with the completion, never rendered to the client.
     """
 
     reasoning: str = ""
@@ -111,6 +118,7 @@ class Result:
     flags: list[str] = field(default_factory=list)
     withheld_calls: list[ToolCall] = field(default_factory=list)  # sampled, not shown (`withhold_calls`)
     sampled_finish_reason: str | None = None  # the engine's, when withholding changed `finish_reason`
+    routed_experts: np.ndarray | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -143,6 +151,22 @@ class Result:
 def _reasoning_of(obj: dict) -> str:
     # New vLLM: `reasoning`; old vLLM and DeepSeek: `reasoning_content`.
     return obj.get("reasoning") or obj.get("reasoning_content") or ""
+
+
+def take_routes(answer: dict, result: Result) -> None:
+    """The one place the gateway reads an engine's routed experts: the top-level
+    `routed_experts` of a non-stream answer or of the one stream chunk that carries them
+    (`app.engines.route_bytes.routes_from_answer`), into `result.routed_experts`.  Malformed
+    routes are dropped and flagged (`routed_experts_invalid`): the completion still trains
+    without routing replay, never with wrong experts."""
+    value = answer.get("routed_experts")
+    if value is None:
+        return
+    try:
+        result.routed_experts = routes_from_answer(value)
+    except ValueError as exc:
+        log.warning("engine sent unusable routed_experts: %s", exc)
+        result.flags.append("routed_experts_invalid")
 
 
 def _logprob_values(lp: Any) -> tuple[list[float], list[dict]]:
@@ -209,6 +233,8 @@ class ChunkNormalizer:
         self.first_chunk_seen = True
         if chunk.get("prompt_token_ids") is not None and r.prompt_ids is None:
             r.prompt_ids = list(chunk["prompt_token_ids"])
+        if "routed_experts" in chunk:
+            take_routes(chunk, r)
         version = chunk.get("policy_version")
         if isinstance(version, int) and not isinstance(version, bool):
             if r.policy_version is None:
@@ -402,6 +428,7 @@ def result_from_completion(body: dict, taken: set[str] | frozenset = frozenset()
         r.prompt_ids = list(body["prompt_token_ids"])
     if isinstance(body.get("policy_version"), int):
         r.policy_version = body["policy_version"]
+    take_routes(body, r)
     for name in ("policy_versions", "kv_versions"):  # the embedded engine's per-token runs
         runs = body.get(name)
         if isinstance(runs, list) and all(isinstance(x, list) and len(x) == 2 for x in runs):

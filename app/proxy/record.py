@@ -4,7 +4,8 @@ The row holds what the policy saw and sampled (prompt ids, sampled ids, per-toke
 logprobs from the engine, never re-tokenized), the raw client request with auth
 headers removed, the internal request sent upstream, the client-facing response,
 the finish reason, engine id, policy version and timings (and, in `normalized_request`, the
-sampling transform the tokens were drawn under: `app.proxy.sampling`):
+sampling transform the tokens were drawn under: `app.proxy.sampling`), and for an MoE policy
+the engine's routed experts (`routed_experts` bytes, `route_shape`: `_routes`):
 
   queue_ms        request arrival -> engine accepted the request (response headers)
   first_token_ms  request arrival -> first generated token from the engine
@@ -47,6 +48,7 @@ from sqlalchemy.exc import IntegrityError
 
 from app import versions, weight_gate
 from app.db import get_engine, session_scope
+from app.engines.route_bytes import to_bytes
 from app.tables import Completion, Episode
 from app.proxy import limits, sampling
 from app.proxy.canonical import Result
@@ -144,6 +146,7 @@ def write_completion(cap: Capture, result: Result, response: dict | None, respon
     if cap.written:
         return None
     cap.written = True
+    routes = _routes(result)  # before the flags are copied: it may add one
     normalized = dict(cap.normalized_request)
     if result.flags:
         normalized["turnstile_flags"] = list(result.flags)
@@ -159,7 +162,7 @@ def write_completion(cap: Capture, result: Result, response: dict | None, respon
         prompt_ids=result.prompt_ids, sampled_ids=list(result.sampled_ids), logprobs=list(result.logprobs),
         finish_reason=result.sampled_finish_reason if result.withheld_calls else result.finish_reason,
         engine_id=cap.engine_id,
-        **_versions(result, cap),
+        **_versions(result, cap), **routes,
         queue_ms=cap.ms(cap.t_accepted), first_token_ms=cap.ms(cap.t_first), total_ms=cap.ms(time.perf_counter()),
         partial=partial, error=error,
     )
@@ -179,6 +182,24 @@ def write_completion(cap: Capture, result: Result, response: dict | None, respon
         except IntegrityError:
             time.sleep(0.001 * (attempt + 1))  # a seq taken by a writer that did not lock (cannot happen here)
     raise RuntimeError(f"could not allocate a completion seq for episode {cap.episode_id}")
+
+
+def _routes(result: Result) -> dict:
+    """The completion's `routed_experts` (`app.engines.route_bytes.to_bytes`, int16 LE
+    `[P + S - 1, layers, top_k]`) and `route_shape` `[layers, top_k]`; both None when the engine
+    sent no routes (a dense model), and when they do not cover exactly the prompt and every
+    sampled token but the last (flagged `routed_experts_length_mismatch`: a completion is never
+    stored with routes of other tokens).  Always both keys, so a retry that replaces a dead
+    try's row never keeps the dead try's routes."""
+    routes = result.routed_experts
+    if routes is None:
+        return {"routed_experts": None, "route_shape": None}
+    expected = len(result.prompt_ids or ()) + len(result.sampled_ids) - 1
+    if result.prompt_ids is None or not result.sampled_ids or len(routes) != expected:
+        log.warning("engine routes cover %d tokens, the completion %d: not recorded", len(routes), expected)
+        result.flags.append("routed_experts_length_mismatch")
+        return {"routed_experts": None, "route_shape": None}
+    return {"routed_experts": to_bytes(routes), "route_shape": [int(n) for n in routes.shape[1:]]}
 
 
 def _versions(result: Result, cap: Capture) -> dict:

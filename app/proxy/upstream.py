@@ -40,12 +40,24 @@ class EngineTarget:
     url: str
     model: str | None = None
     max_model_len: int | None = None
+    # Its model card's `route_shape` ([layers, top_k, experts] of an MoE model, null for a dense
+    # one: the embedded engine's); None when the card does not say (vLLM's).
+    moe: bool | None = None
     discovered_at: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def id(self) -> str:
         return self.url
+
+    @property
+    def asks_routes(self) -> bool:
+        """Whether calls ask this engine for `return_routed_experts`: unless its card says the
+        model is dense, so a dense embedded engine is never asked.  An engine whose card does not
+        say (vLLM) is asked: vLLM ignores the field and returns routes only when its server was
+        started with `--enable-return-routed-experts` (`app.engines.routed`), which costs a dense
+        model nothing."""
+        return self.moe is not False
 
 
 def map_engine_error(status: int, message: str) -> GatewayError:
@@ -134,7 +146,8 @@ class Upstream:
     # --- discovery ---------------------------------------------------------------------
 
     def describe(self, engine: EngineTarget) -> EngineTarget:
-        """Learn the engine's served model name and max_model_len from GET /v1/models (cached 60 s)."""
+        """Learn the engine's served model name, max_model_len and whether it serves an MoE model
+        (`moe`) from GET /v1/models (cached 60 s)."""
         if engine.model is not None and time.monotonic() - engine.discovered_at < 60:
             return engine
         with engine.lock:
@@ -146,6 +159,8 @@ class Upstream:
                 data = {}
             engine.model = data.get("id") or engine.model or "default"
             engine.max_model_len = data.get("max_model_len") or engine.max_model_len
+            if "route_shape" in data:
+                engine.moe = data["route_shape"] is not None
             engine.discovered_at = time.monotonic()
         return engine
 

@@ -177,6 +177,10 @@ def generate(route: Route, body: dict, raw: bytes, info: SessionInfo, t0: float)
     # A LoRA run's episodes sample from its own adapter on the shared base (app.engines.embedded.adapters).
     upstream_body = dict(norm.chat, model=info.adapter or engine.model, stream=norm.stream, return_token_ids=True,
                          logprobs=True)
+    if engine.asks_routes:
+        # An MoE policy's routed experts, recorded with the completion for routing replay
+        # (`record._routes`); never part of the client's answer.
+        upstream_body["return_routed_experts"] = True
     spliced = _splice(info, route.api, up, engine, upstream_body)
     if spliced.prompt_ids is not None:
         # Tokens in: the engine takes these ids as the prompt (it still reads `messages` to

@@ -7,15 +7,24 @@ be trained on (they stay in the table for inspection), inserts one `Trajectory` 
 `Episode.merge_stats[builder]`.  Calling it again returns the stored rows unchanged.
 A chain's `meta["sampling"]` holds the sampling record of each of its spans (the completion's
 `normalized_request["turnstile_sampling"]`), which `trajectory_transform` expands per token.
+An MoE policy's chain routes (`TrainingSequence.routes`) are stored as
+`Trajectory.routed_experts` bytes (`app.engines.route_bytes`), their `[layers, top_k]` as
+`meta["route_shape"]`.
 """
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 from sqlalchemy import and_, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from app.engines.route_bytes import from_bytes, to_bytes
 from app.tables import SUPERSEDED, Completion, Episode, Trajectory
 from app.training.trajectories import CompletionRecord, SequenceTransform, build, sequence_transform
+
+log = logging.getLogger(__name__)
 
 
 def current_attempt_rows(episode_id: int, attempt: int):
@@ -43,10 +52,27 @@ def completion_records(session: Session, episode_id: int) -> tuple[list[Completi
             policy_version=row.policy_version,
             sampling=(row.normalized_request or {}).get("turnstile_sampling"),
             policy_versions=row.policy_versions,
+            routes=completion_routes(row),
         )
         for row in rows
     ]
     return rows, records
+
+
+def completion_routes(row: Completion) -> np.ndarray | None:
+    """The routed experts stored with completion `row`, int16 [P + S - 1, layers, top_k], or None
+    (a dense model; bytes that do not decode with the row's `route_shape` are logged and left
+    out, so its chain trains without routing replay)."""
+    if row.routed_experts is None:
+        return None
+    shape = row.route_shape or []
+    try:
+        if len(shape) != 2:
+            raise ValueError(f"route_shape {shape!r} is not [layers, top_k]")
+        return from_bytes(row.routed_experts, int(shape[0]), int(shape[1]))
+    except (TypeError, ValueError) as exc:
+        log.warning("completion %s: stored routed experts unusable: %s", row.id, exc)
+        return None
 
 
 def trajectory_transform(row: Trajectory) -> SequenceTransform | None:
@@ -102,6 +128,7 @@ def build_episode_trajectories(
                         loss_mask=seq.loss_mask,
                         logprobs=seq.logprobs,
                         completion_ids=seq.completions,
+                        routed_experts=None if seq.routes is None else to_bytes(seq.routes),
                         meta={
                             "spans": [list(span) for span in seq.spans],
                             "policy_versions": seq.policy_versions,
@@ -110,6 +137,8 @@ def build_episode_trajectories(
                             **({"sampling": seq.sampling} if any(x is not None for x in seq.sampling) else {}),
                             # per-token versions of spans that cross an in-flight weight update
                             **({"version_runs": seq.version_runs} if any(seq.version_runs) else {}),
+                            # [layers, top_k] of `routed_experts` (MoE policies only)
+                            **({"route_shape": list(seq.routes.shape[1:])} if seq.routes is not None else {}),
                         },
                     )
                 )

@@ -25,6 +25,9 @@ sampled token, `app.proxy.sampling`) travels with its span: `TrainingSequence.sa
 per token in `SequenceTransform` (`sequence_transform`), so the trainer scores every sampled
 token under the distribution it was drawn from.  A token recorded outside its own support
 (rank >= |K|, or vLLM's -9999.0 for a -inf logprob under truncation) is refused here.
+
+An MoE policy's routed experts travel too: `CompletionRecord.routes` -> `TrainingSequence.routes`
+(int16 `[T, layers, top_k]`, for routing replay), merged by `app.training.chain_routes`' rule.
 """
 from __future__ import annotations
 
@@ -33,7 +36,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
+
 from app.runconfig import BUILDERS  # noqa: F401 (the builder names; validated in TrainingConfig)
+from app.training.chain_routes import ChainRoutes, fitting, routes_report
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,8 @@ class CompletionRecord:
     `prompt_ids` int32 [P] as rendered by the engine; `sampled_ids` int32 [S] as sampled;
     `logprobs` float32 nats [S], one per sampled id.  `completion_id` is `Completion.id`
     (None for records built by hand); `seq` is the arrival order within the episode.
+    `routes`: an MoE engine's expert ids, int16 [P + S - 1, layers, top_k] (the prompt and every
+    sampled token but the last, which never ran through the model), None without.
     """
 
     seq: int
@@ -55,6 +63,7 @@ class CompletionRecord:
     sampling: Mapping | None = None  # `app.proxy.sampling` record; None: the identity transform
     # Per-token versions of the sampled ids, run-length encoded (`app.versions`); None: all `policy_version`.
     policy_versions: Sequence[Sequence[int]] | None = None
+    routes: np.ndarray | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -68,6 +77,9 @@ class TrainingSequence:
     `sampling` its sampling record (None: the identity transform), in the same order;
     `version_runs` each span's per-token policy versions (runs over the span's tokens,
     `app.versions`; None: the span's one `policy_versions` entry covers all its tokens).
+    `routes` int16 [T, layers, top_k]: the expert ids each position ran through in the rollout,
+    -1 at the last token (nothing ran it, no logit is scored from it); None when some merged
+    completion has none (`app.training.chain_routes`).
     """
 
     token_ids: list[int]
@@ -79,6 +91,7 @@ class TrainingSequence:
     finish_reasons: list[str | None] = field(default_factory=list)
     sampling: list[Mapping | None] = field(default_factory=list)
     version_runs: list[list | None] = field(default_factory=list)
+    routes: np.ndarray | None = field(default=None, compare=False)
 
     @property
     def trainable_tokens(self) -> int:
@@ -218,11 +231,13 @@ def _label(record: CompletionRecord) -> int:
 
 
 def per_request(records: Iterable[CompletionRecord], vocab_size: int | None = None) -> BuildResult:
-    """One sequence per valid completion: prompt (mask 0) + sampled ids (mask 1).
+    """One sequence per valid completion: prompt (mask 0) + sampled ids (mask 1), with the
+    completion's routes and a -1 row for its last sampled token (`app.training.chain_routes`).
 
     Returns a `BuildResult` whose report has `completions`, `accepted`, `rejected`,
     `rejected_reasons`, `chains` (= sequences), `completions_merged` (always 0),
-    `chains_cut` (always 0), `tokens` and `trainable_tokens`.
+    `chains_cut` (always 0), `tokens` and `trainable_tokens`; with routed experts also
+    `routed_chains` / `unrouted_chains`.
     """
     accepted, rejected, total = _accept(records, vocab_size)
     sequences = []
@@ -239,10 +254,12 @@ def per_request(records: Iterable[CompletionRecord], vocab_size: int | None = No
                 finish_reasons=[record.finish_reason],
                 sampling=[record.sampling],
                 version_runs=[_runs(record)],
+                routes=ChainRoutes(_routes(record)).close(len(prompt) + len(sampled)),
             )
         )
     report = _base_report("per_request", total, rejected)
     report.update(completions_merged=0, chains_cut=0, cut_reasons={})
+    routes_report(report, any(r.routes is not None for r in accepted), [s.routes is not None for s in sequences])
     return BuildResult(sequences, _finish_report(report, sequences), rejected)
 
 
@@ -274,6 +291,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class _Chain:
     sequence: TrainingSequence
     prompt_len: int  # length of the last merged completion's prompt
+    routes: ChainRoutes
 
     @property
     def stream(self) -> list[int]:
@@ -285,6 +303,11 @@ def _runs(record: CompletionRecord) -> list | None:
     `policy_version` says it all, and old rows stay as they were stored)."""
     runs = record.policy_versions
     return [list(run) for run in runs] if runs and len(runs) > 1 else None
+
+
+def _routes(record: CompletionRecord) -> np.ndarray | None:
+    """The record's routes when they cover its prompt and sampled tokens but the last, else None."""
+    return fitting(record.routes, len(record.prompt_ids) + len(record.sampled_ids))
 
 
 def _start_chain(record: CompletionRecord) -> _Chain:
@@ -300,12 +323,13 @@ def _start_chain(record: CompletionRecord) -> _Chain:
         sampling=[record.sampling],
         version_runs=[_runs(record)],
     )
-    return _Chain(seq, len(prompt))
+    return _Chain(seq, len(prompt), ChainRoutes(_routes(record)))
 
 
 def _extend_chain(chain: _Chain, record: CompletionRecord) -> None:
     seq = chain.sequence
     prompt, sampled = record.prompt_ids, list(record.sampled_ids)
+    chain.routes.extend(_routes(record), len(seq.token_ids) - 1)  # the chain holds rows [0, len - 1)
     between = list(prompt[len(seq.token_ids) :])  # tool results, template glue: context only
     seq.token_ids.extend(between)
     seq.loss_mask.extend([0] * len(between))
@@ -351,7 +375,12 @@ def prefix_merging(records: Iterable[CompletionRecord], vocab_size: int | None =
     Report keys: those of `per_request` plus `completions_merged` (completions appended to
     an existing chain), `chains_cut` (chains started because a prompt did not extend any
     open chain) and `cut_reasons` (counts per `CUT_REASONS` key), `new_chains` (one entry
-    per cut: completion, reason, closest chain index, token offset where it diverged).
+    per cut: completion, reason, closest chain index, token offset where it diverged); with
+    routed experts also `routed_chains` / `unrouted_chains`.
+
+    Routes merge by `app.training.chain_routes`' rule: positions already in the chain keep the
+    rows first recorded, an extending completion supplies those it adds (the previous last
+    sampled token's, the `between` tokens', its own sampled tokens'), the last token gets -1.
     """
     accepted, rejected, total = _accept(records, vocab_size)
     chains: list[_Chain] = []
@@ -372,6 +401,8 @@ def prefix_merging(records: Iterable[CompletionRecord], vocab_size: int | None =
             reason, closest, at = _cut_reason(chains, prompt)
             cuts.append({"completion": _label(record), "reason": reason, "closest_chain": closest, "diverged_at": at})
         chains.append(_start_chain(record))
+    for chain in chains:
+        chain.sequence.routes = chain.routes.close(len(chain.stream))
     sequences = [chain.sequence for chain in chains]
     report = _base_report("prefix_merging", total, rejected)
     report.update(
@@ -380,6 +411,7 @@ def prefix_merging(records: Iterable[CompletionRecord], vocab_size: int | None =
         cut_reasons=dict(Counter(cut["reason"] for cut in cuts)),
         new_chains=cuts,
     )
+    routes_report(report, any(r.routes is not None for r in accepted), [s.routes is not None for s in sequences])
     return BuildResult(sequences, _finish_report(report, sequences), rejected)
 
 

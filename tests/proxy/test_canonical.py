@@ -109,12 +109,13 @@ def test_multibyte_characters_split_across_tcp_reads(gw, episode, api):
 
 def test_gateway_imports_no_ml_stack():
     """The gateway runs on small CPU boxes: building its app must not import torch/transformers
-    (of the engine package it uses only the HTTP client, the SSE parser, the disconnect probe and the
-    adapter names of `lora_format`)."""
+    (of the engine package it uses only the HTTP client, the SSE parser, the disconnect probe, the
+    adapter names of `lora_format` and the numpy-only routed-experts codecs, `routed` and `route_bytes`)."""
     import subprocess
     import sys
     code = ("import sys; from app.proxy import create_gateway_app; create_gateway_app(); "
-            "light = ('app.engines', 'app.engines.client', 'app.engines.errors', 'app.engines.transport', 'app.engines.stream', 'app.engines.answer', 'app.engines.connections', 'app.engines.http1', 'app.engines.socket_wait', 'app.engines.transform', 'app.engines.sse', 'app.engines.disconnect', 'app.engines.lora_format'); "
+            "light = ('app.engines', 'app.engines.client', 'app.engines.errors', 'app.engines.transport', 'app.engines.stream', 'app.engines.answer', 'app.engines.connections', 'app.engines.http1', 'app.engines.socket_wait', 'app.engines.transform', 'app.engines.sse', 'app.engines.disconnect', 'app.engines.lora_format', "
+            "'app.engines.routed', 'app.engines.route_bytes'); "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'app')"
             " and m.startswith(('torch', 'transformers', 'app.training', 'app.engines')) and m not in light];"
             " print(bad)")

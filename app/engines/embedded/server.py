@@ -17,7 +17,9 @@ Routes (shapes follow vLLM's OpenAI server, https://docs.vllm.ai/en/latest/servi
 * ``POST /v1/completions``: legacy completions with ``prompt`` as a string or a list of token ids
   (the "tokens in, tokens out" path: the caller renders the template, no re-tokenization);
   with vLLM's ``prompt_logprobs`` a prefill-only scoring pass (``app.engines.embedded.scoring``).
-* ``POST /tokenize`` / ``POST /detokenize``, ``GET /v1/models``, ``GET /health``.
+* ``POST /tokenize`` / ``POST /detokenize``, ``GET /v1/models``, ``GET /health``.  The model card
+  carries ``route_shape``: ``[layers, top_k, experts]`` of an MoE model (whose answers give
+  ``routed_experts`` when asked, ``return_routed_experts``), null for a dense one.
 * ``POST /v1/load_weights {"path", "policy_version", "weights", "mode", "recompute_kv"}`` →
   ``{"policy_version", "weights"}`` and ``GET /v1/policy_version`` → ``{"policy_version", "engine_id",
   "weights"}``: ``mode`` is the weight update mode (``keep`` | ``wait`` | ``abort``, default the
@@ -62,6 +64,7 @@ from app.runconfig import WEIGHT_UPDATE_MODES
 from app.engines.embedded.validation import EngineError, get_field, json_body, update_mode_fields, weights_name
 from app.engines.client import weights_label
 from app.engines.modeling import load_model, read_state_dict
+from app.engines.routing import route_shape
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +137,15 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
         with engine.tokenizer_lock:
             return jsonify({"prompt": engine.tokenizer.decode(tokens)})
 
+    shape = route_shape(engine.model)  # weight loads keep the architecture
+    moe_shape = list(shape) if shape is not None else None
+
     @app.get("/v1/models")
     def models():
         return jsonify({"object": "list", "data": [{
             "id": engine.served_model_name, "object": "model", "created": 0, "owned_by": "turnstile",
             "root": engine.model_spec, "max_model_len": engine.max_model_len,
-            "policy_version": engine.scheduler.policy_version}]})
+            "policy_version": engine.scheduler.policy_version, "route_shape": moe_shape}]})
 
     @app.get("/health")
     def health():
