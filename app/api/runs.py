@@ -234,6 +234,10 @@ def get_run(run_id: int):
                                      .order_by(TrainingStep.step)))
         payload = run_to_dict(run, _status_counts(session, run_id), live=_live_stats(session, run_id), steps=steps,
                               trainer=trainer_state(session, run, steps))
+        if run.kind == "tinker":
+            from app.control.tinker_progress import progress
+
+            payload["tinker"] = progress(session, run_id)  # optim steps, losses, sampler checkpoints
         if run.kind == "train" and (run.config or {}).get("eval_every"):
             from app.control.heldout import curve
 

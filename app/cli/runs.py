@@ -182,6 +182,14 @@ def cmd_show(args) -> int:
     return 0
 
 
+def _harness_and_set(run: dict) -> tuple[str, str]:
+    """The harness and task-set cells: a Tinker model's run has neither, but an SDK client and a base model."""
+    cfg = run["config"]
+    if run["kind"] == "tinker":
+        return "tinker SDK", f"{cfg.get('model', {}).get('name', '')} LoRA r{cfg.get('training', {}).get('lora_r', '')}"
+    return cfg.get("harness", ""), cfg.get("task_set", "")
+
+
 def cmd_runs(args) -> int:
     with client.api_client() as api:
         resp = api.get("/api/runs", params={"limit": args.limit, **labels.filter_params(args)})
@@ -196,7 +204,7 @@ def cmd_runs(args) -> int:
         live = r.get("live") or {}
         reward = "-" if live.get("reward_mean") is None else f"{live['reward_mean']:.3f}"
         resolved = "-" if live.get("resolved_rate") is None else f"{live['resolved_rate']:.0%}"
-        table.add_row(str(r["id"]), labels.labels_cell(r), r["kind"], r["status"], r["config"].get("harness", ""), r["config"].get("task_set", ""),
+        table.add_row(str(r["id"]), labels.labels_cell(r), r["kind"], r["status"], *_harness_and_set(r),
                       str(r["policy_version"]), eps, reward, resolved, (r["created_at"] or "")[:19])
     make_console().print(table)
     return 0

@@ -19,6 +19,7 @@ from app.api.group_state import group_states
 from app.api.dashboard.heldout import heldout_view
 from app.api.serialize import waiting_reason
 from app.control.failure import failure_reason
+from app.control.tinker_progress import progress as tinker_progress
 from app.provenance import chosen_rows
 from app.tables import EPISODE_STATES, Completion, Episode, Run, TaskInstance, TrainingStep, utcnow
 from app.transitions import TERMINAL
@@ -163,6 +164,7 @@ def run_detail(s: Session, run_id: int, status: str | None = None, instance: str
         "steps": step_rows(steps, cfg), "step_columns": [c[0] for c in STEP_COLUMNS],
         "steps_done": sum(1 for st in steps if st.status == "completed"),
         "charts": charts, "missing_charts": missing, "heldout": heldout,
+        "tinker": tinker_progress(s, run_id) if run.kind == "tinker" else None,
         "groups": run_groups(s, run), "related": related_runs(s, run), "eval": eval_results(s, run) if run.kind != "train" else None,
         "episodes": episodes, "episodes_matched": matched, "limit": limit, "instances": instances,
         "states": EPISODE_STATES,
