@@ -72,9 +72,12 @@ def sampler_folder(run_id: int, name: str) -> Path:
     return RunPaths(run_id).root / "tinker" / SAMPLER_KIND / check_name(name)
 
 
-def ephemeral_name() -> str:
-    """A name for a sampler saved without one (`save_weights_and_get_sampling_client`)."""
-    return f"ephemeral-{uuid.uuid4().hex[:16]}"
+def ephemeral_name(session_id: str, sampling_seq_id: int) -> str:
+    """The name of a sampler saved without one (`save_weights_and_get_sampling_client`): fixed by
+    the SDK session and its sampling sequence number, so a save re-run after its worker died
+    writes the same folder and finds the same sampling session."""
+    digest = hashlib.blake2b(session_id.encode(), digest_size=4).hexdigest()
+    return f"ephemeral-{digest}-{int(sampling_seq_id)}"
 
 
 def publish(s: Session, model: TinkerModel, name: str, *, session_id: str | None = None,
@@ -82,8 +85,13 @@ def publish(s: Session, model: TinkerModel, name: str, *, session_id: str | None
     """Serve the adapter the gpu task wrote to `sampler_folder(model.run_id, name)` from every
     engine; return the `save_weights_for_sampler` result the SDK reads:
     `{"path": tinker://..., "type": "save_weights_for_sampler"}`, or, when `sampling_seq_id` is
-    given (a save without a name), `{"sampling_session_id": ...}` of a new sampling session
-    (sequence `sampling_seq_id` of SDK session `session_id`) on that checkpoint.
+    given (a save without a name: the request's `sampling_session_seq_id`, and `name` then
+    `ephemeral_name(session_id, sampling_seq_id)`), `{"sampling_session_id": ...}` of the sampling
+    session (sequence `sampling_seq_id` of SDK session `session_id`, default the model's) on it.
+
+    How the gpu task saves for the sampler: write the tenant's adapter with
+    `app.training.tinker_ops.save_engine_adapter(pool, state, sampler_folder(run_id, name))`, then
+    `publish(...)` and complete the future with its answer.
 
     Raises:
         SampleError: the folder holds no adapter.
@@ -100,6 +108,7 @@ def publish(s: Session, model: TinkerModel, name: str, *, session_id: str | None
     if failed:
         raise RuntimeError(f"engines did not load sampler {name!r} ({served}): {failed}")
     path = sampler_path(model.id, name)
+    session_id = session_id or model.session_id
     if sampling_seq_id is None:
         return {"path": path, "type": "save_weights_for_sampler"}
     # A save re-run after its worker died finds the session its first run made (unique per SDK session and seq).

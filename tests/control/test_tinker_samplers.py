@@ -11,7 +11,7 @@ from tinker.types.checkpoint import ParsedCheckpointTinkerPath
 from app import config
 from app.control import tinker_futures, tinker_sample_future
 from app.control.tinker_sampling import SampleError
-from app.control.tinker_samplers import (parse_sampler_path, pick_engine, publish, resolve, sampler_folder,
+from app.control.tinker_samplers import (ephemeral_name, parse_sampler_path, pick_engine, publish, resolve, sampler_folder,
                                          sampler_path)
 from app.db import session_scope
 from app.engines.embedded.adapters import TARGETS, save_adapter
@@ -103,15 +103,18 @@ def test_publish_serves_the_adapter_and_a_nameless_save_makes_a_sampling_session
     assert out["path"] == f"tinker://{model_id}/sampler_weights/sampler-001"
     served = [a["id"] for a in stack.client.request("GET", "/v1/lora_adapters")["data"]]
     assert any(name.startswith(f"run-{run_id}@") for name in served)
-    _write_adapter(run_id, "ephemeral-1", seed=1)
+    name = ephemeral_name(session_id, 5)
+    assert name == ephemeral_name(session_id, 5) != ephemeral_name(session_id, 6)
+    _write_adapter(run_id, name, seed=1)
     with session_scope() as s:
-        first = publish(s, s.get(TinkerModel, model_id), "ephemeral-1", session_id=session_id, sampling_seq_id=5)
+        first = publish(s, s.get(TinkerModel, model_id), name, sampling_seq_id=5)
     with session_scope() as s:  # the same save again (its worker died after the first): the same session
-        again = publish(s, s.get(TinkerModel, model_id), "ephemeral-1", session_id=session_id, sampling_seq_id=5)
+        again = publish(s, s.get(TinkerModel, model_id), name, session_id=session_id, sampling_seq_id=5)
         count = s.scalar(select(func.count()).select_from(TinkerSamplingSession))
         row = s.get(TinkerSamplingSession, first["sampling_session_id"])
         assert (row.key_name, row.model_id, row.model_path) == (
-            "alice", model_id, f"tinker://{model_id}/sampler_weights/ephemeral-1")
+            "alice", model_id, f"tinker://{model_id}/sampler_weights/{name}")
+        assert row.session_id == session_id
     assert again["sampling_session_id"] == first["sampling_session_id"] and count == 1
     with session_scope() as s, pytest.raises(SampleError, match="no adapter was written"):
         publish(s, s.get(TinkerModel, model_id), "never-saved")
