@@ -72,10 +72,12 @@ def sampler_folder(run_id: int, name: str) -> Path:
     return RunPaths(run_id).root / "tinker" / SAMPLER_KIND / check_name(name)
 
 
-def ephemeral_name(session_id: str, sampling_seq_id: int) -> str:
+def ephemeral_name(session_id: str | None = None, sampling_seq_id: int | None = None) -> str:
     """The name of a sampler saved without one (`save_weights_and_get_sampling_client`): fixed by
-    the SDK session and its sampling sequence number, so a save re-run after its worker died
-    writes the same folder and finds the same sampling session."""
+    the SDK session and its sampling sequence number when given, so a save re-run after its worker
+    died writes the same folder and finds the same sampling session; else a random one."""
+    if session_id is None or sampling_seq_id is None:
+        return f"ephemeral-{uuid.uuid4().hex[:16]}"
     digest = hashlib.blake2b(session_id.encode(), digest_size=4).hexdigest()
     return f"ephemeral-{digest}-{int(sampling_seq_id)}"
 
