@@ -46,7 +46,7 @@ def create(session: Session, *, model_id: str | None, request_id: str, op: str, 
     the row an earlier try of the same request created (its status as it is now).
 
     `payload` is the SDK request's JSON; `key_name` the API key that sent it (who may retrieve it).
-    Raises `FutureConflict` when `request_id` already names a future of another key, model or op.
+    Raises `FutureConflict` when `request_id` already names a future of another key, model or op (the service answers 400).
     """
     existing = _by_request(session, request_id)
     if existing is None:

@@ -97,6 +97,7 @@ def create_model(s: Session, key_name: str, *, session_id: str, seq_id: int, bas
         training["seed"] = seed
     cfg = RunConfig.model_validate({"kind": "tinker", "model": {"name": base_model}, "steps": 0,
                                     "training": training})
+    _check_engines(cfg)
     now = utcnow()
     run = Run(kind="tinker", status="running", config=cfg.model_dump(mode="json"), started_at=now,
               name=(user_metadata or {}).get("name") or f"tinker {base_model} r{rank}",
@@ -109,6 +110,18 @@ def create_model(s: Session, key_name: str, *, session_id: str, seq_id: int, bas
     s.add(model)
     s.flush()
     return model
+
+
+def _check_engines(cfg: RunConfig) -> None:
+    """400 when the engines and trainer cannot take one more LoRA tenant now: the checks a LoRA
+    train run meets at creation (`app.control.tenancy`: a full fine-tune holding the engines, a
+    loaded eval checkpoint, another engine kind).  Not 409: the SDK retries that status."""
+    from app.control.tenancy import engine_problems
+
+    problems = engine_problems(cfg.model_copy(update={"kind": "train"}))
+    if problems:
+        raise TinkerError(400, "this deployment cannot add a LoRA tenant now: "
+                               + "; ".join(f"{field}: {message}" for field, message in problems))
 
 
 def _targets(train_attn: bool, train_mlp: bool) -> list[str]:

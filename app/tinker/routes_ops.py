@@ -70,7 +70,7 @@ def submit(op: str, *, model_id: str | None, payload: dict[str, Any], seq_id: in
             row = tinker_futures.create(s, model_id=model_id, request_id=request_id, op=op, payload=payload,
                                         key_name=g.key_name, sampling_session_id=sampling_session_id, seq_id=seq_id)
         except tinker_futures.FutureConflict as exc:
-            raise TinkerError(409, str(exc)) from None
+            raise TinkerError(400, str(exc)) from None  # not 409: the SDK retries a 409
         future_id, status = row.id, row.status
     if new and status == "pending":
         try:

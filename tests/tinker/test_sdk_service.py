@@ -222,3 +222,17 @@ def _start(spawn, monkeypatch) -> str:
 
     wait_for(up, 60, what=lambda: proc.output()[-3000:])
     return url
+
+
+def test_no_tenant_while_a_full_fine_tune_holds_the_engines(tinker_url, key):
+    from app.runconfig import RunConfig
+
+    with session_scope() as s:
+        full = Run(kind="train", status="running", config=RunConfig(kind="train").model_dump(mode="json"))
+        s.add(full)
+        s.flush()
+        full_id = full.id
+    with pytest.raises(tinker.BadRequestError, match=f"train run {full_id} is a full fine-tune"):
+        _client(tinker_url, key("alice")).create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    with session_scope() as s:
+        assert s.scalar(select(func.count()).select_from(TinkerModel)) == 0
