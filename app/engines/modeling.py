@@ -28,6 +28,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -333,17 +334,50 @@ def read_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
+_EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_expert_weights(state: dict[str, torch.Tensor], own: set[str]) -> dict[str, torch.Tensor]:
+    """``state`` with per-expert MoE weights fused into the layout of a transformers 5 model.
+
+    ``save_pretrained`` writes a Qwen2/Qwen3-MoE's experts in the Hub layout, one
+    ``<layer>.mlp.experts.<i>.{gate,up,down}_proj.weight`` per expert (what vLLM and
+    ``from_pretrained`` read), while the model itself holds ``experts.gate_up_proj``
+    ``[experts, 2 * moe_intermediate, hidden]`` and ``experts.down_proj`` ``[experts, hidden,
+    moe_intermediate]``.  transformers' own rule (``conversion_mapping``, "qwen2_moe": stack the
+    experts, then concatenate gate and up along dim 1) is applied here for the fused keys in
+    ``own`` (the model's state-dict keys) whose per-expert parts ``state`` holds; other keys pass.
+    """
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    rest = {}
+    for key, tensor in state.items():
+        match = _EXPERT_KEY.match(key)
+        if match and f"{match['prefix']}.gate_up_proj" in own:
+            groups.setdefault(match["prefix"], {}).setdefault(match["proj"], {})[int(match["index"])] = tensor
+        else:
+            rest[key] = tensor
+    for prefix, parts in groups.items():
+        stacked = {proj: torch.stack([by_index[i] for i in sorted(by_index)]) for proj, by_index in parts.items()}
+        if "gate_proj" in stacked and "up_proj" in stacked:
+            rest[f"{prefix}.gate_up_proj"] = torch.cat([stacked["gate_proj"], stacked["up_proj"]], dim=1)
+        if "down_proj" in stacked:
+            rest[f"{prefix}.down_proj"] = stacked["down_proj"]
+    return rest
+
+
 def load_state_into(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> None:
     """Copy ``state`` into ``model``'s parameters in place (dtype converted to the model's).
 
     Keys missing only because they are tied to another weight (``lm_head.weight`` with tied
-    embeddings) are fine.
+    embeddings) are fine.  Per-expert MoE weights (the Hub layout ``save_weights`` writes) are
+    fused first (``fuse_expert_weights``).
 
     Raises:
         ValueError: unexpected keys, missing untied keys, or shape mismatches (checked before
             anything is copied, so the model is left unchanged).
     """
     own = model.state_dict()
+    state = fuse_expert_weights(state, set(own))
     unexpected = sorted(set(state) - set(own))
     tied = {name for name, tensor in own.items() if any(
         other != name and tensor.data_ptr() == o.data_ptr() for other, o in own.items())}

@@ -1,6 +1,7 @@
 """Models, tokenizer and checkpoints; one test runs the real SmolLM2-135M-Instruct from the package."""
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -43,6 +44,31 @@ def test_checkpoint_round_trip_is_atomic_and_exact(tmp_path):
     assert torch.equal(loaded.model.embed_tokens.weight, source.model.embed_tokens.weight)
     save_weights(build_tiny_model(6), path, {"policy_version": 5})  # replace in place
     assert read_metadata(path) == {"policy_version": 5}
+
+
+def test_moe_checkpoint_round_trip_through_the_hub_layout(tmp_path):
+    """save_pretrained writes a Qwen3-MoE's experts one by one (the Hub layout vLLM reads); loading
+    that folder into a served tiny MoE (the embedded engine's weight update) fuses them back
+    exactly, and from_pretrained reads the same folder to the same weights."""
+    from safetensors import safe_open
+
+    from app.engines.modeling import read_state_dict
+
+    source, _tok = load_model("tiny-moe")
+    target = copy.deepcopy(source)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    path = save_weights(source, tmp_path / "moe", {"policy_version": 1})
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.experts.7.gate_proj.weight" in keys and "model.layers.0.mlp.experts.gate_up_proj" not in keys
+    assert len(read_state_dict(path)) > len(source.state_dict())
+    load_weights_into(target, path)
+    for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
+        assert torch.equal(a, b), name
+    reloaded, _ = load_model(str(path))
+    assert torch.equal(reloaded.model.layers[1].mlp.experts.gate_up_proj, source.model.layers[1].mlp.experts.gate_up_proj)
 
 
 def test_mismatched_checkpoint_leaves_model_untouched(tmp_path):
