@@ -30,7 +30,7 @@ app = Celery(
     broker=_settings.broker_url,
     backend=_settings.result_backend,
     include=["app.tasks.control", "app.tasks.episodes", "app.tasks.training", "app.tasks.teacher",
-             "app.tasks.tinker_sample"],
+             "app.tasks.tinker", "app.tasks.tinker_sample"],
 )
 
 app.conf.update(

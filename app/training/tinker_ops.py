@@ -21,8 +21,8 @@ metrics: `loss:sum` (the sum over all tokens, app.training.tinker_losses).
 Gradients live outside the parameters between calls (`TinkerState.grads`, on the trainer's
 device): another tenant, or a GRPO step on the same trainer, may run between two forward_backward
 calls and must neither see nor clear them.  They are lost with the process; the caller
-(app.tasks.tinker) rebuilds them by replaying the forward_backward requests since the last
-persisted state (`persist` / `restore`).
+(app.tasks.tinker) rebuilds them by replaying the forward_backward requests since the state it
+last persisted with `save_state` (and reloads with `load_state`).
 """
 from __future__ import annotations
 
@@ -308,3 +308,14 @@ def load_state(pool: TenantPool, state: TinkerState, path: Path, optimizer: bool
     state.grads = None
     state.optim_steps = int(blob["optim_steps"]) if optimizer else 0
     return dict(blob.get("meta") or {})
+
+
+def save_engine_adapter(pool: TenantPool, state: TinkerState, folder: Path) -> None:
+    """Write the active tenant's adapter into `folder` in the engines' per-request LoRA format
+    (`app.engines.embedded.adapters.save_adapter`, as a LoRA train run's checkpoint), its policy
+    version the optim step count."""
+    from app.engines.embedded.adapters import peft_weights, save_adapter
+
+    config = pool.trainer.config
+    adapters = {name: p.data.detach().cpu() for name, p in pool.params.items()}
+    save_adapter(folder, peft_weights(adapters), config.lora_r, config.lora_alpha, state.optim_steps)
