@@ -1,5 +1,5 @@
 """The Tinker routes a client calls before and around its ops: client config, sessions and
-heartbeats, capabilities, create_model / get_info, sampling sessions, telemetry.
+heartbeats, capabilities, create_model / get_info, sampling sessions (create, get), telemetry.
 
 Shapes are the SDK's own types (tinker/types/*.py); each route names the SDK call that sends it.
 """
@@ -145,6 +145,18 @@ def create_sampling_session():
                                                model_path=body.model_path)
         out = {"sampling_session_id": row.id}
     return jsonify(types.CreateSamplingSessionResponse(**out).model_dump(mode="json"))
+
+
+@bp.get("/api/v1/samplers/<sampler_id>")
+@authed
+def get_sampler(sampler_id: str):
+    """`create_sampling_client(model_path=...)` without a base model (and `SamplingClient`'s
+    `_get_sampler_submit`): the sampling session's base model and checkpoint path; another key's
+    session is a 404 like a missing one."""
+    with session_scope() as s:
+        row = registry.sampling_session_of(s, g.key_name, sampler_id)
+        out = types.GetSamplerResponse(sampler_id=row.id, base_model=row.base_model, model_path=row.model_path)
+    return jsonify(out.model_dump(mode="json"))
 
 
 @bp.route("/api/v1/<path:rest>", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
