@@ -273,6 +273,11 @@ class Settings(BaseSettings):
                               description="Model the embedded engine serves: tiny | smollm2 | a checkpoint folder.")
     engine_port: int = Field(8200, ge=1, le=65535, **_env("TURNSTILE_ENGINE_PORT"),
                              description="Port of the embedded engine (`python -m app.engines.embedded.server`).")
+    engine_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", **_env("TURNSTILE_ENGINE_DTYPE"),
+        description="Parameter dtype the embedded engine serves in: float32 (the trainer's own numerics; "
+                    "logprob parity is specified in fp32) | bfloat16 (an inference engine's precision: trainer "
+                    "weights are cast into it on every load, logprobs are fp32 log-softmax of the bf16 logits).")
     engine_threads: int = Field(1, ge=1, **_env("TURNSTILE_ENGINE_THREADS"),
                                 description="torch intra-op threads of the embedded engine (raise only where "
                                             "the engine owns its cores).")

@@ -4,8 +4,8 @@ One worker process owns the model and its batching scheduler thread (a second wo
 second copy of the model and split the sessions between two prefix caches); gthread threads serve
 the concurrent requests, each holding a thread while it streams.  The app is built in the worker
 after the fork (no preload), so the scheduler thread lives in the process that serves.  Settings
-(app.config): TURNSTILE_ENGINE_PORT, TURNSTILE_ENGINE_MODEL, TURNSTILE_ENGINE_THREADS (torch
-threads), TURNSTILE_LOG_LEVEL.
+(app.config): TURNSTILE_ENGINE_PORT, TURNSTILE_ENGINE_MODEL, TURNSTILE_ENGINE_DTYPE (float32 |
+bfloat16), TURNSTILE_ENGINE_THREADS (torch threads), TURNSTILE_LOG_LEVEL.
 """
 import faulthandler
 import socket

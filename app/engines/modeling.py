@@ -366,7 +366,8 @@ def fuse_expert_weights(state: dict[str, torch.Tensor], own: set[str]) -> dict[s
 
 
 def load_state_into(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state`` into ``model``'s parameters in place (dtype converted to the model's).
+    """Copy ``state`` into ``model``'s parameters in place (dtype converted to the model's: an fp32
+    trainer's weights are rounded to bf16 in an engine serving bfloat16).
 
     Keys missing only because they are tied to another weight (``lm_head.weight`` with tied
     embeddings) are fine.  Per-expert MoE weights (the Hub layout ``save_weights`` writes) are

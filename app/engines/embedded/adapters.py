@@ -176,7 +176,7 @@ class AdapterSet:
             if a.shape != (r, module.in_features) or b.shape != (module.out_features, r):
                 raise AdapterError(f"{folder / WEIGHTS}: {path} has A {tuple(a.shape)}, B {tuple(b.shape)}; the model "
                                    f"needs [{r}, {module.in_features}] and [{module.out_features}, {r}]")
-            dtype = module.weight.dtype
+            dtype = module.weight.dtype  # the served dtype: an fp32 adapter is cast into a bf16 engine
             weights[path] = (a.to(self.device, dtype), b.to(self.device, dtype))
         version = policy_version if policy_version is not None else int(meta.get("policy_version") or 0)
         adapter = Adapter(name, int(version), float(meta["alpha"]) / r, weights)

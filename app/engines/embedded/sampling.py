@@ -1,8 +1,9 @@
 """Per-request sampling and logprob recording for the embedded engine.
 
 Logprob convention (what the trainer relies on): the recorded ``logprob`` of a sampled token
-is its log-probability under the distribution it was **drawn from**: the model's fp32 logits
-divided by the request's temperature, truncated by its top-k and top-p, renormalised
+is its log-probability under the distribution it was **drawn from**: the model's logits, upcast
+to fp32 (an engine serving bfloat16 computes bf16 logits; the log-softmax and every transform
+after it run in fp32 on them), divided by the request's temperature, truncated by its top-k and top-p, renormalised
 (``app.engines.transform``, which the trainer scores with too).  This is vLLM's
 ``logprobs_mode="processed_logprobs"``
 (https://docs.vllm.ai/en/latest/api/vllm/config/model/#vllm.config.model.ModelConfig.logprobs_mode),

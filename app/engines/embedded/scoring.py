@@ -9,7 +9,8 @@ served by this engine scores a student's chain this way (`app.training.teacher_s
 Here the request is answered by one prefill pass over the prompt outside the batch loop (no
 KV cache kept, no token generated: `max_tokens` is not used and `text` is empty); the LM head
 runs `SCORE_CHUNK` positions at a time so no [T, vocab] tensor exists.  Weights cannot change
-during the pass (`BatchScheduler.weights_pinned`).  Values are fp32 log-softmax, 1-based ranks.
+during the pass (`BatchScheduler.weights_pinned`).  Values are fp32 log-softmax, 1-based ranks
+(an engine serving bfloat16 upcasts its bf16 logits to fp32 before the log-softmax).
 A `model` naming a loaded LoRA adapter scores under that adapter (`adapters.rows`, the hooks
 generation uses), so a tenant's prompt logprobs are its own policy's, not the base model's.
 """

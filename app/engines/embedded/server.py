@@ -19,7 +19,10 @@ Routes (shapes follow vLLM's OpenAI server, https://docs.vllm.ai/en/latest/servi
   with vLLM's ``prompt_logprobs`` a prefill-only scoring pass (``app.engines.embedded.scoring``).
 * ``POST /tokenize`` / ``POST /detokenize``, ``GET /v1/models``, ``GET /health``.  The model card
   carries ``route_shape``: ``[layers, top_k, experts]`` of an MoE model (whose answers give
-  ``routed_experts`` when asked, ``return_routed_experts``), null for a dense one.
+  ``routed_experts`` when asked, ``return_routed_experts``), null for a dense one; and ``dtype``,
+  the parameter dtype served (``--dtype``, default ``TURNSTILE_ENGINE_DTYPE``, float32: logprob
+  parity with the trainer is specified in fp32; ``bfloat16`` casts every weight load into bf16
+  and returns fp32 logprobs of the bf16 logits).
 * ``POST /v1/load_weights {"path", "policy_version", "weights", "mode", "recompute_kv"}`` →
   ``{"policy_version", "weights"}`` and ``GET /v1/policy_version`` → ``{"policy_version", "engine_id",
   "weights"}``: ``mode`` is the weight update mode (``keep`` | ``wait`` | ``abort``, default the
@@ -59,7 +62,7 @@ from werkzeug.exceptions import HTTPException
 
 from app.engines.embedded import generate, scoring
 from app.engines.embedded import adapters, uploads
-from app.engines.embedded.engine import DEFAULT_MAX_MODEL_LEN, Engine, build_engine
+from app.engines.embedded.engine import DEFAULT_MAX_MODEL_LEN, DTYPES, Engine, build_engine
 from app.runconfig import WEIGHT_UPDATE_MODES
 from app.engines.embedded.validation import EngineError, get_field, json_body, update_mode_fields, weights_name
 from app.engines.client import weights_label
@@ -145,7 +148,8 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
         return jsonify({"object": "list", "data": [{
             "id": engine.served_model_name, "object": "model", "created": 0, "owned_by": "turnstile",
             "root": engine.model_spec, "max_model_len": engine.max_model_len,
-            "policy_version": engine.scheduler.policy_version, "route_shape": moe_shape}]})
+            "policy_version": engine.scheduler.policy_version, "route_shape": moe_shape,
+            "dtype": engine.dtype}]})
 
     @app.get("/health")
     def health():
@@ -168,7 +172,7 @@ def create_engine_app(model_spec: str | None = None, engine: Engine | None = Non
             path = engine.model_spec
             version = get_field(body, "policy_version", int, 0)
             weights = weights_label(engine.model_spec)
-            state = load_model(engine.model_spec)[0].state_dict()
+            state = load_model(engine.model_spec, dtype=DTYPES[engine.dtype])[0].state_dict()
         else:
             path = get_field(body, "path", str)
             if not path or not os.path.isdir(path):
@@ -209,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-id")
     parser.add_argument("--policy-version", type=int)
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: TURNSTILE_ENGINE_THREADS, 1)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=settings.engine_dtype,
+                        help="parameter dtype served; weight loads are cast into it (default: "
+                             "TURNSTILE_ENGINE_DTYPE, float32, the trainer's numerics)")
     parser.add_argument("--weight-update-mode", choices=WEIGHT_UPDATE_MODES, default="keep",
                         help="what a weight load that names no mode does with running requests (default: keep)")
     parser.add_argument("--no-recompute-kv", action="store_true",
@@ -221,11 +228,12 @@ def main(argv: list[str] | None = None) -> None:
                             engine_id=args.engine_id or f"embedded-{socket.gethostname()}-{args.port}",
                             policy_version=args.policy_version, threads=args.threads,
                             prefix_cache_tokens=args.prefix_cache_tokens, update_mode=args.weight_update_mode,
-                            recompute_kv=not args.no_recompute_kv)
+                            recompute_kv=not args.no_recompute_kv, dtype=args.dtype)
     from werkzeug.serving import make_server
 
     server = make_server(args.host, args.port, app, threaded=True)
-    log.info("engine %s serving %s on http://%s:%d", app.config["ENGINE"].engine_id, args.model, args.host, args.port)
+    log.info("engine %s serving %s (%s) on http://%s:%d", app.config["ENGINE"].engine_id, args.model, args.dtype,
+             args.host, args.port)
     server.serve_forever()
 
 
