@@ -10,6 +10,7 @@ import sys
 
 import httpx
 import pytest
+import redis
 
 from app import config
 from support import REDIS_BASE, free_port, wait_for
@@ -19,8 +20,18 @@ KEYS = {"alice": {"max_models": 3}, "bob": {}}
 
 
 @pytest.fixture
-def tinker_env(database, redis_db, monkeypatch):
-    """The settings of the service and of this process: the keys, a short session timeout."""
+def tinker_redis():
+    """Redis DB `REDIS_DB`, flushed before and after (the broker of the ops' messages)."""
+    client = redis.Redis.from_url(f"{REDIS_BASE}/{REDIS_DB}")
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def tinker_env(database, tinker_redis, monkeypatch):
+    """The settings of the service and of this process: the two keys, this area's Redis DB."""
     monkeypatch.setenv("TURNSTILE_TINKER_KEYS", json.dumps(KEYS))
     monkeypatch.setenv("REDIS_URL", f"{REDIS_BASE}/{REDIS_DB}")
     monkeypatch.setenv("TURNSTILE_TINKER_WORKERS", "1")

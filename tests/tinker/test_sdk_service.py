@@ -236,3 +236,41 @@ def test_no_tenant_while_a_full_fine_tune_holds_the_engines(tinker_url, key):
         _client(tinker_url, key("alice")).create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
     with session_scope() as s:
         assert s.scalar(select(func.count()).select_from(TinkerModel)) == 0
+
+
+def test_ops_are_sent_to_their_queues(tinker_url, key, tinker_redis):
+    """Each gpu op's Celery message waits on the gpu queue, named for app.tasks.tinker.run_future."""
+    import base64
+    import json
+
+    tc = _client(tinker_url, key("alice")).create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    tc.optim_step(types.AdamParams(learning_rate=1e-4))
+    (row,) = wait_for(lambda: _futures(op="optim_step"), 30, what="the optim_step future")
+    messages = wait_for(lambda: tinker_redis.lrange("gpu", 0, -1), 10, what="a message on the gpu queue")
+    (msg,) = [json.loads(m) for m in messages]
+    assert msg["headers"]["task"] == "app.tasks.tinker.run_future"
+    assert json.loads(base64.b64decode(msg["body"]))[0] == [row.id]
+
+
+def test_sample_goes_to_the_rollout_queue_and_comes_back_as_protobuf(tinker_url, key, tinker_redis):
+    import json
+
+    sampler = _client(tinker_url, key("alice")).create_sampling_client(base_model="tiny")
+    future = sampler.sample(prompt=types.ModelInput.from_ints([1, 2, 3]), num_samples=2,
+                            sampling_params=types.SamplingParams(max_tokens=2, temperature=1.0),
+                            include_prompt_logprobs=True)
+    (row,) = wait_for(lambda: _futures(op="sample"), 30, what="the sample future")
+    assert row.payload["num_samples"] == 2 and row.payload["prompt"]["chunks"][0]["tokens"] == [1, 2, 3]
+    (msg,) = [json.loads(m) for m in wait_for(lambda: tinker_redis.lrange("rollout", 0, -1), 10,
+                                              what=lambda: f"rollout: {tinker_redis.keys()} {_futures(op='sample')[0].error}")]
+    assert msg["headers"]["task"] == "app.tasks.tinker_sample.sample_future"
+    result = {"sequences": [{"stop_reason": "length", "tokens": [7, 8], "logprobs": [-0.5, -1.5]},
+                            {"stop_reason": "stop", "tokens": [9], "logprobs": [-0.25]}],
+              "prompt_logprobs": [None, -2.0, -3.0], "prompt_cache_hit_tokens": 0}
+    with session_scope() as s:
+        assert tinker_futures.complete(s, row.id, result)
+    out = future.result(timeout=60)
+    assert [(q.stop_reason, q.tokens, q.logprobs) for q in out.sequences] == \
+        [("length", [7, 8], [-0.5, -1.5]), ("stop", [9], [-0.25])]
+    assert [q.sequence_id for q in out.sequences] == [f"{row.request_id}:0", f"{row.request_id}:1"]
+    assert out.prompt_logprobs == [None, -2.0, -3.0]
