@@ -11,11 +11,12 @@ engine's server nor vLLM): it measures what replay changes once the routes are c
 
     .venv/bin/python bench/moe_replay.py [--models tiny-moe tiny-moe-wide tiny] [--samples 8] [--tokens 48]
     .venv/bin/python bench/moe_replay.py --engine embedded   # sample from the embedded engine's server
+    .venv/bin/python bench/moe_replay.py --engine embedded --engine-dtype bfloat16   # ... serving bf16
     .venv/bin/python bench/moe_replay.py --shape qwen3-30b-a3b --layers 16 [...]   # GPU: memory and step time
 
 ``--engine embedded`` samples from the embedded engine's real server instead
-(``bench/moe_replay_engine.py``: fp32, all samples decoded in one batch), whose routes the
-trainer replays; vLLM's CPU build can serve neither the tiny models nor routes (docs/moe.md).
+(``bench/moe_replay_engine.py``: all samples decoded in one batch; fp32 by default,
+``--engine-dtype bfloat16`` serves bf16 while the trainer stays fp32), whose routes the trainer replays; vLLM's CPU build can serve neither the tiny models nor routes (docs/moe.md).
 ``--shape`` runs ``bench/moe_replay_shape.py`` (its flags follow) on a real model's shape.
 
 Printed per model: share of completion tokens whose expert set differs between rollout and
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--engine", choices=["embedded"],
                         help="sample from this engine's server (default: transformers' own bf16 forward)")
+    parser.add_argument("--engine-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="with --engine: the server's parameter dtype (the trainer is fp32 either way)")
     parser.add_argument("--shape", help="run bench/moe_replay_shape.py with the remaining flags")
     args, rest = parser.parse_known_args()
     if args.shape:
@@ -118,14 +121,17 @@ def main() -> None:
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.engine_dtype != "float32" and not args.engine:
+        parser.error("--engine-dtype needs --engine (the default rollout is transformers' bf16 forward)")
     torch.set_num_threads(1)
-    print(f"rollout: {args.engine or 'transformers bf16 KV cache'}; trainer: fp32 forward + backward")
+    rollout = f"{args.engine} server, {args.engine_dtype}" if args.engine else "transformers bf16 KV cache"
+    print(f"rollout: {rollout}; trainer: fp32 forward + backward")
     print(f"{'model':<15} {'replay':<6} {'routes differ per layer':<26} {'|logprob gap|':>14} {'step ms':>8}")
     for spec in args.models:
         if args.engine:
             from moe_replay_engine import measure as measure_engine  # beside this script
 
-            result = measure_engine(spec, args.samples, args.tokens)
+            result = measure_engine(spec, args.samples, args.tokens, args.engine_dtype)
         else:
             result = measure(spec, args.samples, args.tokens)
         for mode, r in result.items():

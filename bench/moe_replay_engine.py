@@ -1,7 +1,7 @@
 """Routing replay against a real engine server: sample there, score in the trainer's fp32 forward.
 
-Used by ``bench/moe_replay.py --engine embedded``.  Per model, the embedded engine's server
-(``python -m app.engines.embedded.server``, fp32) samples ``samples`` completions at once
+Used by ``bench/moe_replay.py --engine embedded [--engine-dtype bfloat16]``.  Per model, the
+embedded engine's server (``python -m app.engines.embedded.server``, fp32 or ``--dtype bfloat16``) samples ``samples`` completions at once
 (batched decode, as under load) with ``logprobs``, ``return_token_ids`` and
 ``return_routed_experts``; the trainer side loads the same weights in fp32 and runs
 ``app.engines.routing.score_completion`` + backward of ``-sum(logprob)`` with replay off and on.
@@ -45,13 +45,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(spec: str, timeout_s: float = 300.0) -> Iterator[EngineClient]:
-    """Start the embedded engine's server on ``spec`` (one torch thread); yield a client; stop it."""
+def serve(spec: str, timeout_s: float = 300.0, dtype: str = "float32") -> Iterator[EngineClient]:
+    """Start the embedded engine's server on ``spec`` (one torch thread, parameters in ``dtype``);
+    yield a client; stop it.  Raises RuntimeError when it does not start or serves another dtype."""
     tmp = Path(tempfile.mkdtemp(prefix="moe-replay-"))
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-m", "app.engines.embedded.server", "--model", spec, "--port", str(port),
-            "--threads", "1"]
+            "--threads", "1", "--dtype", dtype]
     log = open(tmp / "server.log", "w+")
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     client = EngineClient(f"http://127.0.0.1:{port}", timeout=600)
@@ -61,6 +62,9 @@ def serve(spec: str, timeout_s: float = 300.0) -> Iterator[EngineClient]:
         except TimeoutError:
             log.seek(0)
             raise RuntimeError(f"the engine did not start:\n{log.read()[-3000:]}")
+        served = client.models()[0].get("dtype")
+        if served != dtype:
+            raise RuntimeError(f"the engine serves {served}, not {dtype}")
         yield client
     finally:
         client.close()
@@ -95,12 +99,12 @@ def differ_share(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (np.sort(a, axis=-1) != np.sort(b, axis=-1)).any(axis=-1).mean(axis=0)
 
 
-def measure(spec: str, samples: int, tokens: int) -> dict:
+def measure(spec: str, samples: int, tokens: int, dtype: str = "float32") -> dict:
     """``{"off"|"on": {"diff": per-layer share | None, "gap": mean |logprob gap|, "ms": median step}}``
-    (``on`` only when the engine returned routes)."""
+    (``on`` only when the engine returned routes); the server serves ``dtype``, the trainer fp32."""
     if spec in TINY_MOE_SHAPES:
         ensure_tiny_moe_folder(spec)  # written once, before the server reads it
-    with serve(spec) as client:
+    with serve(spec, dtype=dtype) as client:
         drawn = sample(client, samples, tokens)
     trainer = load_model(spec)[0].train()
     moe = route_shape(trainer) is not None

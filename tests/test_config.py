@@ -42,7 +42,7 @@ def test_defaults_and_derived_values(env):
     assert s.database_url == f"sqlite:///{ROOT / 'var' / 'turnstile.db'}"
     assert s.broker_url == s.result_backend == s.redis_url == "redis://localhost:6379/0"
     assert (s.task_soft_time_limit, s.task_time_limit, s.visibility_timeout) == (3600, 3720, 4 * 3600)
-    assert s.engine_urls == ["http://127.0.0.1:8200"]
+    assert s.engine_urls == ["http://127.0.0.1:8200"] and s.engine_dtype == "float32"
     assert s.log_level == "INFO" and s.gateway_vision is False and s.cache_dir is None
     assert all(field.description for field in Settings.model_fields.values())
 
@@ -71,6 +71,7 @@ def test_derived_defaults_follow_their_sources(env, monkeypatch):
     ("TURNSTILE_ENGINE_URLS", "http://a:8200,b:8200", "not a URL"),
     ("TURNSTILE_API_URL", "http://host:port", "invalid port"),
     ("TURNSTILE_LOG_LEVEL", "loud", "INFO"),
+    ("TURNSTILE_ENGINE_DTYPE", "float16", "bfloat16"),
 ])
 def test_a_bad_value_raises_naming_the_variable(env, monkeypatch, name, value, says):
     monkeypatch.setenv(name, value)

@@ -24,6 +24,7 @@ def _draw(spec: str, tokens: int = 12) -> list[dict]:
     load_model(spec)  # an MoE folder exists before the subprocess reads it
     proc = EngineProcess(spec)
     try:
+        assert proc.client.models()[0]["dtype"] == "float32"  # the default: the trainer's numerics
         def one(i: int) -> dict:
             out = proc.client.chat([{"role": "user", "content": PROMPTS[i]}], max_tokens=tokens, seed=i,
                                    ignore_eos=True, logprobs=True, return_token_ids=True, return_routed_experts=True)
