@@ -183,3 +183,18 @@ def test_two_turns_merge_into_one_chain_with_a_fresh_forward_s_routes(gw, moe, r
     known = len(first.prompt_ids) + len(first.sampled_ids) - 1
     np.testing.assert_array_equal(chain[:known], stored_routes(first))  # first writer wins
     assert same_sets(chain[:-1], fresh_routes(reference_model, tokens[:-1])) >= 0.99
+
+
+def test_an_engine_whose_card_does_not_say_is_asked(gw, episode):
+    """The scripted engine's card has no `route_shape` (as vLLM's): it is asked, answers with no
+    routes, and the completion stores none."""
+    ep, token = episode
+    assert "route_shape" not in httpx.get(f"{gw.engine_url}/v1/models").json()["data"][0]
+    gw.reset_engine()
+    r = httpx.post(f"{gw.gateway_url}/v1/chat/completions", headers={"authorization": f"Bearer {token}"},
+                   timeout=60, json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    chat = [q for q in gw.engine_requests() if q["path"].startswith("/v1/chat/completions")]
+    assert chat[-1]["body"]["return_routed_experts"] is True
+    (rec,) = completions(ep)
+    assert rec.routed_experts is None and rec.route_shape is None
