@@ -123,7 +123,8 @@ def test_replay_step_trains_lora_and_full_weights_under_checkpointing(moe, lora)
                       copy.deepcopy(moe))
     assert len(trainer.replays) == (1 if lora else 2)  # the frozen reference copy replays too
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    with record_routes(trainer.model) as calls:
+    reference = trainer.reference if trainer.reference is not None else trainer.model
+    with record_routes(trainer.model) as calls, record_routes(reference) as ref_calls:
         metrics = trainer.update(sequences)
     after = dict(trainer.model.named_parameters())
     assert any(not torch.equal(before[n], after[n]) for n in before)
@@ -135,8 +136,9 @@ def test_replay_step_trains_lora_and_full_weights_under_checkpointing(moe, lora)
     recorded = (packed >= 0).all(dim=-1).all(dim=-1)
     for layer, layer_calls in enumerate(calls):
         assert len(layer_calls) == (3 if lora else 2)
-        for ids in layer_calls:
+        for ids in layer_calls + ref_calls[layer]:
             assert torch.equal(ids.long()[recorded], packed[recorded][:, layer])
+    assert all(len(c) == (3 if lora else 1) for c in ref_calls)  # full fine-tune: the frozen copy's one forward
 
 
 def _corrupt(sequence, how):
