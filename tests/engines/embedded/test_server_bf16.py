@@ -5,7 +5,8 @@ other experts for a token: what routing replay corrects.  Over real HTTP, reques
 batch: the model card says bfloat16; the engine's routes replayed in the trainer's fp32 forward
 (``app.engines.routing.score_completion``) are run exactly, and the |logprob gap| is below the
 replay-off one.  A full-weight load of an fp32 checkpoint (the trainer's, Hub expert layout) is
-cast into bf16: the server's logprobs then follow a bf16 copy of the new weights.
+cast into bf16: the server's logprobs then follow a bf16 copy of the new weights; an fp32 LoRA
+adapter is held in bf16.
 """
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from app.engines.modeling import load_model, save_weights
+from app.engines.embedded.adapters import AdapterSet, peft_weights, rows, save_adapter
+from app.engines.lora_format import adapter_name
+from app.engines.modeling import build_tiny_model, load_model, save_weights
 from app.engines.routing import score_completion
+from app.training import policy
 
 from support.engine_process import EngineProcess
 
@@ -108,3 +112,30 @@ def test_full_weight_reload_into_bf16_engine(tmp_path, monkeypatch):
     print(f"after reload: |gap| to bf16 new weights {bf16_gap:.3e}, to bf16 old weights {old_gap:.3e}")
     assert bf16_gap < 0.02  # the served function is the new weights rounded to bf16
     assert old_gap > 10 * bf16_gap  # the perturbation is visible, so the check above means something
+
+
+def test_an_fp32_lora_adapter_is_cast_into_a_bf16_engine(tmp_path):
+    """In process (the adapter set the server's scheduler holds): a trainer's fp32 LoRA on a bf16
+    model is held in bf16 and adds its low-rank update to within bf16 rounding."""
+    peft_model = policy.add_lora(build_tiny_model(0), 4, 8, 0.0)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.3)  # nonzero B, as after training
+    save_adapter(tmp_path / "a", peft_weights({k: v for k, v in peft_model.state_dict().items() if "lora_" in k}),
+                 4, 8, 1)
+    reference = peft_model.merge_and_unload().eval()  # fp32
+    served = build_tiny_model(0).to(torch.bfloat16)
+    adapter = AdapterSet(served).load(adapter_name("run-1", tmp_path / "a"), tmp_path / "a")
+    assert {t.dtype for ab in adapter.weights.values() for t in ab} == {torch.bfloat16}
+    ids = torch.tensor([[5, 17, 300, 42, 7, 99, 1000, 23, 8, 64, 12, 77]])
+    with torch.no_grad():
+        base = torch.log_softmax(served(ids).logits.float(), -1)
+        with rows([adapter], torch.device("cpu")):
+            adapted = torch.log_softmax(served(ids).logits.float(), -1)
+        expected = torch.log_softmax(reference(ids).logits, -1)
+    err, moved = (adapted - expected).abs().mean().item(), (base - expected).abs().mean().item()
+    print(f"bf16 engine + adapter vs fp32 merged reference: {err:.3e} (base model: {moved:.3e})")
+    assert adapted.dtype == torch.float32
+    assert err < 0.1 * moved  # the update is applied; what is left is bf16 rounding
