@@ -74,8 +74,10 @@ def run_future(self, future_id: int) -> str:
             return "skipped"
         op, payload, attempt, model_id = claimed.op, dict(claimed.payload), claimed.attempts, claimed.model_id
     stop = _renew_lease(future_id, attempt)
+    start = time.perf_counter()
     try:
         result = execute(future_id, op, model_id, payload)
+        log.info("tinker future %s (%s): %.3f s on the trainer", future_id, op, time.perf_counter() - start)
     except Exception as exc:  # noqa: BLE001 - every failure ends the future, with its category
         from app.training.tinker_ops import LossInputError, drop
 
