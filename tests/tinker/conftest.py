@@ -20,9 +20,11 @@ KEYS = {"alice": {"max_models": 3}, "bob": {}}
 
 
 @pytest.fixture
-def tinker_redis():
-    """Redis DB `REDIS_DB`, flushed before and after (the broker of the ops' messages)."""
-    client = redis.Redis.from_url(f"{REDIS_BASE}/{REDIS_DB}")
+def tinker_redis(request):
+    """The broker of the ops' messages, flushed before and after: Redis DB `REDIS_DB`, or the test
+    module's own `TINKER_REDIS_DB` (so two test files running side by side, each with workers,
+    never take each other's messages)."""
+    client = redis.Redis.from_url(f"{REDIS_BASE}/{getattr(request.module, 'TINKER_REDIS_DB', REDIS_DB)}")
     client.flushdb()
     yield client
     client.flushdb()
@@ -33,7 +35,7 @@ def tinker_redis():
 def tinker_env(database, tinker_redis, monkeypatch):
     """The settings of the service and of this process: the two keys, this area's Redis DB."""
     monkeypatch.setenv("TURNSTILE_TINKER_KEYS", json.dumps(KEYS))
-    monkeypatch.setenv("REDIS_URL", f"{REDIS_BASE}/{REDIS_DB}")
+    monkeypatch.setenv("REDIS_URL", f"{REDIS_BASE}/{tinker_redis.connection_pool.connection_kwargs['db']}")
     monkeypatch.setenv("TURNSTILE_TINKER_WORKERS", "1")
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
     monkeypatch.setenv("TINKER_TELEMETRY", "0")

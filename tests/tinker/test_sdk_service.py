@@ -20,6 +20,7 @@ from app.db import session_scope
 from app.tables import Run, TinkerFuture, TinkerModel
 from support import wait_for
 
+TINKER_REDIS_DB = 8  # its own broker DB: the end-to-end tests' workers (DB 12) must not take its messages
 SDK_HEADERS = {"X-Stainless-Package-Version": tinker.__version__, "Content-Type": "application/json"}
 
 
@@ -274,3 +275,28 @@ def test_sample_goes_to_the_rollout_queue_and_comes_back_as_protobuf(tinker_url,
         [("length", [7, 8], [-0.5, -1.5]), ("stop", [9], [-0.25])]
     assert [q.sequence_id for q in out.sequences] == [f"{row.request_id}:0", f"{row.request_id}:1"]
     assert out.prompt_logprobs == [None, -2.0, -3.0]
+
+
+def test_pending_until_the_real_gpu_worker_runs_it(tinker_url, key, spawn):
+    """The future waits (try_again) while no gpu worker serves the queue, and is done once one
+    starts: the real worker (workers.gpu_worker) computes it on the tiny model's LoRA tenant."""
+    import sys
+
+    tc = _client(tinker_url, key("alice")).create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    future = tc.forward_backward([_datum([5, 6, 7, 8])], "cross_entropy")
+    (row,) = wait_for(lambda: _futures(op="forward_backward"), 30, what="the forward_backward future")
+    with pytest.raises(TimeoutError):
+        future.result(timeout=3)
+    assert _futures(op="forward_backward")[0].status == "pending"
+    gpu = spawn([sys.executable, "-m", "workers.gpu_worker", "--loglevel", "INFO", "-n", f"gpu-{uuid.uuid4().hex[:6]}@%h"],
+                name="gpu")
+    out = future.result(timeout=180)
+    loss = [v for k, v in out.metrics.items() if k.startswith("loss")]
+    assert loss and loss[0] > 0, (out.metrics, gpu.output()[-2000:])
+    logprobs = out.loss_fn_outputs[0]["logprobs"].tolist()
+    assert len(logprobs) == 3 and all(lp < 0 for lp in logprobs)
+    step = tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=120)
+    assert step is not None
+    rows = _futures()
+    assert [(r.op, r.status, r.attempts) for r in rows if r.op != "create_model"] == \
+        [("forward_backward", "completed", 1), ("optim_step", "completed", 1)]
