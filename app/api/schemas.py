@@ -65,7 +65,7 @@ class Trainer(_Out):
 
 
 class Run(_Out):
-    """A run: train, eval or collect."""
+    """A run: train, eval or collect, or a Tinker model (kind tinker)."""
 
     id: int
     kind: Literal[RUN_KINDS]  # type: ignore[valid-type]
@@ -89,6 +89,10 @@ class Run(_Out):
     steps: list[Step] | None = Field(None, description="training steps (`GET /api/runs/{run_id}` only)")
     trainer: Trainer | None = Field(None, description="train runs, `GET /api/runs/{run_id}` only: what the "
                                                       "trainer does now")
+    tinker: dict[str, Any] | None = Field(
+        None, description="kind tinker, `GET /api/runs/{run_id}` only: the Tinker model (model_id, base_model, "
+                          "lora_rank, key), its optimizer steps, the loss of each forward_backward, its sampler and "
+                          "state checkpoints and futures by status (app.control.tinker_progress)")
     waiting: str | None = Field(None, description="set while a queued (or cancelling) run has waited longer than a "
                                                   "lease plus a watchdog period for a control worker: what is "
                                                   "missing and how long it has waited")
