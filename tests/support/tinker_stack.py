@@ -9,8 +9,13 @@ import os
 import sys
 from dataclasses import dataclass
 
-from support import celery_worker_args, free_port, wait_for
+from support import REDIS_BASE, celery_worker_args, free_port, wait_for
 from support.engine_process import EngineProcess
+
+
+# The stack's own broker DB: tests of the service alone flush theirs (DB 12) when they start and
+# end, which deleted this stack's queued messages when both ran at once (a future stayed pending).
+STACK_REDIS_DB = 4
 
 
 @dataclass
@@ -31,7 +36,12 @@ def start_stack(request, spawn, monkeypatch, model: str = "tiny", keys: dict | N
     """Start the engine, then the service and the workers pointed at it (module docstring)."""
     from app import config
 
-    request.getfixturevalue("tinker_env")  # its settings first: `keys` replace its key list
+    import redis
+
+    request.getfixturevalue("tinker_env")  # its settings first: `keys` and the broker replace its own
+    broker = f"{REDIS_BASE}/{STACK_REDIS_DB}"
+    redis.Redis.from_url(broker).flushdb()
+    monkeypatch.setenv("REDIS_URL", broker)
     engine = EngineProcess(model)
     request.addfinalizer(engine.stop)
     monkeypatch.setenv("TURNSTILE_ENGINE_URLS", engine.url)

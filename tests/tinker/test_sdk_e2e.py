@@ -1,9 +1,10 @@
 """The unmodified tinker SDK (0.38.0) against a whole Turnstile stack on CPU: the Tinker service,
 the gpu worker (trainer ops on the model's LoRA tenant), a rollout worker (sampling) and the
 embedded engine on the tiny model.  Every primitive through the SDK's own clients and futures:
-forward, forward_backward + optim_step (the loss falls), sample with logprobs from a sampler the
-trainer exported (its logprobs equal the trainer's forward of the same tokens), a named sampler
-checkpoint sampled from a second client, save_state / load_state (bit-equal forward after), the
+forward, forward_backward + optim_step (the loss falls), sample with logprobs and compute_logprobs from a
+sampler the trainer exported (its logprobs equal the trainer's forward of the same tokens), a named sampler
+checkpoint sampled from a second client, save_state / load_state (bit-equal forward after), a
+client-side custom loss, the
 SDK's retry of a request the key's quota refused (429), and one key kept from another's sampler."""
 from __future__ import annotations
 
@@ -70,6 +71,8 @@ def test_every_primitive_through_the_sdk(stack, key, caplog):
     scored = tc.forward([_datum(PROMPT + seq.tokens)], "cross_entropy").result(timeout=300)
     assert _logprobs(scored)[len(PROMPT) - 1:] == pytest.approx(seq.logprobs, abs=2e-3)
     assert _logprobs(scored)[:len(PROMPT) - 1] == pytest.approx(drawn.prompt_logprobs[1:], abs=2e-3)
+    scored_prompt = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result(timeout=300)
+    assert scored_prompt[0] is None and scored_prompt[1:] == pytest.approx(drawn.prompt_logprobs[1:], abs=1e-6)
 
     # a named sampler checkpoint, sampled from a client of its own (greedy: the same weights agree)
     path = tc.save_weights_for_sampler("after-3").result(timeout=300).path
@@ -87,6 +90,11 @@ def test_every_primitive_through_the_sdk(stack, key, caplog):
     assert _logprobs(tc.forward(batch, "cross_entropy").result(timeout=300)) != at_save
     tc.load_state_with_optimizer(state).result(timeout=300)
     assert _logprobs(tc.forward(batch, "cross_entropy").result(timeout=300)) == at_save
+
+    # a client-side custom loss (the SDK sends a cross_entropy surrogate): -sum(logprobs) is the CE loss
+    custom = tc.forward_backward_custom(batch, lambda data, lps: (sum(-lp.sum() for lp in lps), {}))
+    ce = _loss(tc.forward(batch, "cross_entropy").result(timeout=300))
+    assert _loss(custom.result(timeout=300)) == pytest.approx(ce, rel=1e-5)
 
     # five samples at once against max_inflight 1: the 429s are retried by the SDK, all five land
     caplog.set_level(logging.INFO, logger="httpx")  # httpx logs every response's status line
