@@ -172,26 +172,46 @@ def parse_weights_path(path: str) -> tuple[str, str]:
 
 
 def _tenant(future_id: int, model_id: str):
-    """(pool, state, run id): the model's tenant, restored and replayed when it was not resident."""
+    """(pool, state, run id): the model's tenant, restored and replayed unless the resident one
+    holds exactly what SQL says it should: the state after the last completed optim_step /
+    load_weights, plus the gradients of the forward_backward futures completed since (another
+    gpu worker may have run some of them)."""
     from app.training import tinker_ops
 
     run_id, spec, training = _model(model_id)
     pool, state, fresh = tinker_ops.tenant(run_id, spec, training)
+    applied, since = _expected(model_id, future_id, state.applied_through if fresh else None)
+    if not fresh and (state.applied_through != applied or state.grad_futures != [i for i, _ in since]):
+        tinker_ops.drop(run_id)  # stale: the model moved on elsewhere
+        pool, state, fresh = tinker_ops.tenant(run_id, spec, training)
     if fresh:
         path = state_path(run_id)
         if path.is_file():
             state.applied_through = int(tinker_ops.load_state(pool, state, path).get("applied_through", 0))
-        with session_scope() as s:
-            replay = s.execute(select(TinkerFuture.id, TinkerFuture.payload).where(
-                TinkerFuture.model_id == model_id, TinkerFuture.op == "forward_backward",
-                TinkerFuture.status == "completed", TinkerFuture.id > state.applied_through,
-                TinkerFuture.id < future_id).order_by(TinkerFuture.id)).all()
-        for replayed_id, payload in replay:
+        _, since = _expected(model_id, future_id, state.applied_through)
+        for replayed_id, payload in since:
             tinker_ops.forward_backward(pool, state, payload)
-        if replay:
+            state.grad_futures.append(replayed_id)
+        if since:
             log.info("tinker model %s: replayed %d forward_backward futures after restoring its state",
-                     model_id, len(replay))
+                     model_id, len(since))
     return pool, state, run_id
+
+
+def _expected(model_id: str, future_id: int, after: int | None) -> tuple[int, list[tuple[int, dict]]]:
+    """(id of the last completed optim_step / load_weights before `future_id`, 0 if none;
+    [(id, payload)] of the forward_backward futures completed after it, or after `after` when
+    given, and before `future_id`, in order)."""
+    with session_scope() as s:
+        applied = s.scalar(select(TinkerFuture.id).where(
+            TinkerFuture.model_id == model_id, TinkerFuture.op.in_(("optim_step", "load_weights")),
+            TinkerFuture.status == "completed", TinkerFuture.id < future_id)
+            .order_by(TinkerFuture.id.desc()).limit(1)) or 0
+        since = s.execute(select(TinkerFuture.id, TinkerFuture.payload).where(
+            TinkerFuture.model_id == model_id, TinkerFuture.op == "forward_backward",
+            TinkerFuture.status == "completed", TinkerFuture.id > (applied if after is None else after),
+            TinkerFuture.id < future_id).order_by(TinkerFuture.id)).all()
+    return applied, [(i, p) for i, p in since]
 
 
 def _persist(pool, state, run_id: int, future_id: int, result: dict) -> None:
@@ -213,6 +233,8 @@ def execute(future_id: int, op: str, model_id: str | None, payload: dict[str, An
     pool, state, run_id = _tenant(future_id, model_id)
     if op in ("forward", "forward_backward"):
         result = tinker_ops.forward_backward(pool, state, payload, backward=op == "forward_backward")
+        if op == "forward_backward":
+            state.grad_futures.append(future_id)
         _test_delay(op)
         return result
     if op == "optim_step":

@@ -29,7 +29,7 @@ from __future__ import annotations
 import gc
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ class TinkerState:
     grads: dict[str, torch.Tensor] | None = None  # accumulated since the last optim_step, by parameter name
     optim_steps: int = 0                           # optim_steps applied to the adapter
     applied_through: int = 0                       # id of the last future whose effect is persisted
+    grad_futures: list[int] = field(default_factory=list)  # the caller's ids of the requests in `grads`
 
 
 @dataclass
@@ -250,6 +251,7 @@ def optim_step(pool: TenantPool, state: TinkerState, payload: dict[str, Any]) ->
     for p in params:
         p.grad = None
     state.grads = None
+    state.grad_futures = []
     state.optim_steps += 1
     return {"metrics": {"grad_norm": grad_norm, "optim_step": float(state.optim_steps),
                         "learning_rate": adam["learning_rate"]}}
@@ -306,6 +308,7 @@ def load_state(pool: TenantPool, state: TinkerState, path: Path, optimizer: bool
                 opt_state[p] = {k: v.clone() if k == "step" or not torch.is_tensor(v) else v.to(p.device).clone()
                                 for k, v in saved.items()}
     state.grads = None
+    state.grad_futures = []
     state.optim_steps = int(blob["optim_steps"]) if optimizer else 0
     return dict(blob.get("meta") or {})
 

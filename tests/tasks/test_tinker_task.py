@@ -3,7 +3,8 @@
 In-process: each op's result equals the same op by app.training.tinker_ops on a pool of its own
 (bit-equal: same process, same threads); a lost tenant (a fresh worker process) is restored
 from its persisted state and the forward_backward futures since then are replayed, so the
-optim_step after the loss equals one that never lost anything; an optim_step whose worker died
+optim_step after the loss equals one that never lost anything; a tenant another worker moved on
+from is restored the same way; an optim_step whose worker died
 after persisting finishes with its stored result and steps once; bad input fails the future
 as the caller's error.  Real worker: a `celery worker -Q gpu` SIGKILLed in the middle of a
 forward_backward (a test-only delay after the gradients, before completion), restarted: the
@@ -171,6 +172,29 @@ def test_lost_tenant_is_restored_and_its_gradients_replayed(var, one_thread):
     assert all(torch.equal(saved_adapter(run_id_of(model))[n], t) for n, t in direct.adapter().items())
     with session_scope() as s:
         assert set(s.scalars(select(TinkerFuture.attempts).where(TinkerFuture.model_id == model))) == {1}
+
+
+def test_a_stale_tenant_of_another_worker_is_restored(var, one_thread):
+    """Two gpu worker processes, each with its resident pool: worker A ran a forward_backward, then
+    worker B ran the next forward_backward and an optim_step.  A's tenant is stale; its next op
+    restores B's persisted state instead of stepping on its old gradients."""
+    from app.training import tinker_ops
+
+    model = make_model()
+    direct = Direct()
+    run(model, "forward_backward", batch(1))
+    worker_a = tinker_ops._RESIDENT.pool
+    tinker_ops._RESIDENT.pool = None  # worker B: a process of its own
+    run(model, "forward_backward", batch(2))
+    run(model, "optim_step", ADAM)
+    tinker_ops._RESIDENT.pool = worker_a  # back on worker A
+    run(model, "forward_backward", batch(3))
+    got = run(model, "optim_step", ADAM)
+    for op, payload in [("forward_backward", batch(1)), ("forward_backward", batch(2)), ("optim_step", ADAM),
+                        ("forward_backward", batch(3))]:
+        direct(op, payload)
+    assert got == direct("optim_step", ADAM)
+    assert all(torch.equal(saved_adapter(run_id_of(model))[n], t) for n, t in direct.adapter().items())
 
 
 def test_optim_step_killed_after_its_state_was_written_steps_once(var, one_thread):
