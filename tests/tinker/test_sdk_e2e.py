@@ -113,3 +113,28 @@ def test_every_primitive_through_the_sdk(stack, key, caplog):
     with pytest.raises(tinker.APIStatusError) as absent:
         bob.create_sampling_client(model_path=missing).result(60).sample(types.ModelInput.from_ints(PROMPT), 1, greedy).result(60)
     assert denied.value.status_code == absent.value.status_code == 404
+
+
+@pytest.fixture
+def smollm2_stack(request, spawn, monkeypatch):
+    return start_stack(request, spawn, monkeypatch, "smollm2")
+
+
+def test_smollm2_trains_and_samples_its_adapter(smollm2_stack, key):
+    """The packaged model once: a LoRA step on SmolLM2-135M-Instruct, then its exported sampler's
+    logprobs against the trainer's forward of the same tokens."""
+    sc = tinker.ServiceClient(base_url=smollm2_stack.url, api_key=key("alice"))
+    tc = sc.create_lora_training_client(base_model="smollm2", rank=8, seed=0).result(timeout=300)
+    tokens = tc.get_tokenizer().encode("The capital of France is Paris. The capital of Italy is Rome.")
+    batch = [_datum(tokens)]
+    first = tc.forward_backward(batch, "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=600)
+    second = tc.forward_backward(batch, "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=600)
+    assert _loss(second.result(timeout=600)) < _loss(first.result(timeout=600))
+    sampler = tc.save_weights_and_get_sampling_client().result(timeout=600)
+    prompt = tokens[:6]
+    seq = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=8, seed=3)
+                         ).result(timeout=600).sequences[0]
+    scored = _logprobs(tc.forward([_datum(prompt + seq.tokens)], "cross_entropy").result(timeout=600))
+    assert scored[len(prompt) - 1:] == pytest.approx(seq.logprobs, abs=2e-3)
