@@ -69,8 +69,9 @@ def check_inputs(loss_fn: str, inputs: dict[str, torch.Tensor], n: int, where: s
     missing = [k for k in required if k not in inputs]
     extra = sorted(set(inputs) - set(required) - set(optional))
     if missing or extra:
+        problems = ([f"missing {missing}"] if missing else []) + ([f"unexpected {extra}"] if extra else [])
         raise LossInputError(f"{where}: {loss_fn} reads loss_fn_inputs {list(required + optional)}; "
-                             f"missing {missing}, unexpected {extra}")
+                             f"{', '.join(problems)}")
     for name, tensor in inputs.items():
         if tensor.numel() != n:
             raise LossInputError(f"{where}: loss_fn_inputs[{name!r}] has {tensor.numel()} values for {n} input tokens "
