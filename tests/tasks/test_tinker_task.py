@@ -6,7 +6,7 @@ from its persisted state and the forward_backward futures since then are replaye
 optim_step after the loss equals one that never lost anything; a tenant another worker moved on
 from is restored the same way; an optim_step whose worker died
 after persisting finishes with its stored result and steps once; bad input fails the future
-as the caller's error.  Real worker: a `celery worker -Q gpu` SIGKILLed in the middle of a
+as the caller's error; a model's ops run in their futures' order.  Real worker: a `celery worker -Q gpu` SIGKILLed in the middle of a
 forward_backward (a test-only delay after the gradients, before completion), restarted: the
 future completes once (2 claims), and the optim_step after it applies the gradients once.
 """
@@ -268,3 +268,19 @@ def test_sigkill_mid_forward_backward_applies_once(var, redis_db, spawn, databas
     adapter = saved_adapter(run_id_of(model))
     for name, tensor in direct.adapter().items():
         torch.testing.assert_close(adapter[name], tensor, rtol=1e-6, atol=1e-8)
+
+
+def test_a_model_runs_its_ops_in_order(var, one_thread):
+    """A future whose earlier sibling of the same model is unfinished is retried, not run."""
+    from celery.exceptions import Retry
+
+    from app.tasks.tinker import run_future
+
+    model = make_model()
+    first = submit(model, "forward_backward", batch(1))
+    second = submit(model, "optim_step", ADAM)
+    with pytest.raises(Retry):
+        run_future(second)
+    assert row(second).status == "pending" and row(second).attempts == 0
+    assert run_future(first) == "completed" and run_future(second) == "completed"
+    assert row(second).result["metrics"]["grad_norm"] > 0  # the step saw the first op's gradients
