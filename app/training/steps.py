@@ -43,6 +43,7 @@ from app.training import checkpoints, opd
 from app.runconfig import TrainingConfig
 from app.training.batching import StepSequence
 from app.training.grpo import group_advantages
+from app.training.replay_routes import NO_ROUTES, trajectory_routes
 from app.training.store import build_episode_trajectories, trajectory_transform
 from app.training.tracking import log_scalars
 from app.training.weight_sync import ensure_weights, push_adapter, push_weights, pushes_to
@@ -332,26 +333,6 @@ def token_lags(row, policy_version: int | None) -> list[int] | None:
         for i, v in enumerate(versions.expand(runs, end - start, version)):
             lags[start + i] = max(0, policy_version - v) if v is not None else 0
     return lags
-
-
-NO_ROUTES = "no routed experts"  # merge.rejected_reasons: a chain left out of a routing-replay step
-
-
-def trajectory_routes(row):
-    """The chain routes of Trajectory `row`, int16 numpy [T, layers, top_k] (-1 at the last token),
-    or None when it was recorded without them (a dense model, or an engine that returned none).
-    Raises ValueError when the bytes do not fit `meta.route_shape` or the token count."""
-    if row.routed_experts is None:
-        return None
-    from app.engines.routing import decode_routes  # numpy and torch: the trainer's process only
-
-    shape = (row.meta or {}).get("route_shape")
-    if not shape or len(shape) != 2:
-        raise ValueError(f"trajectory {row.id}: routed_experts stored without meta.route_shape [layers, top_k]")
-    routes = decode_routes(row.routed_experts, int(shape[0]), int(shape[1]))
-    if len(routes) != len(row.token_ids):
-        raise ValueError(f"trajectory {row.id}: routes of {len(routes)} tokens for {len(row.token_ids)} tokens")
-    return routes
 
 
 def step_sequences(run_id: int, episode_ids: list[int], config: TrainingConfig, vocab_size: int,
