@@ -244,7 +244,7 @@ class Completion(Base):
     older than its sampling version only after a `keep` update without KV recompute.
     Encoding and decoding: `app.versions`.
     `routed_experts` (MoE policies only, else None): the engine's chosen expert ids of the
-    prompt and every sampled token but the last, `app.engines.routing.encode_routes` bytes
+    prompt and every sampled token but the last, `app.engines.route_bytes.to_bytes` bytes
     (int16 LE, `[P + S - 1, layers, top_k]`); `route_shape` is `[layers, top_k]`.
     """
 
@@ -300,7 +300,7 @@ class Trajectory(Base):
     `token_ids` int32 [T]; `loss_mask` uint8 [T] (1 = sampled by the policy);
     `logprobs` float32 [T] (rollout logprob where mask is 1, 0.0 elsewhere).
     `routed_experts` (MoE policies only, else None): the chain's expert ids int16
-    `[T, layers, top_k]` as `app.engines.routing.encode_routes` bytes, -1 at the last token;
+    `[T, layers, top_k]` as `app.engines.route_bytes.to_bytes` bytes, -1 at the last token;
     the shape `[layers, top_k]` is `meta["route_shape"]`.
     """
 

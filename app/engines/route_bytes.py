@@ -4,9 +4,9 @@ An MoE engine asked for ``return_routed_experts`` answers with ``routed_experts`
 ``[tokens][layers][top_k]`` of expert ids for the prompt and every sampled token but the last
 (the embedded engine's field; ``app.engines.routed`` rewrites vLLM's answer to it).  The gateway
 and trajectory building hold them as int16 numpy arrays ``[tokens, layers, top_k]`` and store
-them as little-endian int16 bytes, ``2 * layers * top_k`` bytes per token: the same bytes as
-``app.engines.routing.encode_routes`` / ``decode_routes`` (tested), which live beside torch's
-hooks; the gateway and the trajectory builders import this module and never torch.
+them as little-endian int16 bytes, ``2 * layers * top_k`` bytes per token.  This is the one
+codec (``app.engines.routing.encode_routes`` / ``decode_routes`` are its names beside torch's
+hooks); the gateway and the trajectory builders import this module and never torch.
 A row of ``UNROUTED`` (-1) stands for a token that ran through no forward whose output is
 scored: a chain's last token.
 """

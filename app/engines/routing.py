@@ -28,7 +28,9 @@ import numpy as np
 import torch
 from torch import nn
 
-ROUTE_DTYPE = np.int16
+from app.engines import route_bytes
+
+ROUTE_DTYPE = route_bytes.ROUTE_DTYPE
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
@@ -199,21 +201,9 @@ def check_routes(routes: np.ndarray | None, tokens: int, shape: tuple[int, int, 
             raise ValueError(f"{name}: duplicate expert in a token's top-{top_k}")
 
 
-def encode_routes(routes: np.ndarray) -> bytes:
-    """Little-endian int16 bytes of ``[tokens, layers, top_k]`` routes (``2*layers*top_k`` B/token)."""
-    return np.ascontiguousarray(routes, dtype="<i2").tobytes()
-
-
-def decode_routes(data: bytes, layers: int, top_k: int) -> np.ndarray:
-    """Inverse of ``encode_routes``: ``[tokens, layers, top_k]`` int16.
-
-    Raises:
-        ValueError: ``len(data)`` is not a whole number of tokens.
-    """
-    per_token = 2 * layers * top_k
-    if len(data) % per_token:
-        raise ValueError(f"routes bytes {len(data)} not a multiple of {per_token} per token")
-    return np.frombuffer(data, dtype="<i2").reshape(-1, layers, top_k).astype(ROUTE_DTYPE)
+# The stored bytes have one codec, torch-free, shared with the gateway and trajectory building.
+encode_routes = route_bytes.to_bytes
+decode_routes = route_bytes.from_bytes
 
 
 def concat_routes(parts: list[np.ndarray]) -> np.ndarray:

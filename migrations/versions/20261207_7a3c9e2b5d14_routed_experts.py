@@ -1,7 +1,7 @@
 """routed experts of MoE completions and trajectories
 
 `completions.routed_experts`: the MoE engine's chosen expert ids of the completion's prompt and
-every sampled token but the last, `app.engines.routing.encode_routes` bytes (little-endian
+every sampled token but the last, `app.engines.route_bytes.to_bytes` bytes (little-endian
 int16, row-major `[P + S - 1, layers, top_k]`, `2 * layers * top_k` bytes per token);
 `completions.route_shape` the `[layers, top_k]` that decodes them.
 `trajectories.routed_experts`: the chain's routes `[T, layers, top_k]` in the same encoding
