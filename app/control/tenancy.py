@@ -93,12 +93,17 @@ def engine_problems(cfg: RunConfig, exclude_run: int | None = None) -> list[tupl
     return out
 
 
+def _kinds(kind: str) -> tuple[str, ...]:
+    """A Tinker model's run is a LoRA tenant as a LoRA train run is: it shares the engines as one."""
+    return ("train", "tinker") if kind == "train" else (kind,)
+
+
 def _users(cfg: RunConfig, kind: str, exclude_run: int | None) -> list[tuple[int, RunConfig]]:
     """(id, config) of the active real runs of `kind` whose engines overlap `cfg`'s, oldest first."""
     mine = _engines(cfg)
     with session_scope() as s:
         rows = [(r.id, r.run_config()) for r in s.scalars(
-            select(Run).where(Run.status.in_(ACTIVE_STATES), Run.kind == kind).order_by(Run.id))
+            select(Run).where(Run.status.in_(ACTIVE_STATES), Run.kind.in_(_kinds(kind))).order_by(Run.id))
             if r.id != exclude_run]
     return [(rid, other) for rid, other in rows
             if other.simulate is None and (mine == _engines(other) or mine & _engines(other))]

@@ -84,15 +84,19 @@ def _watchdog_pass() -> dict:
 
 def _reap_tinker_futures() -> dict:
     """Tinker futures whose worker was lost are sent once more, then failed; those no worker started
-    within `tinker_pending_timeout_s` are failed (`app.control.tinker_futures.reap`)."""
-    from app.control import tinker_futures
+    within `tinker_pending_timeout_s` are failed (`app.control.tinker_futures.reap`); the runs of
+    models whose client went away end (`app.control.tinker_models.finish_idle`)."""
+    from app.control import tinker_futures, tinker_models
     from app.tasks.send import send_tinker_future
 
+    settings = get_settings()
     with session_scope() as s:
-        reaped = tinker_futures.reap(s, utcnow(), pending_timeout_s=get_settings().tinker_pending_timeout_s)
+        reaped = tinker_futures.reap(s, utcnow(), pending_timeout_s=settings.tinker_pending_timeout_s)
     for future_id, op in reaped.resend:
         send_tinker_future(future_id, op)
-    return {"resent": [fid for fid, _ in reaped.resend], "failed": reaped.failed}
+    with session_scope() as s:  # models whose client is gone: their runs end
+        finished = tinker_models.finish_idle(s, utcnow(), session_timeout_s=settings.tinker_session_timeout_s)
+    return {"resent": [fid for fid, _ in reaped.resend], "failed": reaped.failed, "models_finished": finished}
 
 
 @shared_task(name="control.step_failed")

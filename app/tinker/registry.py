@@ -134,11 +134,18 @@ def _targets(train_attn: bool, train_mlp: bool) -> list[str]:
     return attn + mlp
 
 
-def model_of(s: Session, key_name: str, model_id: str) -> TinkerModel:
-    """Model `model_id` of `key_name`; 404 otherwise (another key's model reads as missing)."""
+def model_of(s: Session, key_name: str, model_id: str, *, active: bool = False) -> TinkerModel:
+    """Model `model_id` of `key_name`; 404 otherwise (another key's model reads as missing).
+    `active`: 400 when its run has ended (its client's session went silent, app.control.tinker_models)."""
     row = s.get(TinkerModel, model_id)
     if row is None or row.key_name != key_name:
         raise TinkerError(404, f"no model {model_id!r} for this key")
+    if active:
+        status = s.scalar(select(Run.status).where(Run.id == row.run_id))
+        if status not in ACTIVE_RUN_STATES:
+            raise TinkerError(400, f"model {model_id!r} has ended (its run {row.run_id} is {status}: its client's "
+                                   "session stopped heartbeating): create a new LoRA training client and "
+                                   "load_state(path) from one of its saved states")
     return row
 
 

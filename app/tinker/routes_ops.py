@@ -62,7 +62,7 @@ def submit(op: str, *, model_id: str | None, payload: dict[str, Any], seq_id: in
     request_id = idempotency_key() or str(uuid.uuid4())
     with session_scope() as s:
         if model_id is not None:
-            registry.model_of(s, g.key_name, model_id)
+            registry.model_of(s, g.key_name, model_id, active=op != "sample")
         new = tinker_futures.get(s, request_id) is None
         if new:
             registry.check_inflight(s, g.key_name)

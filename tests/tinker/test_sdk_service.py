@@ -5,6 +5,7 @@ tests the service (routes, wire formats, auth, quotas, futures), not the trainer
 """
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 import uuid
@@ -300,3 +301,18 @@ def test_pending_until_the_real_gpu_worker_runs_it(tinker_url, key, spawn):
     rows = _futures()
     assert [(r.op, r.status, r.attempts) for r in rows if r.op != "create_model"] == \
         [("forward_backward", "completed", 1), ("optim_step", "completed", 1)]
+
+
+def test_an_ended_model_refuses_new_ops(tinker_url, key):
+    from app.control import tinker_models
+    from app.tables import TinkerSession, utcnow
+
+    tc = _client(tinker_url, key("alice")).create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    model_id = tc.get_info().model_id
+    with session_scope() as s:  # as if the client had gone away an hour ago (one transaction: no heartbeat between)
+        model = s.get(TinkerModel, model_id)
+        s.get(TinkerSession, model.session_id).heartbeat_at = utcnow() - dt.timedelta(hours=1)
+        s.flush()
+        assert tinker_models.finish_idle(s, utcnow(), session_timeout_s=120) == [model.run_id]
+    with pytest.raises(tinker.BadRequestError, match=f"model '{model_id}' has ended"):
+        tc.optim_step(types.AdamParams(learning_rate=1e-4)).result(timeout=60)
