@@ -316,3 +316,22 @@ def test_an_ended_model_refuses_new_ops(tinker_url, key):
         assert tinker_models.finish_idle(s, utcnow(), session_timeout_s=120) == [model.run_id]
     with pytest.raises(tinker.BadRequestError, match=f"model '{model_id}' has ended"):
         tc.optim_step(types.AdamParams(learning_rate=1e-4)).result(timeout=60)
+
+
+def test_retrieve_futures_lists_a_sampling_sessions_finished_requests(tinker_url, key):
+    sampler = _client(tinker_url, key("alice")).create_sampling_client(base_model="tiny").result(timeout=60)
+    sampler.sample(prompt=types.ModelInput.from_ints([1, 2]), num_samples=1,
+                   sampling_params=types.SamplingParams(max_tokens=1))
+    (row,) = wait_for(lambda: _futures(op="sample"), 30, what="the sample future")
+    headers = {**SDK_HEADERS, "X-API-Key": key("alice")}
+    target = {"type": "sampling_session", "sampling_session_id": row.sampling_session_id}
+    poll = lambda seen: httpx.post(f"{tinker_url}/api/v1/retrieve_futures", headers=headers,  # noqa: E731
+                                   json={"target": target, "retrieved_request_ids": seen}).json()
+    assert poll([])["completions"] == []
+    with session_scope() as s:
+        tinker_futures.fail(s, row.id, {"error": "engine gone", "category": "Server"})
+    assert poll([])["completions"] == [{"state": "failed", "request_id": row.request_id}]
+    assert poll([row.request_id])["completions"] == []
+    other = httpx.post(f"{tinker_url}/api/v1/retrieve_futures", json={"target": target},
+                       headers={**SDK_HEADERS, "X-API-Key": key("bob")})
+    assert other.status_code == 404
