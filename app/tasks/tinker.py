@@ -71,6 +71,11 @@ def run_future(self, future_id: int) -> str:
             raise self.retry(countdown=ORDER_RETRY_S)
         claimed = tinker_futures.claim(s, future_id, lease_s=lease_s())
         if claimed is None:
+            again = s.get(TinkerFuture, future_id, populate_existing=True)
+            if again is not None and again.status == "running" and again.attempts < tinker_futures.MAX_ATTEMPTS:
+                # Running under a live lease: its worker may be the one that just died (a message
+                # redelivered at once on restart); look again once that lease can have expired.
+                raise self.retry(countdown=lease_s() / 2)
             return "skipped"
         op, payload, attempt, model_id = claimed.op, dict(claimed.payload), claimed.attempts, claimed.model_id
     stop = _renew_lease(future_id, attempt)

@@ -26,7 +26,7 @@ from app.runconfig import RunConfig
 from app.tables import Run, TinkerFuture, TinkerModel, TinkerSession
 from support import REDIS_BASE, celery_worker_args, wait_for
 
-REDIS_DB = 10  # the broker of this process's Celery app (tests/conftest.py), which sends the messages
+REDIS_DB = 14  # a broker database of this module's own: other tests' gpu messages stay off it
 VOCAB = 49152  # the tiny spec's (SmolLM2's) vocabulary
 ADAM = {"adam_params": {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12}}
 
@@ -237,9 +237,14 @@ def test_bad_request_fails_the_future_as_the_callers_error(var, one_thread):
 
 
 def test_sigkill_mid_forward_backward_applies_once(var, redis_db, spawn, database, one_thread):
-    from app.tasks.send import send_tinker_future
+    from app.celery import app as celery_app
+    from app.tasks.send import TINKER_GPU_TASK
 
     redis_url = f"{REDIS_BASE}/{REDIS_DB}"
+
+    def send_tinker_future(future_id: int, op: str) -> None:  # send.py's message, on this module's broker
+        with celery_app.connection_for_write(redis_url) as connection:
+            celery_app.send_task(TINKER_GPU_TASK, args=[future_id], queue="gpu", connection=connection)
     env = {"DATABASE_URL": database, "REDIS_URL": redis_url, "TURNSTILE_VISIBILITY_TIMEOUT": "6",
            "TURNSTILE_TINKER_LEASE_S": "3", "TURNSTILE_VAR_DIR": str(var), "TURNSTILE_TRAINER_THREADS": "1"}
     model = make_model()
