@@ -18,6 +18,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.config import get_settings
+from app.control.runs import claim_run_dir
 from app.runconfig import RunConfig
 from app.tables import Run, TinkerFuture, TinkerModel, TinkerSamplingSession, TinkerSession, utcnow
 from app.tinker.http import TinkerError
@@ -105,6 +106,10 @@ def create_model(s: Session, key_name: str, *, session_id: str, seq_id: int, bas
                                   "user_metadata": dict(user_metadata or {})}})
     s.add(run)
     s.flush()
+    s.refresh(run)  # created_at as the database returns it, as a train run's start reads it
+    # Run ids restart at 1 in a new or wiped database: a `runs/<id>/` folder left by another
+    # database's run of this id (its tinker/current.pt, checkpoints) must not become this model's.
+    claim_run_dir(run.id, run.created_at.isoformat())
     model = TinkerModel(id=f"tinker-{run.id}", run_id=run.id, session_id=session_id, seq_id=seq_id,
                         key_name=key_name, base_model=base_model, lora_rank=rank)
     s.add(model)

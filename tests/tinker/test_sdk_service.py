@@ -335,3 +335,24 @@ def test_retrieve_futures_lists_a_sampling_sessions_finished_requests(tinker_url
     other = httpx.post(f"{tinker_url}/api/v1/retrieve_futures", json={"target": target},
                        headers={**SDK_HEADERS, "X-API-Key": key("bob")})
     assert other.status_code == 404
+
+
+def test_a_new_model_sets_aside_a_run_folder_another_database_left(tinker_url, key):
+    """Run ids restart at 1 in every new database: a `runs/<id>/` holding another database's Tinker
+    state (here a current.pt of another LoRA shape) is moved aside, never restored into this model."""
+    from app.paths import RunPaths
+
+    with session_scope() as s:
+        next_id = (s.scalar(select(func.max(Run.id))) or 0) + 1
+    stale = RunPaths(next_id).root
+    (stale / "tinker").mkdir(parents=True, exist_ok=True)
+    (stale / "run.json").write_text('{"database": "sqlite:///elsewhere.db", "created_at": "2026-01-01T00:00:00"}')
+    (stale / "tinker" / "current.pt").write_bytes(b"another model's state")
+    tc = _client(tinker_url, key("alice")).create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    with session_scope() as s:
+        assert s.get(TinkerModel, tc.get_info().model_id).run_id == next_id
+    assert not (stale / "tinker" / "current.pt").exists()
+    assert '"database": "sqlite:///elsewhere.db"' not in (stale / "run.json").read_text()
+    # (earlier tests of this process may have set aside their own `runs/<id>/` folders too)
+    aside = [p / "tinker" / "current.pt" for p in stale.parent.glob(f"{next_id}.stale-*")]
+    assert [f.read_bytes() for f in aside if f.is_file()].count(b"another model's state") == 1
