@@ -24,6 +24,26 @@ from app.tables import Run, TinkerFuture, TinkerModel, TinkerSamplingSession, Ti
 from app.tinker.http import TinkerError
 
 ACTIVE_RUN_STATES = ("queued", "running", "cancelling")
+# Hugging Face ids of the built-in model specs: what a Tinker user names a base model by (Tinker's
+# own model lineup uses Hub ids, and tinker-cookbook loads the tokenizer by the same name).
+HUB_IDS = {"HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2"}
+
+
+def served_names() -> list[str]:
+    """Every base model name the service answers to: the specs in `tinker_base_models`, then the
+    Hub ids (`HUB_IDS`) of those among them."""
+    specs = get_settings().tinker_base_models
+    return [*specs, *(hub for hub, spec in HUB_IDS.items() if spec in specs)]
+
+
+def base_model_spec(name: str | None) -> str:
+    """The model spec the trainer and engines load for base model `name` (a spec of
+    `tinker_base_models` or its Hub id); 400 naming the supported names otherwise."""
+    spec = HUB_IDS.get(name, name) if isinstance(name, str) else None
+    if spec not in get_settings().tinker_base_models:
+        raise TinkerError(400, f"base model {name!r} is not served here; supported: "
+                               f"{', '.join(served_names())} (ServiceClient.get_server_capabilities)")
+    return spec
 
 
 def _quota(key_name: str):
@@ -61,17 +81,17 @@ def heartbeat(s: Session, key_name: str, session_id: str) -> None:
     session_of(s, key_name, session_id).heartbeat_at = utcnow()
 
 
-def check_model_choice(base_model: str, rank: int | None) -> None:
-    """400 naming the supported choices when `base_model` or the LoRA `rank` is not one of them."""
+def check_model_choice(base_model: str, rank: int | None) -> str:
+    """`base_model`'s model spec (`base_model_spec`); 400 naming the supported choices when
+    `base_model` or the LoRA `rank` is not one of them."""
     settings = get_settings()
-    if base_model not in settings.tinker_base_models:
-        raise TinkerError(400, f"base model {base_model!r} is not served here; supported: "
-                               f"{', '.join(settings.tinker_base_models)} (ServiceClient.get_server_capabilities)")
+    spec = base_model_spec(base_model)
     if rank is None:
         raise TinkerError(400, "this server trains LoRA adapters only: create_lora_training_client(base_model, rank)")
     if rank not in settings.tinker_lora_ranks:
         raise TinkerError(400, f"LoRA rank {rank} is not allowed here; choose one of "
                                f"{', '.join(map(str, settings.tinker_lora_ranks))} (TURNSTILE_TINKER_LORA_RANKS)")
+    return spec
 
 
 def create_model(s: Session, key_name: str, *, session_id: str, seq_id: int, base_model: str, rank: int,
@@ -85,7 +105,7 @@ def create_model(s: Session, key_name: str, *, session_id: str, seq_id: int, bas
                                                    TinkerModel.seq_id == seq_id)).first()
     if existing is not None:
         return existing
-    check_model_choice(base_model, rank)
+    base_model = check_model_choice(base_model, rank)
     active = s.scalar(select(func.count()).select_from(TinkerModel).join(Run, Run.id == TinkerModel.run_id)
                       .where(TinkerModel.key_name == key_name, Run.status.in_(ACTIVE_RUN_STATES)))
     limit = _quota(key_name).max_models
@@ -180,9 +200,8 @@ def create_sampling_session(s: Session, key_name: str, *, session_id: str, seq_i
         base_model = model_of(s, key_name, model_id).base_model
     elif not base_model:
         raise TinkerError(400, "create_sampling_client needs model_path (tinker://...) or base_model")
-    elif base_model not in get_settings().tinker_base_models:
-        raise TinkerError(400, f"base model {base_model!r} is not served here; supported: "
-                               f"{', '.join(get_settings().tinker_base_models)}")
+    else:
+        base_model = base_model_spec(base_model)
     row = TinkerSamplingSession(id=f"sampler-{uuid.uuid4()}", session_id=session_id, seq_id=seq_id,
                                 key_name=key_name, base_model=base_model, model_id=model_id, model_path=model_path)
     s.add(row)

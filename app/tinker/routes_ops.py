@@ -30,7 +30,6 @@ from sqlalchemy import select
 from tinker import types
 
 from app.control import tinker_futures
-from app.config import get_settings
 from app.db import session_scope
 from app.tables import TinkerFuture
 from app.tinker import registry, wire
@@ -167,8 +166,8 @@ def asample():
             model_id = sampler.model_id
         elif body.model_path:
             model_id = registry.model_of(s, g.key_name, registry.parse_model_path(body.model_path)).id
-        elif body.base_model not in (None, *get_settings().tinker_base_models):
-            raise TinkerError(400, f"base model {body.base_model!r} is not served here")
+        elif body.base_model is not None:
+            body = body.model_copy(update={"base_model": registry.base_model_spec(body.base_model)})
     if body.num_samples < 1:
         raise TinkerError(400, f"num_samples must be at least 1, got {body.num_samples}")
     request_id = idempotency_key() or str(uuid.uuid4())

@@ -10,7 +10,6 @@ import uuid
 from flask import Blueprint, g, jsonify, request
 from tinker import types
 
-from app.config import get_settings
 from app.control import tinker_futures
 from app.db import session_scope
 from app.tinker import registry
@@ -61,7 +60,7 @@ def telemetry():
 def capabilities():
     """`ServiceClient.get_server_capabilities()`: the base models the trainer can hold."""
     models = [types.SupportedModel(model_name=name, max_context_length=MAX_CONTEXT, trainable=True, sampleable=True)
-              for name in get_settings().tinker_base_models]
+              for name in registry.served_names()]
     return jsonify(types.GetServerCapabilitiesResponse(supported_models=models).model_dump(mode="json"))
 
 

@@ -62,7 +62,7 @@ def _finish_when_pending(op: str, result: dict) -> threading.Thread:
 def test_session_capabilities_model_and_info(tinker_url, key):
     sc = _client(tinker_url, key("alice"))
     names = [m.model_name for m in sc.get_server_capabilities().supported_models]
-    assert names == ["smollm2", "tiny"]
+    assert names == ["smollm2", "tiny", "HuggingFaceTB/SmolLM2-135M-Instruct"]  # SmolLM2 by its Hub id too
     tc = sc.create_lora_training_client(base_model="tiny", rank=8, seed=3).result(timeout=60)
     info = tc.get_info()
     assert (info.model_name, info.lora_rank, info.is_lora) == ("tiny", 8, True)
@@ -177,8 +177,11 @@ def test_malformed_bodies_are_400_and_leave_no_future(tinker_url, key):
 
 def test_unsupported_base_model_rank_and_loss_are_clear_errors(tinker_url, key):
     sc = _client(tinker_url, key("alice"))
-    with pytest.raises(tinker.BadRequestError, match="base model 'Qwen/Qwen3-8B' is not served here"):
+    with pytest.raises(tinker.BadRequestError, match="base model 'Qwen/Qwen3-8B' is not served here; supported: "
+                                                     "smollm2, tiny, HuggingFaceTB/SmolLM2-135M-Instruct"):
         sc.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match="base model 'Qwen/Qwen3-8B' is not served here"):
+        sc.create_sampling_client(base_model="Qwen/Qwen3-8B").result(timeout=60)
     with pytest.raises(tinker.BadRequestError, match="LoRA rank 3 is not allowed"):
         sc.create_lora_training_client(base_model="tiny", rank=3).result(timeout=60)
     tc = sc.create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
@@ -356,3 +359,19 @@ def test_a_new_model_sets_aside_a_run_folder_another_database_left(tinker_url, k
     # (earlier tests of this process may have set aside their own `runs/<id>/` folders too)
     aside = [p / "tinker" / "current.pt" for p in stale.parent.glob(f"{next_id}.stale-*")]
     assert [f.read_bytes() for f in aside if f.is_file()].count(b"another model's state") == 1
+
+
+def test_smollm2_by_its_hub_id(tinker_url, key):
+    """A base model named by its Hugging Face id (as Tinker's lineup and tinker-cookbook name
+    models) is the built-in spec it names: the run trains and samples `smollm2`."""
+    sc = _client(tinker_url, key("alice"))
+    tc = sc.create_lora_training_client(base_model="HuggingFaceTB/SmolLM2-135M-Instruct", rank=8).result(timeout=60)
+    info = tc.get_info()
+    with session_scope() as s:
+        run = s.get(Run, s.get(TinkerModel, info.model_id).run_id)
+        assert run.run_config().model.name == "smollm2"
+    assert info.model_name == "smollm2"
+    sc.create_sampling_client(base_model="HuggingFaceTB/SmolLM2-135M-Instruct").result(timeout=60)
+    with session_scope() as s:
+        from app.tables import TinkerSamplingSession
+        assert s.scalars(select(TinkerSamplingSession.base_model)).all() == ["smollm2"]
