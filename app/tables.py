@@ -406,6 +406,11 @@ class TinkerSession(Base):
     user_metadata: Mapped[dict[str, Any]] = mapped_column(JSONType)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     heartbeat_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Set once by `POST /api/v1/sessions/<id>/finish` (ServiceClient.close / its context's exit):
+    # the SDK's reason "success" | "errored" | "interrupted", and its detail text.
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    finish_detail: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class TinkerModel(Base):

@@ -2,8 +2,9 @@
 
 A Tinker model's run (kind `tinker`) is `running` while a client holds it.  The SDK beats every
 10 s (tinker/lib/internal_client_holder.py); once its session has been silent for
-`tinker_session_timeout_s` and the model has no future pending or running, the watchdog moves the
-run to `completed` (compare-and-set, `app.transitions`).  It then no longer counts toward its
+`tinker_session_timeout_s` (or its client finished it: ServiceClient.close) and the model has no
+future pending or running, the watchdog moves the run to `completed` (compare-and-set,
+`app.transitions`); a finish with nothing in flight completes them at once.  It then no longer counts toward its
 key's `max_models` nor holds the engines against a full fine-tune (`app.control.tenancy`), and
 the service refuses new ops on it: its saved states load into a new model (`load_state(path)`).
 """
@@ -11,21 +12,25 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import exists, select
+from sqlalchemy import exists, or_, select
 from sqlalchemy.orm import Session
 
 from app.tables import Run, TinkerFuture, TinkerModel, TinkerSession
 from app.transitions import transition
 
 
-def finish_idle(s: Session, now: dt.datetime, *, session_timeout_s: float) -> list[int]:
-    """Complete the runs of Tinker models whose session is silent past `session_timeout_s` and that
-    have nothing in flight; the ids of the runs this call completed.  The caller commits."""
+def finish_idle(s: Session, now: dt.datetime, *, session_timeout_s: float,
+                session_id: str | None = None) -> list[int]:
+    """Complete the runs of Tinker models whose session is finished (its client closed it) or
+    silent past `session_timeout_s`, and that have nothing in flight; only session `session_id`'s
+    when given.  Returns the ids of the runs this call completed.  The caller commits."""
     silent_since = now - dt.timedelta(seconds=session_timeout_s)
     in_flight = exists().where(TinkerFuture.model_id == TinkerModel.id,
                                TinkerFuture.status.in_(("pending", "running")))
-    run_ids = s.scalars(select(Run.id).join(TinkerModel, TinkerModel.run_id == Run.id)
-                        .join(TinkerSession, TinkerSession.id == TinkerModel.session_id)
-                        .where(Run.kind == "tinker", Run.status == "running",
-                               TinkerSession.heartbeat_at < silent_since, ~in_flight)).all()
-    return [rid for rid in run_ids if transition(s, Run, rid, "completed", finished_at=now)]
+    query = (select(Run.id).join(TinkerModel, TinkerModel.run_id == Run.id)
+             .join(TinkerSession, TinkerSession.id == TinkerModel.session_id)
+             .where(Run.kind == "tinker", Run.status == "running", ~in_flight,
+                    or_(TinkerSession.finished_at.is_not(None), TinkerSession.heartbeat_at < silent_since)))
+    if session_id is not None:
+        query = query.where(TinkerSession.id == session_id)
+    return [rid for rid in s.scalars(query).all() if transition(s, Run, rid, "completed", finished_at=now)]

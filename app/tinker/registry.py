@@ -18,6 +18,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.config import get_settings
+from app.control import tinker_models
 from app.control.runs import claim_run_dir
 from app.runconfig import RunConfig
 from app.tables import Run, TinkerFuture, TinkerModel, TinkerSamplingSession, TinkerSession, utcnow
@@ -53,10 +54,11 @@ def _quota(key_name: str):
 def create_session(s: Session, key_name: str, *, sdk_version: str, tags: list[str],
                    user_metadata: dict[str, Any] | None) -> TinkerSession:
     """A new session of `key_name`.  403 when the key already has `max_sessions` live sessions
-    (a heartbeat within `TURNSTILE_TINKER_SESSION_TIMEOUT_S`)."""
+    (not finished, a heartbeat within `TURNSTILE_TINKER_SESSION_TIMEOUT_S`)."""
     since = utcnow() - dt.timedelta(seconds=get_settings().tinker_session_timeout_s)
     live = s.scalar(select(func.count()).select_from(TinkerSession)
-                    .where(TinkerSession.key_name == key_name, TinkerSession.heartbeat_at >= since))
+                    .where(TinkerSession.key_name == key_name, TinkerSession.heartbeat_at >= since,
+                           TinkerSession.finished_at.is_(None)))
     limit = _quota(key_name).max_sessions
     if live >= limit:
         raise TinkerError(403, f"Tinker key {key_name!r} has {live} live sessions, its quota's max_sessions is "
@@ -69,16 +71,45 @@ def create_session(s: Session, key_name: str, *, sdk_version: str, tags: list[st
     return row
 
 
-def session_of(s: Session, key_name: str, session_id: str) -> TinkerSession:
-    """Session `session_id` of `key_name`; 404 otherwise."""
+def session_of(s: Session, key_name: str, session_id: str, *, open_only: bool = False) -> TinkerSession:
+    """Session `session_id` of `key_name`; 404 otherwise.  `open_only`: 400 when its client has
+    finished it (the SDK's contract: a finished session rejects further operations)."""
     row = s.get(TinkerSession, session_id)
     if row is None or row.key_name != key_name:
         raise TinkerError(404, f"no session {session_id!r} for this key")
+    if open_only:
+        check_open(row)
     return row
+
+
+def check_open(session: TinkerSession | None) -> None:
+    """400 when `session` was finished by its client (`finish_session`)."""
+    if session is not None and session.finished_at is not None:
+        raise TinkerError(400, f"session {session.id!r} was finished by its client ({session.finish_reason}): "
+                               "operations on it are rejected; start a new ServiceClient")
 
 
 def heartbeat(s: Session, key_name: str, session_id: str) -> None:
     session_of(s, key_name, session_id).heartbeat_at = utcnow()
+
+
+FINISH_REASONS = ("success", "errored", "interrupted")
+
+
+def finish_session(s: Session, key_name: str, session_id: str, *, reason: str, detail: str | None) -> list[int]:
+    """The client closed session `session_id` (`ServiceClient.close`, with the SDK's `reason`):
+    record it (the first finish wins; a retry changes nothing) and complete the runs of its models
+    that have nothing in flight (the watchdog completes the others once theirs finish).  Returns
+    the ids of the runs completed now.  404 for another key's session, 400 for an unknown reason."""
+    if reason not in FINISH_REASONS:
+        raise TinkerError(400, f"finish reason {reason!r} is not one of {', '.join(FINISH_REASONS)}")
+    row = session_of(s, key_name, session_id)
+    now = utcnow()
+    if row.finished_at is None:
+        row.finished_at, row.finish_reason, row.finish_detail = now, reason, (detail or None)
+        s.flush()
+    return tinker_models.finish_idle(s, now, session_timeout_s=get_settings().tinker_session_timeout_s,
+                                     session_id=session_id)
 
 
 def check_model_choice(base_model: str, rank: int | None) -> str:
@@ -100,7 +131,7 @@ def create_model(s: Session, key_name: str, *, session_id: str, seq_id: int, bas
     """The model `seq_id` of session `session_id`: made now (its run row of kind `tinker` included),
     or the one an earlier try of the same request made.  400 for an unsupported base model or rank,
     403 over the key's `max_models`."""
-    session_of(s, key_name, session_id)
+    session_of(s, key_name, session_id, open_only=True)
     existing = s.scalars(select(TinkerModel).where(TinkerModel.session_id == session_id,
                                                    TinkerModel.seq_id == seq_id)).first()
     if existing is not None:
@@ -166,6 +197,7 @@ def model_of(s: Session, key_name: str, model_id: str, *, active: bool = False) 
     if row is None or row.key_name != key_name:
         raise TinkerError(404, f"no model {model_id!r} for this key")
     if active:
+        check_open(s.get(TinkerSession, row.session_id))
         status = s.scalar(select(Run.status).where(Run.id == row.run_id))
         if status not in ACTIVE_RUN_STATES:
             raise TinkerError(400, f"model {model_id!r} has ended (its run {row.run_id} is {status}: its client's "
@@ -189,7 +221,7 @@ def create_sampling_session(s: Session, key_name: str, *, session_id: str, seq_i
     """Sampling session `seq_id` of session `session_id` on `base_model` or on the sampler
     checkpoint `model_path` (tinker://<model id>/...) of one of the key's models; the same row for
     a retry.  400 for neither or an unsupported base model, 404 for another key's model."""
-    session_of(s, key_name, session_id)
+    session_of(s, key_name, session_id, open_only=True)
     existing = s.scalars(select(TinkerSamplingSession).where(TinkerSamplingSession.session_id == session_id,
                                                              TinkerSamplingSession.seq_id == seq_id)).first()
     if existing is not None:
@@ -216,8 +248,13 @@ def parse_model_path(path: str) -> str:
     return path[len("tinker://"):].split("/", 1)[0]
 
 
-def sampling_session_of(s: Session, key_name: str, sampling_session_id: str) -> TinkerSamplingSession:
+def sampling_session_of(s: Session, key_name: str, sampling_session_id: str, *,
+                        open_only: bool = False) -> TinkerSamplingSession:
+    """Sampling session `sampling_session_id` of `key_name`; 404 otherwise.  `open_only`: 400 when
+    the session it was made in has been finished (`check_open`)."""
     row = s.get(TinkerSamplingSession, sampling_session_id)
     if row is None or row.key_name != key_name:
         raise TinkerError(404, f"no sampling session {sampling_session_id!r} for this key")
+    if open_only:
+        check_open(s.get(TinkerSession, row.session_id))
     return row

@@ -162,7 +162,7 @@ def asample():
     model_id = None
     with session_scope() as s:
         if body.sampling_session_id:
-            sampler = registry.sampling_session_of(s, g.key_name, body.sampling_session_id)
+            sampler = registry.sampling_session_of(s, g.key_name, body.sampling_session_id, open_only=True)
             model_id = sampler.model_id
         elif body.model_path:
             model_id = registry.model_of(s, g.key_name, registry.parse_model_path(body.model_path)).id

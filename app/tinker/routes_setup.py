@@ -87,6 +87,24 @@ def session_heartbeat():
     return jsonify(types.SessionHeartbeatResponse().model_dump(mode="json"))
 
 
+@bp.post("/api/v1/sessions/<session_id>/finish")
+@authed
+def finish_session(session_id: str):
+    """`ServiceClient.close()` (and leaving its `with` block): body `{"reason": {"type": "success" |
+    "errored" | "interrupted"}, "detail": str | null}`, answered with an empty 200 (the SDK
+    casts the reply to None)."""
+    body = json_body()
+    reason = body.get("reason")
+    if not isinstance(reason, dict) or not isinstance(reason.get("type"), str):
+        raise TinkerError(400, 'finish needs a JSON body {"reason": {"type": "success" | "errored" | "interrupted"}, '
+                               '"detail": ...}')
+    detail = body.get("detail")
+    with session_scope() as s:
+        registry.finish_session(s, g.key_name, session_id, reason=reason["type"],
+                                detail=str(detail)[:2000] if detail is not None else None)
+    return "", 200
+
+
 @bp.post("/api/v1/create_model")
 @authed
 def create_model():

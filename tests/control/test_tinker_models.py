@@ -59,3 +59,17 @@ def test_a_running_tinker_model_holds_the_engines_against_a_full_fine_tune(datab
     with session_scope() as s:
         s.execute(update(Run).where(Run.id == run_id).values(status="completed"))
     assert engine_problems(full) == []
+
+
+def test_a_finished_session_ends_its_models_without_waiting_for_silence(database):
+    finished, _ = _model(0)
+    other, _ = _model(0)
+    with session_scope() as s:
+        for run_id in (finished, other):
+            s.get(TinkerSession, f"session-{run_id}").finished_at = utcnow()
+    with session_scope() as s:  # only the session asked for when one is named
+        assert tinker_models.finish_idle(s, utcnow(), session_timeout_s=120, session_id=f"session-{finished}") \
+            == [finished]
+    assert (_status(finished), _status(other)) == ("completed", "running")
+    with session_scope() as s:
+        assert tinker_models.finish_idle(s, utcnow(), session_timeout_s=120) == [other]

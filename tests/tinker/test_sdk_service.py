@@ -375,3 +375,58 @@ def test_smollm2_by_its_hub_id(tinker_url, key):
     with session_scope() as s:
         from app.tables import TinkerSamplingSession
         assert s.scalars(select(TinkerSamplingSession.base_model)).all() == ["smollm2"]
+
+
+def test_closing_the_client_finishes_its_session_and_ends_idle_models(tinker_url, key):
+    """ServiceClient.close() sends `POST /sessions/<id>/finish`: the session stops counting toward
+    `max_sessions` and its models end, at once when nothing of theirs is in flight, else once it is."""
+    from app.tables import TinkerSession
+
+    sc = _client(tinker_url, key("alice"))
+    idle = sc.create_lora_training_client(base_model="tiny", rank=8).result(timeout=60).get_info().model_id
+    busy_tc = sc.create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
+    busy = busy_tc.get_info().model_id
+    pending = busy_tc.forward_backward([_datum([1, 2, 3])], "cross_entropy")  # no gpu worker: stays pending
+    wait_for(lambda: _futures(op="forward_backward"), 30, what="the forward_backward row")
+    sc.close("success").result(timeout=60)
+    with session_scope() as s:
+        session = s.get(TinkerSession, s.get(TinkerModel, idle).session_id)
+        assert (session.finish_reason, session.finished_at is not None) == ("success", True)
+        runs = {m: s.get(Run, s.get(TinkerModel, m).run_id).status for m in (idle, busy)}
+    assert runs == {idle: "completed", busy: "running"}
+    row = _futures(op="forward_backward")[0]
+    with session_scope() as s:  # the gpu worker finishes it; the next watchdog pass ends the model
+        claimed = tinker_futures.claim(s, row.id, lease_s=30)
+        tinker_futures.complete(s, claimed.id, {"loss_fn_outputs": [], "metrics": {}}, attempt=claimed.attempts)
+    from app.control import tinker_models
+    from app.tables import utcnow
+    with session_scope() as s:
+        assert tinker_models.finish_idle(s, utcnow(), session_timeout_s=3600) == [s.get(TinkerModel, busy).run_id]
+    del pending
+    # The SDK's contract: a finished session rejects further operations.
+    # (the closed SDK client sends nothing more: the request as it would send it)
+    body = types.OptimStepRequest(model_id=busy, adam_params=types.AdamParams(learning_rate=1e-4), seq_id=9)
+    refused = httpx.post(f"{tinker_url}/api/v1/optim_step", headers={**SDK_HEADERS, "X-API-Key": key("alice")},
+                         content=body.model_dump_json(), timeout=30)
+    assert refused.status_code == 400 and "was finished by its client (success)" in refused.text
+
+
+def test_finish_is_once_per_session_and_the_keys_own(tinker_url, key):
+    from app.tables import TinkerSession
+
+    headers = {**SDK_HEADERS, "X-API-Key": key("alice")}
+    session_id = httpx.post(f"{tinker_url}/api/v1/create_session", headers=headers, timeout=30,
+                            json={"tags": [], "user_metadata": None, "sdk_version": tinker.__version__}).json()["session_id"]
+    finish = f"{tinker_url}/api/v1/sessions/{session_id}/finish"
+    bob = {**SDK_HEADERS, "X-API-Key": key("bob")}
+    assert httpx.post(finish, headers=bob, json={"reason": {"type": "success"}}, timeout=30).status_code == 404
+    bad = httpx.post(finish, headers=headers, json={"reason": {"type": "done"}}, timeout=30)
+    assert bad.status_code == 400 and "'done' is not one of success, errored, interrupted" in bad.text
+    assert httpx.post(finish, headers=headers, json={"reason": "success"}, timeout=30).status_code == 400
+    first = httpx.post(finish, headers=headers, json={"reason": {"type": "errored"}, "detail": "KeyboardInterrupt"},
+                       timeout=30)
+    again = httpx.post(finish, headers=headers, json={"reason": {"type": "success"}, "detail": None}, timeout=30)
+    assert (first.status_code, again.status_code) == (200, 200)
+    with session_scope() as s:
+        row = s.get(TinkerSession, session_id)
+        assert (row.finish_reason, row.finish_detail) == ("errored", "KeyboardInterrupt")
