@@ -271,16 +271,18 @@ def _save_for_sampler(pool, state, run_id: int, model_id: str, payload: dict[str
     from app.training import tinker_ops
 
     seq = payload.get("sampling_session_seq_id")
-    name = payload.get("path") or tinker_samplers.ephemeral_name()
+    with session_scope() as s:
+        session_id = s.get(TinkerModel, model_id).session_id
+    # Unnamed: a name fixed by (session, sampling seq id), so a save re-run after its worker died
+    # rewrites the same folder and publishes the same sampling session, not a second one.
+    name = payload.get("path") or tinker_samplers.ephemeral_name(session_id, seq)
     try:
         folder = tinker_samplers.sampler_folder(run_id, name)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     tinker_ops.save_engine_adapter(pool, state, folder)
     with session_scope() as s:
-        model = s.get(TinkerModel, model_id)
-        session_id = model.session_id
-        return tinker_samplers.publish(s, model, name, session_id=session_id,
+        return tinker_samplers.publish(s, s.get(TinkerModel, model_id), name, session_id=session_id,
                                        sampling_seq_id=None if payload.get("path") else seq)
 
 
