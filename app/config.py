@@ -86,6 +86,9 @@ class TinkerQuota(BaseModel):
     max_sessions: int = Field(16, ge=0, description="SDK sessions heartbeating now")
     max_inflight: int = Field(256, ge=1, description="futures pending or running (more: 429, the SDK backs off)")
     max_request_mb: float = Field(64.0, gt=0, description="one request body, MiB (after zstd decompression)")
+    share: float = Field(1.0, gt=0, le=1000, allow_inf_nan=False,
+                         description="its models' weight on the trainer beside RL runs and other models "
+                                     "(their runs' scheduling.share; app.control.trainer_shares)")
 
 
 class Settings(BaseSettings):
@@ -372,6 +375,10 @@ class Settings(BaseSettings):
         120.0, gt=0, allow_inf_nan=False, **_env("TURNSTILE_TINKER_SESSION_TIMEOUT_S"),
         description="a Tinker session with no heartbeat for this long no longer counts against its key's quota "
                     "(the SDK beats every 10 s).")
+    trainer_share_window_s: float = Field(
+        300.0, gt=0, allow_inf_nan=False, **_env("TURNSTILE_TRAINER_SHARE_WINDOW_S"),
+        description="the trainer seconds each run used over this many seconds decide whose Tinker op goes next "
+                    "when runs wait for the trainer (app.control.trainer_shares; weights: scheduling.share).")
 
     # --- validation -----------------------------------------------------------------------
     @field_validator("var_dir")

@@ -15,7 +15,7 @@ import uuid
 from sqlalchemy import select
 
 from app.config import get_settings
-from app.control import scheduler, redis_state
+from app.control import scheduler, redis_state, trainer_shares
 from app.control.plan import Plan
 from app.control.real_stages import RealStages
 from app.control.simulated_stages import SimulatedStages
@@ -86,6 +86,7 @@ def start_run(run_id: int) -> Plan:
             return Plan()  # another start of this run is under way
         if won:
             redis_state.forget_run(run_id)  # a first start: no key of an earlier database's run of this id survives
+            trainer_shares.forget(run_id)
         try:
             claim_run_dir(run_id, created_at)
             stages = stages_for(cfg)

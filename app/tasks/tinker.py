@@ -33,7 +33,7 @@ from typing import Any
 from celery import shared_task
 from sqlalchemy import select
 
-from app.control import tinker_futures
+from app.control import tinker_futures, trainer_shares
 from app.db import session_scope
 from app.paths import RunPaths
 from app.runconfig import RunConfig
@@ -60,15 +60,21 @@ class UserError(ValueError):
 
 @shared_task(name="app.tasks.tinker.run_future", bind=True, acks_late=True, reject_on_worker_lost=True,
              ignore_result=True, max_retries=None)
-def run_future(self, future_id: int) -> str:
+def run_future(self, future_id: int, yields: int = 0) -> str:
     """Run Tinker future `future_id` once; returns its status after this call ("completed",
-    "failed", or "skipped" when another claim has it or it was already finished)."""
+    "failed", or "skipped" when another claim has it or it was already finished).  `yields`: how
+    often it has let a run with less trainer time per share go first (app.control.trainer_shares)."""
     with session_scope() as s:
         row = s.get(TinkerFuture, future_id)
         if row is None or row.status not in ("pending", "running"):
             return "skipped"
         if _predecessor_unfinished(s, row):
-            raise self.retry(countdown=ORDER_RETRY_S)
+            raise self.retry(countdown=ORDER_RETRY_S, kwargs={"yields": yields})
+        model = s.get(TinkerModel, row.model_id) if row.model_id is not None else None
+        run_id = model.run_id if model is not None else None
+        if (run_id is not None and row.status == "pending" and yields < trainer_shares.MAX_YIELDS
+                and trainer_shares.should_yield(s, run_id)):
+            raise self.retry(countdown=trainer_shares.YIELD_S, kwargs={"yields": yields + 1})
         claimed = tinker_futures.claim(s, future_id, lease_s=lease_s())
         if claimed is None:
             again = s.get(TinkerFuture, future_id, populate_existing=True)
@@ -100,6 +106,8 @@ def run_future(self, future_id: int) -> str:
         return "failed"
     finally:
         stop.set()
+        if run_id is not None:
+            trainer_shares.record(run_id, time.perf_counter() - start)
     with session_scope() as s:
         if not tinker_futures.complete(s, future_id, result, attempt=attempt):
             log.warning("tinker future %s: its lease was taken over before it completed", future_id)

@@ -10,8 +10,11 @@ resident in that child across steps (`app.training.steps._RESIDENT`).
 """
 from __future__ import annotations
 
+import time
+
 from celery import shared_task
 
+from app.control import trainer_shares
 from app.control.runs import stages_for
 from app.db import session_scope
 from app.tables import Run
@@ -33,5 +36,9 @@ def train_step(run_id: int, step: int, episode_ids: list[int] | None = None) -> 
         from app.tasks.teacher import score_step
 
         score_step.apply_async((run_id, step, episode_ids), queue="teacher")
-    metrics = stages_for(cfg).train(run_id, step, episode_ids)
+    start = time.perf_counter()
+    try:
+        metrics = stages_for(cfg).train(run_id, step, episode_ids)
+    finally:  # its turn on the trainer, which Tinker ops weigh theirs against (app.control.trainer_shares)
+        trainer_shares.record(run_id, time.perf_counter() - start)
     return {"run_id": run_id, "step": step, "policy_version": metrics.get("policy_version")}

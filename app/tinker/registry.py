@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.config import get_settings
-from app.control import tinker_models
+from app.control import tinker_models, trainer_shares
 from app.control.runs import claim_run_dir
 from app.runconfig import RunConfig
 from app.tables import Run, TinkerFuture, TinkerModel, TinkerSamplingSession, TinkerSession, utcnow
@@ -148,7 +148,7 @@ def create_model(s: Session, key_name: str, *, session_id: str, seq_id: int, bas
     if seed is not None:
         training["seed"] = seed
     cfg = RunConfig.model_validate({"kind": "tinker", "model": {"name": base_model}, "steps": 0,
-                                    "training": training})
+                                    "training": training, "scheduling": {"share": _quota(key_name).share}})
     _check_engines(cfg)
     now = utcnow()
     run = Run(kind="tinker", status="running", config=cfg.model_dump(mode="json"), started_at=now,
@@ -161,6 +161,7 @@ def create_model(s: Session, key_name: str, *, session_id: str, seq_id: int, bas
     # Run ids restart at 1 in a new or wiped database: a `runs/<id>/` folder left by another
     # database's run of this id (its tinker/current.pt, checkpoints) must not become this model's.
     claim_run_dir(run.id, run.created_at.isoformat())
+    trainer_shares.forget(run.id)  # nor its turns on the trainer
     model = TinkerModel(id=f"tinker-{run.id}", run_id=run.id, session_id=session_id, seq_id=seq_id,
                         key_name=key_name, base_model=base_model, lora_rank=rank)
     s.add(model)

@@ -289,3 +289,36 @@ def test_a_model_runs_its_ops_in_order(var, one_thread):
     assert row(second).status == "pending" and row(second).attempts == 0
     assert run_future(first) == "completed" and run_future(second) == "completed"
     assert row(second).result["metrics"]["grad_norm"] > 0  # the step saw the first op's gradients
+
+
+def test_an_op_yields_the_trainer_to_a_waiting_run_that_had_less(var, one_thread):
+    """A pending RL step whose run used less of the trainer goes first: the op retries
+    (app.control.trainer_shares), at most MAX_YIELDS times, and records its own seconds when it runs."""
+    from celery.exceptions import Retry
+
+    from app.control import trainer_shares
+    from app.tables import TrainingStep
+    from app.tasks.tinker import run_future
+
+    model = make_model()
+    trainer_shares.forget(run_id_of(model))
+    with session_scope() as s:
+        rl = Run(kind="train", status="running", config=RunConfig(kind="train").model_dump(mode="json"))
+        s.add(rl)
+        s.flush()
+        trainer_shares.forget(rl.id)
+        step = TrainingStep(run_id=rl.id, step=1, status="pending")
+        s.add(step)
+        s.flush()
+        rl_id, step_id = rl.id, step.id
+    trainer_shares.record(run_id_of(model), 5.0)
+    trainer_shares.record(rl_id, 1.0)
+    first = submit(model, "forward", batch(1))
+    with pytest.raises(Retry):
+        run_future(first)
+    assert (row(first).status, row(first).attempts) == ("pending", 0)
+    assert run_future(first, yields=trainer_shares.MAX_YIELDS) == "completed"  # yielded enough: it runs
+    assert trainer_shares.usage([run_id_of(model)])[run_id_of(model)] > 5.0    # and its time counts
+    with session_scope() as s:
+        s.get(TrainingStep, step_id).status = "training"  # the RL step has the trainer: nothing waits
+    assert run_future(submit(model, "forward", batch(2))) == "completed"
