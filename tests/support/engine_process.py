@@ -41,3 +41,23 @@ class EngineProcess:
             self.proc.kill()
             self.proc.wait(5)
         self.log.close()
+
+
+def draw_routed(proc: EngineProcess, prompts: list[str], tokens: int) -> list[dict]:
+    """One chat completion per prompt from `proc`, all at once (decoded in one batch), seed = its
+    index, `tokens` sampled tokens each, with logprobs, token ids and routed experts: dicts of
+    `ids` (prompt + sampled token ids), `p` (prompt length), `logprobs` (float array, one per sampled
+    token) and `routes` (int16 [P + S - 1, layers, top_k], or None when the engine sent none)."""
+    import numpy as np
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> dict:
+        out = proc.client.chat([{"role": "user", "content": prompts[i]}], max_tokens=tokens, seed=i,
+                               ignore_eos=True, logprobs=True, return_token_ids=True, return_routed_experts=True)
+        choice = out["choices"][0]
+        return {"ids": out["prompt_token_ids"] + choice["token_ids"], "p": len(out["prompt_token_ids"]),
+                "logprobs": np.array([c["logprob"] for c in choice["logprobs"]["content"]]),
+                "routes": np.array(out["routed_experts"], dtype=np.int16) if "routed_experts" in out else None}
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))

@@ -10,7 +10,6 @@ adapter is held in bf16.
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from app.engines.modeling import build_tiny_model, load_model, save_weights
 from app.engines.routing import score_completion
 from app.training import policy
 
-from support.engine_process import EngineProcess
+from support.engine_process import EngineProcess, draw_routed
 
 PROMPTS = ["def add(a, b):", "The capital of France is", "SELECT * FROM", "class Stack:",
            "import numpy as np", "Once upon a time"]
@@ -30,16 +29,7 @@ TOKENS = 48  # enough (token, layer) pairs that some routes differ off replay: 1
 
 
 def _draw(proc: EngineProcess) -> list[dict]:
-    def one(i: int) -> dict:
-        out = proc.client.chat([{"role": "user", "content": PROMPTS[i]}], max_tokens=TOKENS, seed=i,
-                               ignore_eos=True, logprobs=True, return_token_ids=True, return_routed_experts=True)
-        choice = out["choices"][0]
-        return {"ids": out["prompt_token_ids"] + choice["token_ids"], "p": len(out["prompt_token_ids"]),
-                "logprobs": np.array([c["logprob"] for c in choice["logprobs"]["content"]]),
-                "routes": np.array(out["routed_experts"], dtype=np.int16) if "routed_experts" in out else None}
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        return list(pool.map(one, range(len(PROMPTS))))
+    return draw_routed(proc, PROMPTS, TOKENS)
 
 
 def _served(spec: str) -> tuple[dict, list[dict]]:

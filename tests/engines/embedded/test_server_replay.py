@@ -7,7 +7,6 @@ those experts, and the |logprob gap| to the engine's own logprobs is at the dens
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from app.engines.modeling import load_model
 from app.engines.routing import route_shape, score_completion
 
-from support.engine_process import EngineProcess
+from support.engine_process import EngineProcess, draw_routed
 
 PROMPTS = ["def add(a, b):", "The capital of France is", "SELECT * FROM", "class Stack:"]
 
@@ -25,16 +24,7 @@ def _draw(spec: str, tokens: int = 12) -> list[dict]:
     proc = EngineProcess(spec)
     try:
         assert proc.client.models()[0]["dtype"] == "float32"  # the default: the trainer's numerics
-        def one(i: int) -> dict:
-            out = proc.client.chat([{"role": "user", "content": PROMPTS[i]}], max_tokens=tokens, seed=i,
-                                   ignore_eos=True, logprobs=True, return_token_ids=True, return_routed_experts=True)
-            choice = out["choices"][0]
-            return {"ids": out["prompt_token_ids"] + choice["token_ids"], "p": len(out["prompt_token_ids"]),
-                    "logprobs": np.array([c["logprob"] for c in choice["logprobs"]["content"]]),
-                    "routes": np.array(out["routed_experts"], dtype=np.int16) if "routed_experts" in out else None}
-
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            return list(pool.map(one, range(len(PROMPTS))))
+        return draw_routed(proc, PROMPTS, tokens)
     finally:
         proc.stop()
 
