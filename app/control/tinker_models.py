@@ -1,12 +1,13 @@
-"""When a Tinker model's run ends: its SDK session stopped heartbeating and none of its ops is in flight.
+"""When a Tinker model's run ends: its SDK session went silent or was finished, and none of its ops is in flight.
 
 A Tinker model's run (kind `tinker`) is `running` while a client holds it.  The SDK beats every
-10 s (tinker/lib/internal_client_holder.py); once its session has been silent for
-`tinker_session_timeout_s` (or its client finished it: ServiceClient.close) and the model has no
-future pending or running, the watchdog moves the run to `completed` (compare-and-set,
-`app.transitions`); a finish with nothing in flight completes them at once.  It then no longer counts toward its
-key's `max_models` nor holds the engines against a full fine-tune (`app.control.tenancy`), and
-the service refuses new ops on it: its saved states load into a new model (`load_state(path)`).
+10 s (tinker/lib/internal_client_holder.py).  Once its session has been silent for
+`tinker_session_timeout_s`, or its client finished it (`ServiceClient.close`), and the model has
+no future pending or running, its run moves to `completed` (compare-and-set, `app.transitions`):
+at the finish itself when nothing is in flight, else on a later watchdog pass.  It then no longer
+counts toward its key's `max_models` nor holds the engines against a full fine-tune
+(`app.control.tenancy`), and the service refuses new ops on it: its saved states load into a new
+model (`load_state(path)`).
 """
 from __future__ import annotations
 

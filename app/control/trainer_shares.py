@@ -28,6 +28,7 @@ import logging
 import time
 import uuid
 
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 from sqlalchemy import exists, select
 from sqlalchemy.orm import Session, aliased
@@ -95,7 +96,7 @@ def waiting_runs(s: Session, exclude_run_id: int) -> list[int]:
 def _share(run: Run | None) -> float:
     try:
         return float(run.run_config().scheduling.share) if run is not None else 1.0
-    except Exception:  # noqa: BLE001 - a config that no longer validates weighs the default
+    except ValidationError:  # a stored config that no longer validates weighs the default
         return 1.0
 
 

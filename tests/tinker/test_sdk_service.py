@@ -380,13 +380,14 @@ def test_smollm2_by_its_hub_id(tinker_url, key):
 def test_closing_the_client_finishes_its_session_and_ends_idle_models(tinker_url, key):
     """ServiceClient.close() sends `POST /sessions/<id>/finish`: the session stops counting toward
     `max_sessions` and its models end, at once when nothing of theirs is in flight, else once it is."""
-    from app.tables import TinkerSession
+    from app.control import tinker_models
+    from app.tables import TinkerSession, utcnow
 
     sc = _client(tinker_url, key("alice"))
     idle = sc.create_lora_training_client(base_model="tiny", rank=8).result(timeout=60).get_info().model_id
     busy_tc = sc.create_lora_training_client(base_model="tiny", rank=8).result(timeout=60)
     busy = busy_tc.get_info().model_id
-    pending = busy_tc.forward_backward([_datum([1, 2, 3])], "cross_entropy")  # no gpu worker: stays pending
+    busy_tc.forward_backward([_datum([1, 2, 3])], "cross_entropy")  # no gpu worker: stays pending
     wait_for(lambda: _futures(op="forward_backward"), 30, what="the forward_backward row")
     sc.close("success").result(timeout=60)
     with session_scope() as s:
@@ -398,11 +399,8 @@ def test_closing_the_client_finishes_its_session_and_ends_idle_models(tinker_url
     with session_scope() as s:  # the gpu worker finishes it; the next watchdog pass ends the model
         claimed = tinker_futures.claim(s, row.id, lease_s=30)
         tinker_futures.complete(s, claimed.id, {"loss_fn_outputs": [], "metrics": {}}, attempt=claimed.attempts)
-    from app.control import tinker_models
-    from app.tables import utcnow
     with session_scope() as s:
         assert tinker_models.finish_idle(s, utcnow(), session_timeout_s=3600) == [s.get(TinkerModel, busy).run_id]
-    del pending
     # The SDK's contract: a finished session rejects further operations.
     # (the closed SDK client sends nothing more: the request as it would send it)
     body = types.OptimStepRequest(model_id=busy, adam_params=types.AdamParams(learning_rate=1e-4), seq_id=9)
